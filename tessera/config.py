@@ -1,0 +1,61 @@
+"""Configuration objects passed down from the CLI to every engine part.
+
+One `ModelConfig` describes the network (read from GGUF metadata or a
+Hugging Face config.json); one `EngineConfig` holds every serving knob. Both
+are plain dataclasses so they can be logged, compared and copied freely.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only transformer, independent of file format."""
+
+    architecture: str  # "llama", "qwen2" or "gemma3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qkv bias (qwen2)
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # gemma3 only
+    sliding_window: Optional[int] = None
+    sliding_window_pattern: Optional[int] = None  # every Nth layer is global
+    rope_local_base_freq: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    name: str = ""  # display name (registry name or file stem)
+    quantization: str = ""  # e.g. "Q4_1" as found in the file, informational
+
+
+@dataclass
+class EngineConfig:
+    """Every serving knob; the CLI maps flags 1:1 onto these fields."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto | bfloat16 | float32
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size
+    max_model_len: Optional[int] = None  # None = min(model max positions, 4096)
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 32
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # recompute | swap
+    swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
+    scheduler_policy: str = "continuous"  # continuous | static
+    attention_backend: str = "sdpa"  # sdpa | reference
+    num_threads: Optional[int] = None
+    seed: int = 0

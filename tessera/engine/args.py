@@ -1,0 +1,51 @@
+"""Engine flags shared by every command that builds an engine (serve, generate, chat, bench)."""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+
+from tessera.config import EngineConfig
+
+
+def parse_size(text: str) -> int:
+    """Parse '2GiB', '512MiB', '1.5G' or a plain byte count into bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 512MiB)")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    return int(value * (1 << (10 * " KMGT".index(unit or " "))))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float32"],
+                   help="compute dtype; auto measures which is faster here (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="memory for the KV cache, e.g. 2GiB (default: from model size and free RAM)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt+output in tokens (default: min(model limit, 4096))")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one engine step (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most requests in one step (default: %(default)s)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt heads (default: on)")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode,
+                   help="what to do with a preempted request's KV (default: %(default)s)")
+    g.add_argument("--swap-space", type=parse_size, default=d.swap_space,
+                   help="host memory for swapped-out KV blocks (default: 1GiB)")
+    g.add_argument("--scheduler-policy", choices=["continuous", "static"], default=d.scheduler_policy,
+                   help="continuous batching, or the naive static baseline (default: %(default)s)")
+    g.add_argument("--attention-backend", choices=["sdpa", "reference"], default=d.attention_backend,
+                   help="attention implementation (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    values["model"] = model
+    return EngineConfig(**values)

@@ -1,0 +1,183 @@
+"""The engine loop on its own thread, fed and drained from asyncio.
+
+The HTTP event loop never runs model code and the engine thread never waits
+on the network: requests cross over through a command queue, outputs come
+back through one asyncio.Queue per request. Tokenization and validation run
+in the caller, so a bad request is refused before it reaches the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Iterable, Optional, Protocol, Union
+
+from tessera.config import EngineConfig
+from tessera.engine.llm_engine import LLMEngine, PreparedRequest
+from tessera.engine.outputs import RequestOutput
+from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.sampling_params import SamplingParams
+
+logger = logging.getLogger("tessera")
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at --max-num-queued-requests; try again later (HTTP 429)."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop stopped after an internal error (HTTP 503)."""
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        max_num_queued_requests: Optional[int] = None,
+        stat_loggers: Iterable[StatLogger] = (),
+        stats_sink=None,
+        engine: Optional[LLMEngine] = None,
+    ) -> None:
+        self.engine = engine or LLMEngine(config)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.max_num_queued_requests = max_num_queued_requests
+        self.stat_loggers = list(stat_loggers)
+        self.stats_sink = stats_sink  # object with put(scheduler_stats, iteration_stats), e.g. StatsConsumer
+        self._commands: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._num_waiting = 0
+        self._stats = self.engine.get_scheduler_stats()
+        self._dead: Optional[BaseException] = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side --------------------------------------------------------------
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self._stats
+
+    def num_queued(self) -> int:
+        with self._lock:
+            return self._pending_adds + self._num_waiting
+
+    async def generate(
+        self,
+        prompt: Union[str, list[int]],
+        params: SamplingParams,
+        request_id: str,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iterator early aborts the request."""
+        self.check_health()
+        prepared = self.engine.prepare_request(request_id, prompt, params,
+                                               add_special_tokens=add_special_tokens)
+        with self._lock:
+            limit = self.max_num_queued_requests
+            if limit is not None and self._pending_adds + self._num_waiting >= limit:
+                raise QueueFullError(f"the server has {limit} requests waiting; retry later")
+            self._pending_adds += 1
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self._send("add", prepared)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._commands.put((kind, payload))
+        self._wakeup.set()
+
+    # -- engine thread ------------------------------------------------------------
+    def _deliver(self, request_id: str, item: object) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                assert isinstance(payload, PreparedRequest)
+                with self._lock:
+                    self._pending_adds -= 1
+                if payload.request_id not in self._streams:
+                    continue  # its caller already left
+                try:
+                    self.engine.add_prepared(payload)
+                except Exception as e:  # duplicate id or similar: tell that caller only
+                    self._deliver(payload.request_id, e)
+            elif kind == "abort":
+                self.engine.abort_request(str(payload))
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                with self._lock:
+                    self._num_waiting = self.engine.num_waiting_requests()
+                if not self.engine.has_unfinished_requests():
+                    self._stats = self.engine.get_scheduler_stats()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                outputs, it_stats = self.engine.step_with_stats()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                self._stats = self.engine.get_scheduler_stats()
+                with self._lock:
+                    self._num_waiting = self.engine.num_waiting_requests()
+                if self.stats_sink is not None:
+                    self.stats_sink.put(self._stats, it_stats)
+                for sl in self.stat_loggers:
+                    sl.record(self._stats, it_stats)
+        except BaseException as e:  # keep the reason for /health, fail every waiter
+            logger.exception("engine loop died")
+            self._dead = e
+            err = EngineDeadError(f"engine loop died: {e!r}")
+            for rid in list(self._streams):
+                self._deliver(rid, err)

@@ -1,0 +1,145 @@
+"""Owns KV blocks on behalf of requests: allocation, prefix reuse, release, swap.
+
+It decides which block ids a request holds; it never touches tensors. Copies
+for swapping are returned as (src, dst) pairs for the model runner to perform.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from tessera.engine.block_pool import BlockPool, KVBlock, hash_block
+from tessera.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+        hash_extra: object = None,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.hash_extra = hash_extra  # anything besides tokens that changes K/V (model id)
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.num_host_blocks = num_host_blocks
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- capacity ---------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    # -- prefix cache -----------------------------------------------------
+    def _update_hashes(self, req: Request, upto_tokens: int) -> None:
+        bs = self.block_size
+        full = min(upto_tokens, req.num_tokens) // bs
+        while len(req.block_hashes) < full:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(
+                hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], self.hash_extra))
+
+    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
+        """Longest run of cached full blocks heading this request's tokens.
+
+        At least one token is always left to compute, so the step that
+        finishes the prompt produces logits (and never writes a shared block).
+        """
+        if not self.enable_caching:
+            return []
+        self._update_hashes(req, req.num_tokens - 1)
+        hits: list[KVBlock] = []
+        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_prompt_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # -- allocation -------------------------------------------------------
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, cached: Optional[list[KVBlock]] = None
+    ) -> bool:
+        """Give `req` room for `num_new_tokens` more tokens; False if blocks are short.
+
+        `cached` blocks (a prefix hit for a request holding no blocks yet) are
+        taken together with the new ones, or not at all.
+        """
+        cached = cached or []
+        have = len(req.block_ids) + len(cached)
+        computed = req.num_computed_tokens + len(cached) * self.block_size
+        need = self.blocks_for(computed + num_new_tokens) - have
+        evictable_hits = sum(1 for b in cached if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - evictable_hits:
+            return False
+        if cached:
+            self.pool.touch(cached)
+            req.block_ids.extend(b.block_id for b in cached)
+            req.num_computed_tokens = computed
+            req.num_registered_blocks = len(cached)
+        if need > 0:
+            req.block_ids.extend(b.block_id for b in self.pool.allocate(need))
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Enter the request's newly completed blocks into the prefix cache."""
+        if not self.enable_caching:
+            return
+        self._update_hashes(req, req.num_computed_tokens)
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        for i in range(req.num_registered_blocks, full):
+            self.pool.register(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
+        req.num_registered_blocks = max(req.num_registered_blocks, full)
+
+    def free(self, req: Request) -> None:
+        self.pool.free(self.pool.blocks[b] for b in reversed(req.block_ids))
+        req.block_ids = []
+        req.num_registered_blocks = 0
+        if req.swapped_blocks:
+            self.host_free.extend(req.swapped_blocks)
+            req.swapped_blocks = []
+
+    # -- swap ---------------------------------------------------------------
+    def swap_out(self, req: Request) -> Optional[list[tuple[int, int]]]:
+        """Move the request's computed blocks to host memory; None if host space is short."""
+        n = self.blocks_for(req.num_computed_tokens)
+        if n > len(self.host_free):
+            return None
+        host = [self.host_free.pop() for _ in range(n)]
+        pairs = list(zip(req.block_ids[:n], host))
+        self.pool.free(self.pool.blocks[b] for b in reversed(req.block_ids))
+        req.block_ids = []
+        req.num_registered_blocks = 0
+        req.swapped_blocks = host
+        return pairs
+
+    def swap_in(self, req: Request) -> Optional[list[tuple[int, int]]]:
+        """Bring a swapped request's blocks back; None if device blocks are short."""
+        n = len(req.swapped_blocks)
+        if n > self.pool.num_free_blocks:
+            return None
+        dev = [b.block_id for b in self.pool.allocate(n)]
+        pairs = list(zip(req.swapped_blocks, dev))
+        self.host_free.extend(req.swapped_blocks)
+        req.swapped_blocks = []
+        req.block_ids = dev
+        return pairs

@@ -1,0 +1,313 @@
+"""The synchronous engine: scheduler decides, KV manager owns blocks, runner executes.
+
+`step()` runs one iteration of the loop and returns what each request gained.
+Everything user-facing (validation, detokenization, stop strings, n > 1
+fan-out) lives here too, so the server and the offline `LLM` share it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional, Union
+
+import torch
+
+from tessera.config import EngineConfig
+from tessera.engine.kv_cache_manager import KVCacheManager
+from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tessera.engine.request import Request, RequestStatus
+from tessera.engine.runner import ModelRunner
+from tessera.engine.scheduler import Scheduler
+from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from tessera.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger("tessera")
+
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_KV_CACHE_MEMORY = 2 << 30
+
+
+@dataclass
+class PreparedRequest:
+    """A request validated and tokenized off the engine thread, ready to enqueue."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+
+
+@dataclass
+class _Child:
+    req: Request
+    detok: object
+    out: CompletionOutput
+    emitted: int = 0  # characters of out.text already handed out as deltas
+    tokens_sent: int = 0
+    logprobs_sent: int = 0
+
+
+@dataclass
+class _Parent:
+    prepared: PreparedRequest
+    children: list[_Child] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.out.finished for c in self.children)
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded=None) -> None:
+        from tessera.models.loader import load_model
+        from tessera.models.registry import resolve_model
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if loaded is None:
+            path = resolve_model(config.model)
+            loaded = load_model(path, config.dtype)
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.dtype = loaded.dtype
+        mc = self.model_config
+
+        max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > mc.max_position_embeddings:
+            raise InvalidRequestError(
+                f"--max-model-len {max_model_len} exceeds the model's limit of {mc.max_position_embeddings}")
+        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        bytes_per_block = bytes_per_token * config.block_size
+        kv_memory = config.kv_cache_memory
+        if kv_memory is None:
+            kv_memory = min(DEFAULT_KV_CACHE_MEMORY, int(_available_memory() * 0.25))
+        num_blocks = kv_memory // bytes_per_block
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"--kv-cache-memory {kv_memory} bytes holds no block of {bytes_per_block} bytes")
+        num_host_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
+        self.config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block)
+
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_host_blocks, hash_extra=str(config.model))
+        self.scheduler = Scheduler(self.config, self.kv, max_model_len)
+        self.runner = ModelRunner(loaded.model, mc, self.config, num_blocks, num_host_blocks, self.dtype)
+        self.parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+        self._aborted: list[str] = []  # parents aborted since the last step, to report
+        capacity = num_blocks * config.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s); max concurrency at "
+            "max_model_len %d: %.1f", num_blocks, config.block_size, capacity,
+            num_blocks * bytes_per_block / 2**20, str(self.dtype).replace("torch.", ""),
+            max_model_len, capacity / max_model_len)
+
+    # -- admission ------------------------------------------------------------
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: Union[str, list[int]],
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        add_special_tokens: bool = True,
+    ) -> PreparedRequest:
+        """Tokenize and check a request; raises InvalidRequestError if it can never run."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt must not be empty")
+            text: Optional[str] = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                f"tokens, which leaves no room to generate.")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                f"completion). Please reduce the prompt or max_tokens.")
+        if self.kv.blocks_for(len(ids) + max_tokens) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache "
+                f"of {self.kv.num_blocks * self.config.block_size} tokens; raise --kv-cache-memory")
+        return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
+
+    def add_prepared(self, p: PreparedRequest) -> None:
+        if p.request_id in self.parents:
+            raise InvalidRequestError(f"request id {p.request_id!r} is already in use")
+        from tessera.tokenizer import IncrementalDetokenizer
+
+        parent = _Parent(p)
+        first: Optional[Request] = None
+        for i in range(p.params.n):
+            gen = None
+            if p.params.seed is not None:
+                gen = torch.Generator().manual_seed(hash((p.params.seed, i)) & 0x7FFF_FFFF_FFFF_FFFF)
+            child_id = p.request_id if p.params.n == 1 else f"{p.request_id}#{i}"
+            req = Request(child_id, p.prompt_token_ids, p.params, p.max_tokens,
+                          self.tokenizer.eos_token_ids, p.arrival_time, gen,
+                          wait_for=first if self.config.enable_prefix_caching else None)
+            first = first or req
+            detok = IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, p.params.skip_special_tokens)
+            out = CompletionOutput(index=i, logprobs=[] if p.params.logprobs is not None else None)
+            parent.children.append(_Child(req, detok, out))
+            self._child_parent[child_id] = p.request_id
+        self.parents[p.request_id] = parent
+        for c in parent.children:
+            self.scheduler.add_request(c.req)
+
+    def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
+                    arrival_time: Optional[float] = None) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its final output says 'abort'."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return
+        for c in parent.children:
+            self.scheduler.finish_request(c.req, RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting()
+
+    # -- the loop ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, _ = self.step_with_stats()
+        return outputs
+
+    def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched, result.sampled)
+        now = time.time()
+        stats = IterationStats(
+            timestamp=now,
+            num_prompt_tokens=result.num_prompt_tokens,
+            num_generation_tokens=len(result.sampled),
+            num_preemptions=len(sched.preempted),
+            prefix_cache_queries=sched.num_prefix_queries,
+            prefix_cache_hits=sched.num_prefix_hits,
+        )
+        touched: set[str] = set(self._aborted)
+        self._aborted.clear()
+        for child_id, token in result.sampled.items():
+            parent_id = self._child_parent.get(child_id)
+            if parent_id is None:
+                continue
+            touched.add(parent_id)
+            child = self._find_child(parent_id, child_id)
+            self._on_token(child, token, result.logprobs.get(child_id), now, stats)
+        outputs = []
+        for parent_id in touched:
+            parent = self.parents.get(parent_id)
+            if parent is None:
+                continue
+            outputs.append(self._make_output(parent, stats))
+        return outputs, stats
+
+    def _find_child(self, parent_id: str, child_id: str) -> _Child:
+        for c in self.parents[parent_id].children:
+            if c.req.request_id == child_id:
+                return c
+        raise KeyError(child_id)
+
+    def _on_token(self, child: _Child, token: int, logprob, now: float, stats: IterationStats) -> None:
+        req, out = child.req, child.out
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            stats.time_to_first_tokens.append(now - m.arrival_time)
+        else:
+            stats.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+        out.token_ids.append(token)
+        is_eos_stop = req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == token
+        prev_len = len(out.text)
+        if not is_eos_stop or not req.params.skip_special_tokens:
+            out.text += child.detok.add(token)
+        if logprob is not None and out.logprobs is not None:
+            lp, top = logprob
+            text = self.tokenizer.token_text
+            out.logprobs.append(TokenLogprob(token, text(token), lp, [(t, text(t), v) for t, v in top]))
+        if req.status == RequestStatus.FINISHED_STOPPED:
+            out.finish_reason = "stop"
+            out.stop_reason = req.stop_reason
+        elif req.status == RequestStatus.FINISHED_LENGTH:
+            out.finish_reason = "length"
+        stops = req.params.stop
+        if stops and not out.finished:
+            tail_start = max(0, prev_len - max(len(s) for s in stops) + 1)
+            hits = [(out.text.find(s, tail_start), s) for s in stops]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, s = min(hits)
+                out.text = out.text[:pos]
+                out.finish_reason = "stop"
+                out.stop_reason = s
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+
+    def _make_output(self, parent: _Parent, stats: IterationStats) -> RequestOutput:
+        p = parent.prepared
+        holdback = max((len(s) for s in p.params.stop), default=1) - 1
+        for c in parent.children:
+            out = c.out
+            if c.req.status == RequestStatus.FINISHED_ABORTED and out.finish_reason is None:
+                out.finish_reason = "abort"
+            end = len(out.text) if out.finished else max(c.emitted, len(out.text) - holdback)
+            out.delta_text = out.text[c.emitted:end]
+            c.emitted = end
+            out.delta_token_ids = out.token_ids[c.tokens_sent:]
+            c.tokens_sent = len(out.token_ids)
+            if out.logprobs is not None:
+                out.delta_logprobs = out.logprobs[c.logprobs_sent:]
+                c.logprobs_sent = len(out.logprobs)
+        finished = parent.finished
+        first = parent.children[0].req
+        if finished:
+            del self.parents[p.request_id]
+            for c in parent.children:
+                self._child_parent.pop(c.req.request_id, None)
+                stats.finished.append(FinishedRequestStats(
+                    request_id=c.req.request_id, finish_reason=c.out.finish_reason or "abort",
+                    num_prompt_tokens=c.req.num_prompt_tokens,
+                    num_generation_tokens=len(c.out.token_ids),
+                    num_cached_tokens=c.req.num_cached_tokens, metrics=c.req.metrics, params=p.params))
+        return RequestOutput(
+            request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
+            outputs=[replace(c.out, token_ids=list(c.out.token_ids),
+                             logprobs=list(c.out.logprobs) if c.out.logprobs is not None else None)
+                     for c in parent.children],
+            finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)

@@ -1,0 +1,55 @@
+"""What the engine hands back to its callers, one object per request per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str  # decoded text of this single token
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n samples of a request."""
+
+    index: int
+    text: str = ""  # all text generated so far (stop string excluded)
+    token_ids: list[int] = field(default_factory=list)  # all generated ids so far
+    delta_text: str = ""  # text new since the previous RequestOutput
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprob]] = None  # all so far, when requested
+    delta_logprobs: Optional[list[TokenLogprob]] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: Union[int, str, None] = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of a request's life, for metrics and traces."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    preempted_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: Optional[RequestMetrics] = None

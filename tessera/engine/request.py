@@ -1,0 +1,86 @@
+"""A request as the scheduler sees it: tokens, progress, blocks and an explicit state."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from tessera.engine.outputs import RequestMetrics
+from tessera.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled yet
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; will recompute
+    SWAPPED = "swapped"  # blocks copied to host memory
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence being generated (a parent with n > 1 becomes n of these)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: list[int],
+        arrival_time: Optional[float] = None,
+        generator: Optional[torch.Generator] = None,
+        wait_for: Optional["Request"] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        self.num_registered_blocks = 0  # full blocks already entered in the prefix cache
+        self.swapped_blocks: list[int] = []  # host block ids while SWAPPED
+        self.generator = generator
+        self.wait_for = wait_for  # sibling whose prompt prefill should land in the cache first
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,90 @@
+"""Executes one scheduled step: pack tokens, run the model once, sample.
+
+All scheduled tokens of a step go through each layer as one packed batch
+without padding; attention alone looks at request boundaries (AttentionMetadata).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tessera.config import EngineConfig, ModelConfig
+from tessera.engine.attention import AttentionMetadata, allocate_kv_caches
+from tessera.engine.request import Request
+from tessera.engine.sampler import Sampler
+from tessera.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> new token, for requests that reached their end
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    num_prompt_tokens: int  # tokens computed that were not a decode of the last sampled token
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+                 num_blocks: int, num_host_blocks: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = config.block_size
+        shape = (model_config.num_layers, num_blocks, config.block_size,
+                 model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = allocate_kv_caches(*shape, dtype=dtype)
+        # Host copies for swapped-out requests (pinned memory would go here on a GPU).
+        self.host_caches = allocate_kv_caches(
+            model_config.num_layers, max(num_host_blocks, 0), config.block_size,
+            model_config.num_kv_heads, model_config.head_dim, dtype=dtype,
+        ) if num_host_blocks > 0 else []
+        self.sampler = Sampler(config.seed)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        if not pairs:
+            return
+        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        for dev, host in zip(self.kv_caches, self.host_caches):
+            src, dst = (dev, host) if to_host else (host, dev)
+            dst[:, dst_ids] = src[:, src_ids]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._copy_blocks(out.swap_out, to_host=True)
+        self._copy_blocks(out.swap_in, to_host=False)
+        if out.is_empty:
+            return RunnerOutput({}, {}, 0)
+        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        qlens, seqlens, tables = [], [], []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        num_prompt = 0
+        for s in order:
+            r = s.request
+            start, n = r.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(r.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            qlens.append(n)
+            seqlens.append(start + n)
+            tables.append(r.block_ids)
+            if not (n == 1 and r.output_token_ids and start == r.num_tokens - 1):
+                num_prompt += n  # prefill (or recompute) rather than a decode step
+            if s.produces_token:
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(r)
+        meta = AttentionMetadata.build(qlens, seqlens, tables, self.block_size,
+                                       self.config.attention_backend)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
+                            torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
+        if not sample_reqs:
+            return RunnerOutput({}, {}, num_prompt)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
+        result = self.sampler(logits, sample_reqs)
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
+        logprobs = {}
+        if result.logprobs is not None:
+            logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if lp is not None}
+        return RunnerOutput(sampled, logprobs, num_prompt)

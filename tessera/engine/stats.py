@@ -1,0 +1,48 @@
+"""Counts and timestamps the engine loop records; consumers turn them into metrics.
+
+The loop only fills these plain objects. Histograms, traces and log lines are
+built on another thread (see tessera.metrics), so observability never slows a step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.engine.outputs import RequestMetrics
+from tessera.sampling_params import SamplingParams
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_cache_usage: float = 0.0  # share of blocks held by requests, 0..1
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found
+    num_preemptions: int = 0  # cumulative
+
+
+@dataclass
+class FinishedRequestStats:
+    request_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    params: SamplingParams
+
+
+@dataclass
+class IterationStats:
+    timestamp: float
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (incl. recompute)
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)

@@ -1,0 +1,51 @@
+"""Offline batch inference: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+import uuid
+from typing import Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from tessera.config import EngineConfig
+from tessera.engine.llm_engine import LLMEngine
+from tessera.engine.outputs import RequestOutput
+from tessera.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", loaded=None, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options), loaded=loaded)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run all prompts through the engine together; results come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        batch = uuid.uuid4().hex[:8]
+        ids = [f"{batch}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.engine.add_request(rid, prompt, p)
+        results: dict[str, RequestOutput] = {}
+        bar: Optional[tqdm] = tqdm(total=len(ids), desc="generate", unit="req") if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,68 @@
+"""Per-request sampling settings, validated once at the door."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+class InvalidRequestError(ValueError):
+    """Raised for a request the engine can never serve; the server maps it to HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: Optional[int] = 16  # None = up to max_model_len
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 or -1 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-N logprobs per generated token (0 = only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0.0:
+            bad(f"temperature must be non-negative, got {self.temperature}")
+        if self.top_k < 0:
+            bad(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings")

@@ -1,0 +1,133 @@
+"""Property tests: the scheduler and block pool keep their invariants under any workload."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings, strategies as st
+
+from tessera.config import EngineConfig
+from tessera.engine.kv_cache_manager import KVCacheManager
+from tessera.engine.request import Request, RequestStatus
+from tessera.engine.scheduler import Scheduler
+from tessera.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def check_pool(kv: KVCacheManager, live: list[Request]) -> None:
+    held = Counter(b for r in live for b in r.block_ids)
+    for block in kv.pool.blocks:
+        assert block.ref_cnt >= 0
+        assert block.ref_cnt == held.get(block.block_id, 0), (block, held.get(block.block_id))
+        assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free_queue)
+    for h, block in kv.pool.cached.items():
+        assert block.block_hash == h
+
+
+workload = st.fixed_dictionaries({
+    "seed": st.integers(0, 10_000),
+    "num_blocks": st.integers(8, 64),
+    "block_size": st.sampled_from([1, 2, 4, 16]),
+    "budget": st.integers(1, 64),
+    "max_seqs": st.integers(1, 8),
+    "mode": st.sampled_from(["recompute", "swap"]),
+    "policy": st.sampled_from(["continuous", "static"]),
+    "caching": st.booleans(),
+    "n_reqs": st.integers(1, 12),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(workload)
+def test_scheduler_invariants(w: dict) -> None:
+    rng = random.Random(w["seed"])
+    bs = w["block_size"]
+    cfg = EngineConfig(max_num_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
+                       preemption_mode=w["mode"], scheduler_policy=w["policy"], block_size=bs,
+                       enable_prefix_caching=w["caching"])
+    kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]))
+    capacity = w["num_blocks"] * bs
+    max_model_len = max(2, min(capacity, 60))
+    sched = Scheduler(cfg, kv, max_model_len)
+    shared_head = [rng.randrange(1, 50) for _ in range(20)]
+    live: list[Request] = []
+    pending = []
+    for i in range(w["n_reqs"]):
+        plen = rng.randint(1, max_model_len - 1)
+        prompt = (shared_head + [rng.randrange(1, 50) for _ in range(plen)])[:plen] \
+            if rng.random() < 0.5 else [rng.randrange(1, 50) for _ in range(plen)]
+        max_tokens = rng.randint(1, max_model_len - plen)
+        if kv.blocks_for(plen + max_tokens) > w["num_blocks"]:
+            continue  # the engine rejects these at the door
+        pending.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens),
+                               max_tokens, [EOS]))
+    for step in range(2000):
+        if pending and rng.random() < 0.5:
+            r = pending.pop(0)
+            sched.add_request(r)
+            live.append(r)
+        if live and rng.random() < 0.05:  # abort one at random
+            victim = rng.choice(live)
+            sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+        out = sched.schedule()
+        assert out.total_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled) <= cfg.max_num_seqs
+        assert len(sched.running) <= cfg.max_num_seqs
+        ids = [s.request.request_id for s in out.scheduled]
+        assert len(ids) == len(set(ids))
+        for s in out.scheduled:
+            r = s.request
+            assert r.status == RequestStatus.RUNNING
+            assert s.num_new_tokens > 0
+            assert len(r.block_ids) >= kv.blocks_for(r.num_computed_tokens + s.num_new_tokens)
+            # Never write into a block another request also holds.
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
+                assert kv.pool.blocks[r.block_ids[pos // bs]].ref_cnt == 1
+        if w["policy"] == "static" and out.scheduled:
+            pass
+        sampled = {s.request.request_id: (EOS if rng.random() < 0.05 else rng.randrange(1, 50))
+                   for s in out.scheduled if s.produces_token}
+        sched.update_after_step(out, sampled)
+        live = [r for r in live if not r.is_finished]
+        check_pool(kv, live)
+        for r in live:
+            assert r.num_tokens <= max_model_len
+        if not pending and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished(), "workload did not drain"
+    assert kv.num_free_blocks == w["num_blocks"]
+    assert len(kv.host_free) == kv.num_host_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_prefix_hit_shares_full_blocks_only() -> None:
+    kv = KVCacheManager(16, 4, True)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=64, block_size=4), kv, 64)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + 2 tokens
+    a = Request("a", prompt, SamplingParams(max_tokens=2), 2, [0])
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.update_after_step(out, {"a": 42})
+    b = Request("b", prompt, SamplingParams(max_tokens=2), 2, [0])
+    sched.add_request(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 8
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert b.block_ids[2] != a.block_ids[2]
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"a": 1, "b": 2}
+
+
+def test_lru_eviction_of_cached_blocks() -> None:
+    kv = KVCacheManager(4, 2, True)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=64, block_size=2), kv, 8)
+    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), 1, [0])
+    sched.add_request(a)
+    sched.update_after_step(sched.schedule(), {"a": 9})
+    assert a.is_finished and len(kv.pool.cached) == 2  # [1,2] and [3,4] stay cached
+    assert kv.num_free_blocks == 4
+    c = Request("c", [7, 7, 7, 7, 7], SamplingParams(max_tokens=1), 1, [0])
+    sched.add_request(c)
+    sched.schedule()
+    # c needed 3 of 4 blocks: the least recently freed ones go first, the cache shrinks.
+    assert len(kv.pool.cached) <= 1
