@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
 
     base = config_from_args(args, args.model)
     loaded = load_model(resolve_model(base.model), base.dtype, base.num_threads)
-    sessions = random_workload(args.num_prompts, args.seed, (args.min_words, args.max_words),
+    sessions = random_workload(args.num_prompts, args.workload_seed, (args.min_words, args.max_words),
                                (args.min_tokens, args.max_tokens))
     prompts = [s.turns[0].prompt for s in sessions]
     max_tokens = [s.turns[0].max_tokens for s in sessions]
@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         "benchmark": "throughput", "model": args.model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": __import__("os").cpu_count()},
         "engine": {k: v for k, v in vars(base).items()}, "dtype": str(loaded.dtype),
-        "workload": {"num_prompts": args.num_prompts, "seed": args.seed,
+        "workload": {"num_prompts": args.num_prompts, "seed": args.workload_seed,
                      "prompt_words": [args.min_words, args.max_words],
                      "output_tokens": [args.min_tokens, args.max_tokens], "ignore_eos": True},
         "runs": runs, "median_output_tokens_per_s": med, "ratio_continuous_over_static": ratio,
@@ -104,7 +104,7 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("model", nargs="?", default="smollm2-135m")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the generated prompts")
     p.add_argument("--min-words", type=int, default=50)
     p.add_argument("--max-words", type=int, default=400)
     p.add_argument("--min-tokens", type=int, default=16)

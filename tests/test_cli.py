@@ -1,0 +1,222 @@
+"""The `tessera` command line: listing models, and one clear line for every kind of bad input."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tessera import cli
+from tessera.models import registry
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def run_tessera(*args: str, home: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TESSERA_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "tessera", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for needle in needles:
+        assert needle.lower() in line.lower(), line
+    return line
+
+
+def write_gguf(path: Path, arch: str, tensor_elems: int = 256) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros(tensor_elems, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ----------------------------------------------------------------------------- in-process
+
+def test_models_lists_every_known_model(home, capsys):
+    entry = registry.MODELS["gemma3-270m"]
+    path = registry.model_path(entry)
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(entry.size)
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    for e in registry.MODELS.values():
+        assert e.name in out and e.quantization in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
+    assert "yes" in rows["gemma3-270m"] and str(path) in rows["gemma3-270m"]
+    assert "no" in rows["smollm2-135m"].split("│")[6]
+    assert "llama" in rows["smollm2-135m"] and "135M" in rows["smollm2-135m"]
+
+
+@pytest.mark.parametrize("command", [[], ["models"], ["pull"], ["generate"], ["chat"], ["serve"]])
+def test_help_texts(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([*command, "--help"])
+    assert info.value.code == 0
+    assert "usage: tessera" in capsys.readouterr().out
+
+
+def test_serve_flags_defaults():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli.add_serve_args(parser)
+    args = parser.parse_args([])
+    assert (args.model, args.host, args.port) == ("smollm2-135m", "127.0.0.1", 8000)
+    assert args.served_model_name is None and args.otlp_traces_endpoint is None
+    args = parser.parse_args(["m.gguf", "--port", "9000", "--kv-cache-memory", "1GiB", "--max-num-seqs", "4"])
+    assert (args.model, args.port, args.kv_cache_memory, args.max_num_seqs) == ("m.gguf", 9000, 1 << 30, 4)
+
+
+def test_keyboard_interrupt_exits_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_models", interrupted)
+    assert cli.main(["models"]) == 130
+    assert capsys.readouterr().err == ""
+
+
+def test_invalid_sampling_flag_is_one_line(home, capsys):
+    assert cli.main(["generate", "smollm2-135m", "-p", "hi", "--temperature", "-1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "temperature" in err[0]
+
+
+# ----------------------------------------------------------------------------- subprocess: bad input
+
+def test_models_subprocess(home):
+    proc = run_tessera("models", home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert "smollm2-135m" in proc.stdout and "qwen2.5-coder-1.5b" in proc.stdout
+
+
+def test_pull_unknown_name(home):
+    assert_one_line_error(run_tessera("pull", "gpt-17", home=home), "gpt-17", "tessera models")
+
+
+def test_generate_unknown_model(home):
+    assert_one_line_error(run_tessera("generate", "no-such-model", "-p", "hi", home=home),
+                          "no-such-model", "tessera models")
+
+
+def test_generate_missing_file(home, tmp_path):
+    missing = tmp_path / "nowhere" / "model.gguf"
+    assert_one_line_error(run_tessera("generate", str(missing), "-p", "hi", home=home), "not found")
+
+
+def test_generate_corrupt_gguf(home, tmp_path):
+    bad = tmp_path / "random.gguf"
+    bad.write_bytes(np.random.default_rng(0).bytes(4096))
+    assert_one_line_error(run_tessera("generate", str(bad), "-p", "hi", "--max-tokens", "1", home=home),
+                          "random.gguf")
+
+
+def test_generate_truncated_gguf(home, tmp_path):
+    whole = write_gguf(tmp_path / "whole.gguf", "llama", tensor_elems=1 << 16)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    assert_one_line_error(run_tessera("generate", str(cut), "-p", "hi", "--max-tokens", "1", home=home),
+                          "cut.gguf")
+
+
+def test_generate_unsupported_architecture(home, tmp_path):
+    mamba = write_gguf(tmp_path / "mamba.gguf", "mamba")
+    assert_one_line_error(run_tessera("generate", str(mamba), "-p", "hi", "--max-tokens", "1", home=home),
+                          "mamba")
+
+
+@pytest.mark.model
+def test_generate_truncated_real_model(tmp_path):
+    source = registry.ensure_model("smollm2-135m", progress=False)  # the shared cache: pulled once
+    home = tmp_path / "home"
+    cut = tmp_path / "smollm2-cut.gguf"
+    with open(source, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    assert_one_line_error(run_tessera("generate", str(cut), "-p", "hi", "--max-tokens", "1", home=home),
+                          "smollm2-cut.gguf")
+
+
+# ----------------------------------------------------------------------------- chat loop
+
+class _ScriptedEngine:
+    """Replies "ok <n>" to the n-th request in two steps, so streaming and history can be checked."""
+
+    def __init__(self) -> None:
+        self.prompts: list = []
+        self.pending: list = []
+        self.tokenizer = self
+
+    # tokenizer side
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    # engine side
+    def add_request(self, request_id, prompt, params):
+        self.prompts.append("".join(map(chr, prompt)))
+        self.pending = [(request_id, "ok ", False), (request_id, str(len(self.prompts)), True)]
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def abort_request(self, request_id):
+        self.pending = []
+
+    def step(self):
+        from tessera.engine.outputs import CompletionOutput, RequestOutput
+
+        rid, delta, done = self.pending.pop(0)
+        text = "ok " + (delta if done else "")
+        out = CompletionOutput(index=0, text=text if done else delta, delta_text=delta,
+                               finish_reason="stop" if done else None)
+        return [RequestOutput(rid, None, [], [out], finished=done)]
+
+
+def test_chat_keeps_the_conversation_and_streams(monkeypatch, capsys):
+    engine = _ScriptedEngine()
+    monkeypatch.setattr(cli, "_build_llm", lambda args: type("L", (), {"engine": engine})())
+    lines = iter(["hello", "", "again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert cli.main(["chat", "smollm2-135m", "--system", "be brief"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["ok 1", "ok 2"]
+    assert engine.prompts[0] == "<system>be brief<user>hello<assistant>"
+    assert engine.prompts[1] == "<system>be brief<user>hello<assistant>ok 1<user>again<assistant>"
+
+
+def test_chat_quits_on_ctrl_d(monkeypatch):
+    engine = _ScriptedEngine()
+    monkeypatch.setattr(cli, "_build_llm", lambda args: type("L", (), {"engine": engine})())
+
+    def eof(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", eof)
+    assert cli.main(["chat"]) == 0
+    assert engine.prompts == []
