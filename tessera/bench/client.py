@@ -1,0 +1,131 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk.
+
+Works against any server that speaks the OpenAI streaming protocol (Tessera,
+vLLM, llama.cpp server): Server-Sent Events, one JSON object per `data:` line,
+ending with `data: [DONE]`. Output tokens are taken from the final usage chunk
+(`stream_options.include_usage`) when the server sends one, otherwise counted as
+content chunks (one token per chunk, which is what these servers send).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import aiohttp
+
+
+@dataclass
+class RequestResult:
+    """Timings of one request, all in seconds; `start` is on the runner's monotonic clock."""
+
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)  # gaps between successive content chunks
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    usage_reported: bool = False
+    text: str = ""
+    max_tokens: int = 0
+    session_id: int = 0
+    turn: int = 0
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def completion_body(model: str, prompt: str, max_tokens: int, temperature: float) -> dict[str, Any]:
+    return {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+        "stream": True, "stream_options": {"include_usage": True},
+        # Controlled output lengths: every server here honours ignore_eos.
+        "ignore_eos": True,
+    }
+
+
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int,
+              temperature: float) -> dict[str, Any]:
+    return {
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }
+
+
+def _chunk_text(payload: dict[str, Any], chat: bool) -> str:
+    choices = payload.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if chat:
+        delta = choice.get("delta") or {}
+        return delta.get("content") or ""
+    return choice.get("text") or ""
+
+
+async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *,
+                         chat: bool, headers: Optional[dict[str, str]] = None) -> RequestResult:
+    """Send one streaming request and time it; errors are recorded, never raised."""
+    result = RequestResult(max_tokens=int(body.get("max_tokens") or 0))
+    chunks = 0
+    last = None
+    text_parts: list[str] = []
+    start = time.perf_counter()
+    result.start = start
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                detail = (await resp.text())[:300].strip().replace("\n", " ")
+                result.error = f"HTTP {resp.status}: {detail}"
+                result.e2e = time.perf_counter() - start
+                return result
+            buffer = b""
+            async for raw in resp.content.iter_any():
+                now = time.perf_counter()
+                buffer += raw
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments, event: lines
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        continue
+                    payload = json.loads(data)
+                    if "error" in payload and not payload.get("choices"):
+                        err = payload["error"]
+                        raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                    usage = payload.get("usage")
+                    if usage:
+                        result.usage_reported = "completion_tokens" in usage
+                        result.output_tokens = int(usage.get("completion_tokens") or 0)
+                        result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    piece = _chunk_text(payload, chat)
+                    if not piece:
+                        continue
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                    chunks += 1
+                    text_parts.append(piece)
+        result.e2e = time.perf_counter() - start
+        if not result.usage_reported:
+            result.output_tokens = chunks
+        if chunks == 0:
+            result.error = "stream ended without any output"
+            return result
+        result.text = "".join(text_parts)
+        result.ok = True
+    except Exception as exc:  # noqa: BLE001 - a benchmark records failures and goes on
+        result.e2e = time.perf_counter() - start
+        result.error = f"{type(exc).__name__}: {exc}".strip() if str(exc) else type(exc).__name__
+    return result

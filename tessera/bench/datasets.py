@@ -1,0 +1,163 @@
+"""Seeded synthetic workloads for serving benchmarks.
+
+Prompts are made of words drawn from a fixed English vocabulary so that every
+server sees byte-identical requests for a given seed, whatever its tokenizer,
+and no data set has to be downloaded. A workload is a list of sessions; a
+session is a list of turns sent one after the other (single-turn workloads have
+one turn per session; multi-turn chat resends the conversation so far).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+# Common English words: frequent enough to be about one token each in the usual
+# BPE vocabularies, so word counts approximate token counts (about 1.1–1.3 tokens a word).
+VOCABULARY: tuple[str, ...] = tuple("""
+the of and to in is was for on that with as by at from his her it an are were which be this had
+not but or have their one all would there been has when who will more no if out so said what up
+its about into than them can only other new some could time these two may then do first any my
+now such like our over man me even most made after also did many before must through back years
+where much your way well down should because each just those people how too little state good
+very make world still own see men work long get here between both life being under never day
+same another know while last might us great old year off come since against go came right used
+take three states himself few house use during without again place around however home small
+found thought went say part once general high upon school every does got united left number
+course war until always away something fact though water less public put think almost hand
+enough far took head yet government system better set told nothing night end why called
+didn't eyes find going look asked later knew point next city give group toward young let room
+president side social present given several order national second possible rather per face
+among form important often things looked early white case john become large big need four
+within felt along children saw best church ever least power development light thing seemed
+family interest want members mind country area others done turned although open god service
+certain kind problem began different door thus help sense means whole matter perhaps itself
+york times law human line above name example action company hands local show whether five
+history gave today either act feet across taken past quite anyone seen having death week
+experience body word half field really car words already themselves information tell together
+college shall money period held keep sure free seems real behind cannot miss political air
+question making office brought whose special heard major problems ago became federal moment
+study available known result street economic boy position reason change south board individual
+job areas society west close turn love community true court force full seem wife age future
+voice center woman control common policy necessary following front sometimes six girl clear
+further land run students provide feel party able mother music education university child
+effect level stood military town short morning total outside rate figure class art century
+""".split())
+
+# Suffix questions for the shared-prefix workload (RAG-style: one long context, many questions).
+QUESTIONS: tuple[str, ...] = (
+    "Summarize the text above in one paragraph.",
+    "List the five most frequent words in the text above.",
+    "What is the main topic of the text above?",
+    "Write a short title for the text above.",
+    "Rewrite the first sentence of the text above in plain words.",
+    "Which words in the text above refer to places?",
+    "Explain the text above to a child.",
+    "Continue the text above with three more sentences.",
+)
+
+
+@dataclass
+class Turn:
+    """One request: a plain prompt (completions) or the next user message (chat)."""
+
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Session:
+    """Turns sent in order; for chat, each turn carries the whole conversation so far."""
+
+    session_id: int
+    turns: list[Turn]
+    chat: bool = False
+    system: Optional[str] = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.turns)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(VOCABULARY) for _ in range(n))
+
+
+def _check_range(name: str, lo: int, hi: int) -> None:
+    if lo < 1 or hi < lo:
+        raise ValueError(f"{name}: need 1 <= min <= max, got {lo}..{hi}")
+
+
+def random_workload(num_prompts: int, seed: int, input_words: tuple[int, int] = (50, 400),
+                    output_tokens: tuple[int, int] = (16, 256)) -> list[Session]:
+    """Independent prompts of uniformly random length and output budget."""
+    _check_range("input words", *input_words)
+    _check_range("output tokens", *output_tokens)
+    rng = random.Random(seed)
+    sessions = []
+    for i in range(num_prompts):
+        n = rng.randint(*input_words)
+        sessions.append(Session(i, [Turn(_words(rng, n), rng.randint(*output_tokens))]))
+    return sessions
+
+
+def shared_prefix_workload(num_prompts: int, seed: int, prefix_words: int = 800, num_prefixes: int = 1,
+                           suffix_words: tuple[int, int] = (10, 40),
+                           output_tokens: tuple[int, int] = (16, 256)) -> list[Session]:
+    """Requests that share a long context head (one of `num_prefixes`) and differ in the question.
+
+    This is what prefix caching is for: the head is prefilled once per group.
+    """
+    _check_range("suffix words", *suffix_words)
+    _check_range("output tokens", *output_tokens)
+    if prefix_words < 1 or num_prefixes < 1:
+        raise ValueError("shared prefix: need prefix words >= 1 and number of prefixes >= 1")
+    rng = random.Random(seed)
+    heads = [f"Document {g}. " + _words(rng, prefix_words) for g in range(num_prefixes)]
+    sessions = []
+    for i in range(num_prompts):
+        g = i % num_prefixes
+        question = rng.choice(QUESTIONS) + " Context words: " + _words(rng, rng.randint(*suffix_words))
+        prompt = f"{heads[g]}\n\nQuestion {i}: {question}\nAnswer:"
+        sessions.append(Session(i, [Turn(prompt, rng.randint(*output_tokens))], meta={"prefix_group": g}))
+    return sessions
+
+
+def multi_turn_workload(num_conversations: int, seed: int, turns: int = 4,
+                        user_words: tuple[int, int] = (20, 100),
+                        output_tokens: tuple[int, int] = (16, 256)) -> list[Session]:
+    """Chat conversations; the runner appends each reply and resends the conversation."""
+    _check_range("user words", *user_words)
+    _check_range("output tokens", *output_tokens)
+    if turns < 1:
+        raise ValueError("multi-turn: need at least one turn per conversation")
+    rng = random.Random(seed)
+    sessions = []
+    for i in range(num_conversations):
+        conv = [Turn(f"Turn {t}: " + _words(rng, rng.randint(*user_words)), rng.randint(*output_tokens))
+                for t in range(turns)]
+        sessions.append(Session(i, conv, chat=True, system="You are a helpful assistant."))
+    return sessions
+
+
+DATASETS = ("random", "shared-prefix", "multi-turn")
+
+
+def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple[int, int] = (50, 400),
+                   output_tokens: tuple[int, int] = (16, 256), prefix_words: int = 800,
+                   num_prefixes: int = 1, turns: int = 4) -> list[Session]:
+    """Workload by name; for multi-turn, `num_prompts` counts requests (conversations × turns)."""
+    if num_prompts < 1:
+        raise ValueError("number of prompts must be at least 1")
+    if name == "random":
+        return random_workload(num_prompts, seed, input_words, output_tokens)
+    if name == "shared-prefix":
+        return shared_prefix_workload(num_prompts, seed, prefix_words, num_prefixes,
+                                      output_tokens=output_tokens)
+    if name == "multi-turn":
+        if turns < 1:
+            raise ValueError("multi-turn: need at least one turn per conversation")
+        conversations = max(1, -(-num_prompts // turns))
+        return multi_turn_workload(conversations, seed, turns, output_tokens=output_tokens)
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

@@ -1,0 +1,117 @@
+"""Command-line options shared by `tessera bench serve` and `tessera bench capacity`."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Any
+
+from tessera.bench.datasets import DATASETS, Session, build_workload
+from tessera.bench.metrics import SLO
+from tessera.bench.runner import Target
+from tessera.errors import TesseraError
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """'16:256' → (16, 256); '128' → (128, 128)."""
+    try:
+        parts = [int(p) for p in text.replace("-", ":").split(":")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a range: {text!r} (try 16:256 or 128)") from None
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
+        raise argparse.ArgumentTypeError(f"not a range: {text!r} (need 1 <= MIN <= MAX, as in 16:256)")
+    return parts[0], parts[1]
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r} (try 1,4,16,32)") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"need positive integers, as in 1,4,16,32; got {text!r}")
+    return values
+
+
+def rate_list(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of rates: {text!r} (try 0.5,1,2,inf)") from None
+    if not values or any(not (v > 0) for v in values):
+        raise argparse.ArgumentTypeError(f"rates must be positive (inf allowed); got {text!r}")
+    return values
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (v > 0) or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", required=True,
+                   help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    g.add_argument("--model", required=True, help="model name to put in each request")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="API for single-turn workloads; multi-turn always uses chat (default: %(default)s)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY if set)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)")
+    g.add_argument("--request-timeout", type=positive_float, default=600.0,
+                   help="seconds before one request counts as failed (default: %(default)s)")
+    g.add_argument("--label", default="", help="server label recorded with the results, e.g. tessera or vllm")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", choices=DATASETS, default="random",
+                   help="random mixed lengths, shared-prefix (RAG-like) or multi-turn chat (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals (default: 0)")
+    g.add_argument("--prompt-words", type=int_range, default=(50, 400), metavar="MIN:MAX",
+                   help="prompt length in words for the random dataset (default: 50:400)")
+    g.add_argument("--max-tokens", type=int_range, default=(16, 256), metavar="MIN:MAX",
+                   help="output length per request, drawn uniformly; sent with ignore_eos (default: 16:256)")
+    g.add_argument("--prefix-words", type=int, default=800,
+                   help="shared-prefix: length of the shared head in words (default: %(default)s)")
+    g.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: number of distinct heads (default: %(default)s)")
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: %(default)s)")
+    g.add_argument("--slo-ttft", type=positive_float, default=1.0,
+                   help="TTFT objective in seconds (default: %(default)s)")
+    g.add_argument("--slo-itl", type=positive_float, default=0.05,
+                   help="inter-token latency objective in seconds (default: %(default)s)")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="requests sent (with other prompts) before measuring, not counted (default: %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def target_from_args(args: argparse.Namespace) -> Target:
+    return Target(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+                  temperature=args.temperature, api_key=args.api_key, request_timeout=args.request_timeout)
+
+
+def slo_from_args(args: argparse.Namespace) -> SLO:
+    return SLO(ttft=args.slo_ttft, itl=args.slo_itl)
+
+
+def workload_from_args(args: argparse.Namespace, num_prompts: int, seed: int) -> list[Session]:
+    try:
+        return build_workload(args.dataset, num_prompts, seed, input_words=args.prompt_words,
+                              output_tokens=args.max_tokens, prefix_words=args.prefix_words,
+                              num_prefixes=args.num_prefixes, turns=args.turns)
+    except ValueError as exc:
+        raise TesseraError(f"workload: {exc}") from None
+
+
+def workload_config(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("dataset", "seed", "prompt_words", "max_tokens", "prefix_words", "num_prefixes", "turns",
+            "endpoint", "temperature", "warmup", "slo_ttft", "slo_itl", "base_url", "model", "label")
+    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
