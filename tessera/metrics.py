@@ -1,0 +1,204 @@
+"""Prometheus metrics for GET /metrics, named like vLLM's under the `tessera:` prefix.
+
+`PrometheusStatLogger` is a StatLogger: the stats consumer thread (see
+tessera/observability.py) calls `record()` with the plain counts and timestamps
+the engine loop collected, and this class turns them into gauges, counters and
+histograms, off the engine's hot loop. Every instance owns its own
+`CollectorRegistry`, so two servers (or two tests) in one process never share
+a counter.
+
+Finish reasons follow vLLM: `request_success_total` carries the label values
+stop, length and abort (vLLM's FinishReason enum has exactly these three and
+pre-creates all of them), so an aborted request is counted there under
+finished_reason="abort" *and* in `request_aborts_total`. Dashboards that want
+real successes filter `finished_reason=~"stop|length"`. Aborted requests are also
+observed in the per-request histograms, so `request_prompt_tokens_sum` and
+`request_generation_tokens_sum` add up with the finished requests of every kind.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, Optional
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:
+    from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+PREFIX = "tessera:"
+FINISH_REASONS = ("stop", "length", "abort")
+UNKNOWN_MAX_MODEL_LEN = 100_000
+
+# Buckets span a GPU's milliseconds and a small CPU's seconds alike.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                         0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0,
+                           2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                           960.0, 1920.0, 7680.0)
+
+
+def buckets_1_2_5(maximum: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `maximum` (token-count buckets, as vLLM builds them)."""
+    out: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > maximum:
+                return out
+            out.append(value)
+        exponent += 1
+
+
+def buckets_pow2(maximum: int) -> list[int]:
+    """1, 2, 4, ... up to `maximum`, plus `maximum` itself (per-step token budgets)."""
+    out = [1]
+    while out[-1] * 2 <= maximum:
+        out.append(out[-1] * 2)
+    if out[-1] != maximum and maximum > 1:
+        out.append(maximum)
+    return out
+
+
+class PrometheusStatLogger:
+    """Engine stats as Prometheus metrics, labelled by `model_name`."""
+
+    def __init__(self, model_name: str, *, max_model_len: Optional[int] = None, max_num_batched_tokens: int = 512,
+                 registry: Optional[CollectorRegistry] = None) -> None:
+        """`max_model_len` tops the token-count buckets; None (not resolved yet) means 100k tokens."""
+        self.model_name = model_name
+        token_buckets = buckets_1_2_5(max_model_len or UNKNOWN_MAX_MODEL_LEN)
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        reg, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Number of requests swapped out to host memory.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self._request_success = Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
+                                        labels + ["finished_reason"], registry=reg)
+        self.request_success = {r: self._request_success.labels(model_name, r) for r in FINISH_REASONS}
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions by the scheduler.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in tokens (prompt tokens looked up).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (prompt tokens reused).")
+        self.admission_rejections = counter(
+            "admission_rejections", "Requests refused at admission because the waiting queue was full (HTTP 429).")
+        self.request_aborts = counter("request_aborts", "Requests aborted before finishing (client gone or cancelled).")
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of each request's mean time per output token after the first, in seconds.",
+            TOKEN_LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent waiting before first scheduled, in seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Histogram of time from first scheduled to first token, in seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "Histogram of time from first token to last token, in seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed per request.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed per request.",
+            token_buckets)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of the number of tokens per engine step.",
+            buckets_pow2(max_num_batched_tokens))
+
+    # -- StatLogger ---------------------------------------------------------------------------
+
+    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
+        """Called on the stats consumer thread; either argument may be None (nothing new of that kind)."""
+        if scheduler_stats is not None:
+            self.num_requests_running.set(scheduler_stats.num_running)
+            self.num_requests_waiting.set(scheduler_stats.num_waiting)
+            self.num_requests_swapped.set(scheduler_stats.num_swapped)
+            self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+        if iteration_stats is None:
+            return
+        it = iteration_stats
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        self.num_preemptions.inc(it.num_preemptions)
+        self.prefix_cache_queries.inc(it.prefix_cache_queries)
+        self.prefix_cache_hits.inc(it.prefix_cache_hits)
+        self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        for ttft in it.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in it.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in it.finished:
+            self._record_finished(finished)
+
+    def _record_finished(self, f: FinishedRequestStats) -> None:
+        reason = f.finish_reason
+        success = self.request_success.get(reason)
+        if success is None:  # a reason vLLM does not have; still counted, under its own label
+            success = self._request_success.labels(self.model_name, reason)
+        success.inc()
+        if reason == "abort":
+            self.request_aborts.inc()
+        self.request_prompt_tokens.observe(f.num_prompt_tokens)
+        self.request_generation_tokens.observe(f.num_generation_tokens)
+
+        m = f.metrics
+        if m.finished_time is not None:
+            self.e2e_request_latency.observe(max(0.0, m.finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.request_prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None and m.last_token_time is not None:
+            decode = max(0.0, m.last_token_time - m.first_token_time)
+            self.request_decode_time.observe(decode)
+            if f.num_generation_tokens > 1:
+                self.request_time_per_output_token.observe(decode / (f.num_generation_tokens - 1))
+
+    # -- events that happen outside an engine step ---------------------------------------------
+
+    def record_rejection(self) -> None:
+        """A request refused at admission (queue full, HTTP 429); thread-safe, call from anywhere."""
+        self.admission_rejections.inc()
+
+    # -- exposition ----------------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The body and Content-Type for a GET /metrics response (classic Prometheus text format)."""
+        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _WithoutCreated:
+    """The registry minus the `*_created` timestamp series prometheus_client adds to counters and
+    histograms (vLLM drops them too); filtered here because the library's switch is process-global."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if s.name != family.name + "_created"]
+            yield family
