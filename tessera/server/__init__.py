@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`tessera serve`); see app.py."""

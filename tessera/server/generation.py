@@ -1,0 +1,161 @@
+"""One HTTP request's engine work, guarded by its deadline and its client's connection.
+
+A request may hold several engine requests (one per prompt of a batch). Each
+runs in its own task that drains `engine.generate` into one queue; a listener
+puts a marker there when the client disconnects, and a timer when the deadline
+passes. The handler then waits on that single queue, so leaving early for any
+reason is one code path: cancel the tasks, which closes the engine iterators,
+which aborts the engine requests and frees their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
+
+import anyio
+from starlette.requests import Request
+
+from tessera.engine.outputs import RequestOutput
+from tessera.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tessera.engine.async_engine import AsyncLLMEngine
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was complete."""
+
+
+class DeadlineExceeded(Exception):
+    """The request ran past the server's --request-timeout."""
+
+
+class ServerShuttingDown(Exception):
+    """The server is stopping and ended the request rather than cut its connection."""
+
+
+_DISCONNECTED = object()
+_TIMED_OUT = object()
+_ENDED = object()
+_SHUTDOWN = object()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has already been read, so the only message left to receive is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Generation:
+    """Runs `prompts` through the engine; iterate `outputs()` for (prompt index, RequestOutput).
+
+    Use as `async with Generation(...) as gen:`; leaving the block, however it is
+    left, aborts whatever is still running.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
+                 params: SamplingParams, request_id: str, deadline: Optional[float] = None,
+                 live: Optional[set[Generation]] = None) -> None:
+        """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;
+        `live` is the server's set of running generations, which this one joins while it runs."""
+        self.engine = engine
+        self.request = request
+        self.prompts = prompts
+        self.params = params
+        self.request_id = request_id
+        self.deadline = deadline
+        self.live = live if live is not None else set()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._drains: list[asyncio.Task] = []
+        self._watcher: Optional[asyncio.Task] = None
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def engine_request_id(self, index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
+
+    async def __aenter__(self) -> Generation:
+        self.live.add(self)
+        for i, prompt in enumerate(self.prompts):
+            self._drains.append(asyncio.create_task(self._drain(i, prompt), name=self.engine_request_id(i)))
+        if self.request is not None:
+            self._watcher = asyncio.create_task(self._watch_client(self.request))
+        if self.deadline is not None:
+            delay = max(0.0, self.deadline - time.monotonic())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._stop, _TIMED_OUT)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Abort what is still running and wait until the engine has been told (idempotent)."""
+        self.live.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        tasks = self._drains + ([self._watcher] if self._watcher is not None else [])
+        for task in tasks:
+            task.cancel()
+        # Shielded: this also runs while our own task is being cancelled (client gone mid-stream).
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def shut_down(self) -> None:
+        """End this request now with ServerShuttingDown (the server is stopping)."""
+        self._stop(_SHUTDOWN)
+
+    def _stop(self, reason: object) -> None:
+        """Abort the engine requests now, whether or not anyone still reads the queue.
+
+        The reader may be gone already (a stream cancelled before its first byte), so the
+        disconnect and the deadline do not wait for it to call close().
+        """
+        for task in self._drains:
+            task.cancel()
+        self._queue.put_nowait(reason)
+
+    async def _drain(self, index: int, prompt: Union[str, list[int]]) -> None:
+        try:
+            async with contextlib.aclosing(
+                    self.engine.generate(prompt, self.params, self.engine_request_id(index))) as stream:
+                async for output in stream:
+                    self._queue.put_nowait((index, output))
+            self._queue.put_nowait((index, _ENDED))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # reported to the handler, which decides the status
+            self._queue.put_nowait((index, exc))
+
+    async def _watch_client(self, request: Request) -> None:
+        await _wait_for_disconnect(request)
+        self._stop(_DISCONNECTED)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs as they come, until every prompt has finished.
+
+        Raises the engine's error for a prompt (InvalidRequestError, QueueFullError, ...),
+        ClientDisconnected, DeadlineExceeded or ServerShuttingDown.
+        """
+        running = set(range(len(self.prompts)))
+        while running:
+            item = await self._queue.get()
+            if item is _DISCONNECTED:
+                raise ClientDisconnected()
+            if item is _TIMED_OUT:
+                raise DeadlineExceeded()
+            if item is _SHUTDOWN:
+                raise ServerShuttingDown()
+            index, output = item
+            if isinstance(output, BaseException):
+                raise output
+            if output is _ENDED:
+                if index in running:
+                    raise RuntimeError(f"the engine ended request {self.engine_request_id(index)} "
+                                       "without a final output")
+                continue
+            if output.finished:
+                running.discard(index)
+            yield index, output

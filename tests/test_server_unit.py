@@ -1,0 +1,802 @@
+"""The HTTP server against a scripted engine core: every endpoint, format and error path, in seconds.
+
+The real AsyncLLMEngine (its thread, queue bound and abort path) runs over a
+small fake LLMEngine whose "model" writes a fixed reply byte by byte, so the
+expected text of every request is known exactly. A real uvicorn server runs
+in a background thread, so client disconnects are real socket closes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tessera.config import EngineConfig, ModelConfig
+from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.llm_engine import PreparedRequest
+from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.server import app as app_module
+from tessera.server.app import DrainingServer, create_app
+
+MODEL = "fake-model"
+EOS = 256
+REPLY = "Hello from the fake engine."  # greedy output, then EOS
+ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+
+
+# ----------------------------------------------------------------------------- a scripted engine core
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, plus EOS."""
+
+    eos_token_ids = [EOS]
+    bos_token_id = None
+    vocab_size = 257
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return "</s>" if token_id == EOS else self.decode([token_id])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"unknown role {m['role']}")  # what a jinja template's raise_exception does
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+@dataclass
+class _Child:
+    index: int
+    rng: Optional[random.Random]
+    out: CompletionOutput
+    emitted_tokens: int = 0
+    emitted_logprobs: int = 0
+    emitted_text: int = 0
+
+
+@dataclass
+class _Req:
+    prepared: PreparedRequest
+    children: list[_Child]
+    blocks: int = 0
+    steps: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.out.finished for c in self.children)
+
+
+@dataclass
+class FakeCore:
+    """What AsyncLLMEngine needs of LLMEngine: greedy sampling writes REPLY then EOS; sampling with
+    temperature > 0 picks letters with a per-sample RNG seeded from (seed, index); logprobs are -1 for
+    the chosen token. KV blocks are reserved for prompt + max_tokens at admission, so usage is exact."""
+
+    step_s: float = 0.005
+    max_model_len: int = 256
+    block_size: int = 16
+    num_blocks: int = 64
+    max_num_seqs: int = 4
+    fail_after_steps: Optional[int] = None  # the loop dies on this step (EngineDeadError)
+    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    waiting: list[_Req] = field(default_factory=list)
+    running: list[_Req] = field(default_factory=list)
+    aborted: set[str] = field(default_factory=set)
+    num_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.config = EngineConfig(model=MODEL, max_model_len=self.max_model_len, block_size=self.block_size,
+                                   max_num_seqs=self.max_num_seqs)
+        self.model_config = ModelConfig(architecture="llama", vocab_size=257, hidden_size=8, intermediate_size=8,
+                                        num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, name=MODEL)
+        self.free_blocks = self.num_blocks
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def prepare_request(self, request_id: str, prompt, params: SamplingParams, arrival_time=None,
+                        add_special_tokens: bool = True) -> PreparedRequest:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt must not be empty")
+            if prompt == "raise a bug":
+                raise RuntimeError("a bug in the engine")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            if any(not 0 <= t < 257 for t in ids):
+                raise InvalidRequestError("prompt token ids must be integers in [0, 257)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"This model's maximum context length is {self.max_model_len} tokens")
+        if params.n * self.blocks_for(len(ids) + max_tokens) > self.num_blocks:
+            raise InvalidRequestError("prompt plus max_tokens can never fit the KV cache")
+        return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
+
+    def add_prepared(self, p: PreparedRequest) -> None:
+        children = []
+        for i in range(p.params.n):
+            rng = None
+            if not p.params.greedy:
+                rng = random.Random(f"{p.params.seed}-{i}") if p.params.seed is not None else random.Random()
+            logprobs = [] if p.params.logprobs is not None else None
+            children.append(_Child(i, rng, CompletionOutput(index=i, logprobs=logprobs)))
+        self.waiting.append(_Req(p, children))
+
+    def abort_request(self, request_id: str) -> None:
+        for queue in (self.waiting, self.running):
+            for r in list(queue):
+                if r.prepared.request_id == request_id:
+                    queue.remove(r)
+                    self.free_blocks += r.blocks
+                    self.aborted.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_waiting_requests(self) -> int:
+        return len(self.waiting)
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              kv_cache_usage=1 - self.free_blocks / self.num_blocks,
+                              num_blocks_total=self.num_blocks, num_blocks_free=self.free_blocks)
+
+    def _next_token(self, req: _Req, child: _Child) -> int:
+        produced = len(child.out.token_ids)
+        if child.rng is None:
+            if produced < len(REPLY):
+                return REPLY.encode()[produced]
+            return ord(" ") if req.prepared.params.ignore_eos else EOS
+        return ord(child.rng.choice(ALPHABET))
+
+    def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
+        self.num_steps += 1
+        if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
+            raise RuntimeError("simulated engine crash")
+        time.sleep(self.step_s)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            p = self.waiting[0].prepared
+            need = p.params.n * self.blocks_for(len(p.prompt_token_ids) + p.max_tokens)
+            if need > self.free_blocks:
+                break
+            req = self.waiting.pop(0)
+            req.blocks, self.free_blocks = need, self.free_blocks - need
+            self.running.append(req)
+        stats = IterationStats(timestamp=time.time())
+        outputs = []
+        for req in list(self.running):
+            for child in req.children:
+                if not child.out.finished:
+                    self._advance(req, child)
+                    stats.num_generation_tokens += 1
+            outputs.append(self._output(req))
+            if req.finished:
+                self.running.remove(req)
+                self.free_blocks += req.blocks
+        return outputs, stats
+
+    def _advance(self, req: _Req, child: _Child) -> None:
+        params, out = req.prepared.params, child.out
+        token = self._next_token(req, child)
+        out.token_ids.append(token)
+        if out.logprobs is not None:
+            top = [(token, self.tokenizer.token_text(token), -1.0)]
+            top += [(t, self.tokenizer.token_text(t), -2.0 - k) for k, t in enumerate(range(97, 97 + 20))
+                    if t != token]
+            out.logprobs.append(TokenLogprob(token, self.tokenizer.token_text(token), -1.0,
+                                             top[:params.logprobs]))
+        if token == EOS and not params.ignore_eos:
+            out.finish_reason, out.stop_reason = "stop", EOS
+            return
+        if token in params.stop_token_ids:
+            out.finish_reason, out.stop_reason = "stop", token
+            return
+        out.text += self.tokenizer.decode([token])
+        for s in params.stop:
+            pos = out.text.find(s)
+            if pos >= 0:
+                out.text = out.text[:pos]
+                out.finish_reason, out.stop_reason = "stop", s
+                return
+        if len(out.token_ids) >= req.prepared.max_tokens:
+            out.finish_reason = "length"
+
+    def _output(self, req: _Req) -> RequestOutput:
+        outs = []
+        for c in req.children:
+            out = c.out
+            out.delta_text, c.emitted_text = out.text[c.emitted_text:], len(out.text)
+            out.delta_token_ids, c.emitted_tokens = out.token_ids[c.emitted_tokens:], len(out.token_ids)
+            if out.logprobs is not None:
+                out.delta_logprobs, c.emitted_logprobs = out.logprobs[c.emitted_logprobs:], len(out.logprobs)
+            outs.append(CompletionOutput(index=out.index, text=out.text, token_ids=list(out.token_ids),
+                                         delta_text=out.delta_text, delta_token_ids=out.delta_token_ids,
+                                         logprobs=None if out.logprobs is None else list(out.logprobs),
+                                         delta_logprobs=out.delta_logprobs, finish_reason=out.finish_reason,
+                                         stop_reason=out.stop_reason))
+        p = req.prepared
+        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outs, finished=req.finished)
+
+
+class CountingMetrics:
+    def __init__(self) -> None:
+        self.rejections = 0
+
+    def record_rejection(self) -> None:
+        self.rejections += 1
+
+    def render(self) -> tuple[bytes, str]:
+        return f"tessera:admission_rejections_total {self.rejections}\n".encode(), "text/plain; version=0.0.4"
+
+
+# ----------------------------------------------------------------------------- a live server
+
+
+@dataclass
+class Server:
+    url: str
+    core: FakeCore
+    engine: AsyncLLMEngine
+    metrics: CountingMetrics
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/v1/engine/stats").json()
+
+    def wait_idle(self, timeout: float = 5.0) -> dict:
+        """Stats once nothing runs, waits or holds KV blocks, and no HTTP request is in flight."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            s = stats["scheduler"]
+            if (s["num_running"], s["num_waiting"], s["num_blocks_free"], stats["server"]["active_requests"]) == \
+                    (0, 0, s["num_blocks_total"], 0):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle: {stats}")
+            time.sleep(0.02)
+
+
+@contextmanager
+def serve_in_thread(app, server: Optional[uvicorn.Server] = None) -> Iterator[str]:
+    """Run `app` under uvicorn on a free port in a daemon thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = server or uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive()
+        sock.close()
+
+
+@contextmanager
+def live_server(core: Optional[FakeCore] = None, *, max_num_queued_requests: Optional[int] = None,
+                request_timeout: Optional[float] = None) -> Iterator[Server]:
+    core = core or FakeCore()
+    engine = AsyncLLMEngine(core.config, engine=core, max_num_queued_requests=max_num_queued_requests)
+    metrics = CountingMetrics()
+    app = create_app(engine, [MODEL, "alias"], request_timeout=request_timeout, metrics=metrics)
+    try:
+        with serve_in_thread(app) as url:
+            yield Server(url, core, engine, metrics)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[Server]:
+    with live_server() as s:
+        yield s
+
+
+def post(srv: Server, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", json=body, timeout=10, **kw)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Parse an SSE body strictly: only `data: ...` events separated by blank lines; [DONE] stays a str."""
+    text = response.text
+    assert text.endswith("\n\n")
+    events = []
+    for block in text[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def assert_error(r: httpx.Response, status: int, *needles: str, param: Optional[str] = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle.lower() in err["message"].lower(), err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+def test_completion_text_usage_and_ids(srv):
+    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "Say hi", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and abs(body["created"] - time.time()) < 60
+    assert body["choices"] == [{"index": 0, "text": REPLY[:5], "logprobs": None, "finish_reason": "length",
+                                "stop_reason": None}]
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+
+
+def test_completion_defaults_to_16_tokens_and_any_served_name(srv):
+    body = post(srv, "/v1/completions", {"model": "alias", "prompt": "x", "temperature": 0}).json()
+    assert body["choices"][0]["text"] == REPLY[:16] and body["model"] == "alias"
+    body = post(srv, "/v1/completions", {"prompt": "x", "temperature": 0, "max_tokens": 100}).json()
+    assert body["choices"][0]["text"] == REPLY and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len(REPLY) + 1  # the EOS counts
+
+
+def test_completion_prompt_forms_and_n(srv):
+    ids = list(b"abc")
+    for prompt, num_prompts, prompt_tokens in [("abc", 1, 3), (["ab", "abcd"], 2, 6), (ids, 1, 3),
+                                               ([ids, ids[:1]], 2, 4)]:
+        body = post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0, "n": 2}).json()
+        assert [c["index"] for c in body["choices"]] == list(range(2 * num_prompts))
+        assert all(c["text"] == REPLY[:3] for c in body["choices"])
+        assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6 * num_prompts,
+                                 "total_tokens": prompt_tokens + 6 * num_prompts}
+
+
+def test_completion_stop_ignore_eos_and_echo(srv):
+    body = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 50, "temperature": 0,
+                                         "stop": ["fake", "zzz"]}).json()
+    assert body["choices"][0]["text"] == "Hello from the "
+    assert (body["choices"][0]["finish_reason"], body["choices"][0]["stop_reason"]) == ("stop", "fake")
+    body = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 40, "temperature": 0,
+                                         "ignore_eos": True}).json()
+    assert body["choices"][0]["text"].startswith(REPLY + " ") and body["usage"]["completion_tokens"] == 40
+    body = post(srv, "/v1/completions", {"prompt": "Q:", "max_tokens": 2, "temperature": 0, "echo": True}).json()
+    assert body["choices"][0]["text"] == "Q:He"
+
+
+def test_completion_seeded_sampling_is_deterministic(srv):
+    req = {"prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3}
+    a = [c["text"] for c in post(srv, "/v1/completions", req).json()["choices"]]
+    b = [c["text"] for c in post(srv, "/v1/completions", req).json()["choices"]]
+    assert a == b and len(set(a)) == 3  # the same per index, different across the n samples
+
+
+def test_completion_logprobs_format(srv):
+    body = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0, "logprobs": 2}).json()
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["H", "e", "l"] and lp["token_logprobs"] == [-1.0, -1.0, -1.0]
+    assert lp["text_offset"] == [0, 1, 2]
+    assert lp["top_logprobs"][0] == {"H": -1.0, "a": -2.0}
+    body = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 1, "temperature": 0, "logprobs": 0}).json()
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"H": -1.0}]  # the sampled token is always there
+
+
+def test_completion_stream_sse_format(srv):
+    r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0, "stream": True, "n": 2,
+                                      "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert all(c["object"] == "text_completion" and "usage" in c for c in chunks)
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {"prompt_tokens": 1, "completion_tokens": 8,
+                                                                     "total_tokens": 9}
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == REPLY[:4]
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+        assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_stream_without_include_usage_has_no_usage_key(srv):
+    r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0, "stream": True,
+                                      "logprobs": 1})
+    chunks = sse_events(r)[:-1]
+    assert all("usage" not in c for c in chunks)
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert tokens == ["H", "e", "l"] and offsets == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def test_chat_completion(srv):
+    r = post(srv, "/v1/chat/completions", {"model": MODEL, "temperature": 0, "max_completion_tokens": 5,
+                                           "max_tokens": 1,
+                                           "messages": [{"role": "system", "content": "Be brief."},
+                                                        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": REPLY[:5]}
+    assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["logprobs"] is None
+    prompt = len("<|system|>Be brief.\n<|user|>Hi\n<|assistant|>")
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+
+
+def test_chat_without_max_tokens_runs_to_eos(srv):
+    body = post(srv, "/v1/chat/completions", {"temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})
+    assert body.json()["choices"][0]["message"]["content"] == REPLY
+
+
+def test_chat_logprobs_format(srv):
+    body = post(srv, "/v1/chat/completions", {"temperature": 0, "max_tokens": 2, "logprobs": True,
+                                              "top_logprobs": 2, "messages": [{"role": "user", "content": "Hi"}]})
+    content = body.json()["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "H", "logprob": -1.0, "bytes": [72],
+                          "top_logprobs": [{"token": "H", "logprob": -1.0, "bytes": [72]},
+                                           {"token": "a", "logprob": -2.0, "bytes": [97]}]}
+    assert [c["token"] for c in content] == ["H", "e"]
+    body = post(srv, "/v1/chat/completions", {"temperature": 0, "max_tokens": 1, "logprobs": True,
+                                              "messages": [{"role": "user", "content": "Hi"}]})
+    assert body.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+
+
+def test_chat_stream_role_first_then_content_then_finish(srv):
+    r = post(srv, "/v1/chat/completions", {"temperature": 0, "max_tokens": 3, "stream": True, "n": 2,
+                                           "stream_options": {"include_usage": True},
+                                           "messages": [{"role": "user", "content": "Hi"}]})
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["delta"] == {} and mine[-1]["finish_reason"] == "length"
+        assert [c["delta"] for c in mine[1:-1]] == [{"content": ch} for ch in REPLY[:3]]
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("content,needle", [(b"{not json", "not valid JSON"), (b"", "not valid JSON"),
+                                            (b"[1, 2]", "JSON object"), (b'"text"', "JSON object")])
+def test_malformed_body_is_400(srv, content, needle):
+    r = httpx.post(f"{srv.url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    err = assert_error(r, 400, needle)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_json_body_is_read_whatever_the_content_type(srv):
+    r = httpx.post(f"{srv.url}/v1/completions", content=b'{"prompt": "x", "max_tokens": 2, "temperature": 0}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "He"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "stream": "maybe"}, "stream"),
+    ({"prompt": "x", "n": 1000}, "n"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options"),
+    ({}, "prompt"),
+])
+def test_wrong_types_are_400_with_param(srv, body, param):
+    assert_error(post(srv, "/v1/completions", body), 400, param=param)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n must be"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": []}, "empty"),
+    ({"prompt": ["a", ""]}, "empty"),
+    ({"prompt": [[]]}, "empty"),
+    ({"prompt": [1, 99999]}, "token ids"),
+    ({"prompt": "x", "max_tokens": 100000}, "context length"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+])
+def test_out_of_range_values_are_400(srv, body, needle):
+    err = assert_error(post(srv, "/v1/completions", body), 400, needle)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_range_error_names_its_param(srv):
+    assert_error(post(srv, "/v1/completions", {"prompt": "x", "top_p": 2}), 400, "top_p", param="top_p")
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "'text' field"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "content must be"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "chat template"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ({"messages": [{"content": "hi"}]}, "role"),
+])
+def test_bad_chat_requests_are_400(srv, body, needle):
+    assert_error(post(srv, "/v1/chat/completions", body), 400, needle)
+
+
+def test_unknown_model_is_404(srv):
+    for path, body in [("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+        err = assert_error(post(srv, path, {**body, "model": "gpt-9"}), 404, param="model")
+        assert err["message"] == "The model `gpt-9` does not exist." and err["code"] == "model_not_found"
+
+
+def test_unknown_fields_are_ignored(srv):
+    r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0, "best_of": 3,
+                                      "logit_bias": {"1": 2}, "suffix": "?", "frobnicate": [1]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "He"
+
+
+def test_unknown_route_and_method_are_openai_errors(srv):
+    assert_error(httpx.get(f"{srv.url}/v1/nothing"), 404)
+    assert_error(httpx.get(f"{srv.url}/v1/completions"), 405)
+
+
+def test_unexpected_engine_error_is_500_and_server_stays_up(srv):
+    err = assert_error(post(srv, "/v1/completions", {"prompt": "raise a bug"}), 500, "a bug in the engine")
+    assert err["type"] == "server_error"
+    r = post(srv, "/v1/completions", {"prompt": "raise a bug", "stream": True})
+    assert_error(r, 500)
+    assert post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+# ----------------------------------------------------------------------------- models, health, stats, metrics
+
+
+def test_models_health_stats_metrics(srv):
+    schema = httpx.get(f"{srv.url}/openapi.json").json()
+    assert "/v1/chat/completions" in schema["paths"]
+    refs = set(re.findall(r"#/components/schemas/(\w+)", json.dumps(schema)))
+    assert "CompletionRequest" in refs and refs <= set(schema["components"]["schemas"])
+    models = httpx.get(f"{srv.url}/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL, "alias"]
+    assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == 256
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    stats = srv.stats()
+    assert set(stats["scheduler"]) >= {"num_running", "num_waiting", "kv_cache_usage", "num_blocks_free"}
+    r = httpx.get(f"{srv.url}/metrics")
+    assert r.status_code == 200 and "admission_rejections_total" in r.text
+
+
+def test_http_is_served_while_the_engine_steps(srv):
+    srv.core.step_s = 0.3
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as client:
+            started = time.monotonic()
+            with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}):
+                time.sleep(0.05)  # the engine thread is now inside a 0.3 s step
+                t0 = time.monotonic()
+                assert client.get("/health").status_code == 200
+                assert time.monotonic() - t0 < 0.2
+            assert time.monotonic() - started < 5
+    finally:
+        srv.core.step_s = 0.005
+    srv.wait_idle()
+
+
+def test_access_log_line_per_request(srv, caplog):
+    with caplog.at_level(logging.INFO, logger="tessera.server.access"):
+        post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        httpx.get(f"{srv.url}/v1/models")
+        post(srv, "/v1/completions", {"prompt": "x", "model": "nope"})
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "tessera.server.access" and "/v1/engine/stats" not in r.getMessage()]  # earlier tests
+    assert len(lines) == 3, lines
+    assert '"POST /v1/completions" 200' in lines[0] and "id=cmpl-" in lines[0]
+    assert "prompt_tokens=1 completion_tokens=2" in lines[0]
+    assert '"GET /v1/models" 200' in lines[1] and '"POST /v1/completions" 404' in lines[2]
+
+
+def test_openai_client_against_fake_engine(srv):
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    assert c.choices[0].text == REPLY[:4] and c.usage.total_tokens == 6
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=1)
+    assert chat.choices[0].message.content == REPLY[:4]
+    assert chat.choices[0].logprobs.content[0].top_logprobs[0].token == "H"
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == REPLY[:4]
+    assert chunks[-1].usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="Hi")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hi", temperature=-3)
+
+
+# ----------------------------------------------------------------------------- backpressure, deadlines, disconnects
+
+
+def test_queue_full_is_429_then_recovers():
+    core = FakeCore(step_s=0.02, max_num_seqs=1)
+    with live_server(core, max_num_queued_requests=2) as s:
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=30) as client:
+                reqs = [client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": i % 2 == 0})
+                        for i in range(12)]
+                return await asyncio.gather(*reqs)
+
+        responses = asyncio.run(flood())
+        statuses = [r.status_code for r in responses]
+        assert statuses.count(429) >= 5 and statuses.count(200) >= 2, statuses
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["retry-after"] == "1"
+                err = assert_error(r, 429, "queue full")
+                assert err["code"] == "queue_full"
+        assert s.metrics.rejections == statuses.count(429)
+        s.wait_idle()
+        ok = [post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code for _ in range(3)]
+        assert ok == [200, 200, 200]
+
+
+def test_request_timeout_non_stream_and_stream():
+    core = FakeCore(step_s=0.05)
+    with live_server(core, request_timeout=0.4) as s:
+        started = time.monotonic()
+        r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 200, "ignore_eos": True})
+        assert time.monotonic() - started < 2
+        err = assert_error(r, 504, "timeout")
+        assert (err["type"], err["code"]) == ("timeout_error", "request_timeout")
+        s.wait_idle()
+
+        r = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200,
+                                             "ignore_eos": True, "stream": True})
+        assert r.status_code == 200
+        events = sse_events(r)
+        assert events[-1] != "[DONE]" and events[-1]["error"]["code"] == "request_timeout"
+        assert any(e.get("choices") and e["choices"][0]["delta"].get("content") for e in events[:-1])
+        s.wait_idle()
+        assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_twenty_streams_cut_midway_free_everything():
+    core = FakeCore(step_s=0.01, max_num_seqs=8, num_blocks=400)
+
+    async def cut(client: httpx.AsyncClient, i: int) -> int:
+        body = {"prompt": f"stream {i}", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            received = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    received += 1
+                    if received == 3:
+                        break  # leaving the block closes the connection mid-stream
+        return received
+
+    with live_server(core) as s:
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=30) as client:
+                results = await asyncio.gather(*(cut(client, i) for i in range(20)))
+                # While the cut streams are aborted, a request on another connection is still served whole.
+                r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0})
+                assert r.json()["choices"][0]["text"] == REPLY[:3]
+                return results
+
+        started = time.monotonic()
+        assert asyncio.run(main()) == [3] * 20
+        stats = s.wait_idle(timeout=5)
+        assert stats["scheduler"]["kv_cache_usage"] == 0
+        assert len(core.aborted) == 20
+        assert time.monotonic() - started < 10  # 20 x 150 tokens would take much longer unaborted
+
+
+def test_non_streaming_client_disconnect_aborts():
+    core = FakeCore(step_s=0.02)
+    with live_server(core) as s:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True},
+                       timeout=0.3)
+        s.wait_idle(timeout=2)  # 200 steps of 20 ms would take 4 s
+        assert len(core.aborted) == 1
+
+
+def test_dead_engine_gives_503():
+    core = FakeCore(fail_after_steps=3)
+    with live_server(core) as s:
+        r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 20, "temperature": 0, "stream": True})
+        events = sse_events(r)  # two tokens, then the crash
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == REPLY[:2]
+        assert events[-1]["error"]["code"] == "engine_dead"
+        r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 20})
+        err = assert_error(r, 503)
+        assert err["code"] == "engine_dead"
+        health = httpx.get(f"{s.url}/health")
+        assert_error(health, 503, "engine")
+        assert_error(post(s, "/v1/completions", {"prompt": "x"}), 503)
+        assert httpx.get(f"{s.url}/v1/models").status_code == 200  # the HTTP side is still up
+
+
+def test_shutdown_ends_running_requests_cleanly(monkeypatch):
+    monkeypatch.setattr(app_module, "GRACEFUL_SHUTDOWN_SECONDS", 0.3)
+    core = FakeCore(step_s=0.02)
+    engine = AsyncLLMEngine(core.config, engine=core)
+    app = create_app(engine, [MODEL])
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5),
+                            app.state.tessera)
+    results: dict[str, object] = {}
+
+    def stream(url: str) -> None:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True,
+                                                      "stream": True}, timeout=10)
+        results["stream"] = sse_events(r)
+
+    def whole(url: str) -> None:
+        results["whole"] = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 200,
+                                                                     "ignore_eos": True}, timeout=10)
+
+    try:
+        with serve_in_thread(app, server) as url:
+            clients = [threading.Thread(target=f, args=(url,)) for f in (stream, whole)]
+            for t in clients:
+                t.start()
+            time.sleep(0.3)
+            started = time.monotonic()
+            server.should_exit = True
+            for t in clients:
+                t.join(10)
+            assert time.monotonic() - started < 3
+        events = results["stream"]
+        assert events[-1]["error"]["code"] == "server_shutting_down" and len(events) > 2
+        assert_error(results["whole"], 503, "shutting down")
+        deadline = time.monotonic() + 2
+        while core.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine thread takes the aborts at its next step
+        assert len(core.aborted) == 2 and core.free_blocks == core.num_blocks
+    finally:
+        engine.shutdown()
