@@ -1,0 +1,135 @@
+"""Shared fixtures: real packaged models by registry name, and tiny random HF models.
+
+The tiny models are written once per test session with transformers itself
+(config + safetensors + a small trained byte-level BPE tokenizer with a chat
+template), so tests can compare Tessera against Hugging Face in seconds.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+# Where the real models were assembled before the registry existed; used only as a fallback.
+_FALLBACK_FILES = {
+    "smollm2-135m": "smollm2.gguf",
+    "qwen2.5-coder-0.5b": "qwen05.gguf",
+    "gemma3-270m": "gemma.gguf",
+}
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_VOCAB = 320  # model vocabulary; the tokenizer uses the first ~300 ids
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! This is a tiny tokenizer for tests.",
+    "def add(a, b):\n    return a + b\n",
+    "Grüße aus München, naïve café, 東京 and emoji 🙂🚀.",
+    "the the the and and of of to to in in is is",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Callable[[str], Path]:
+    """Resolve a registry model name to a local file, pulling it on first use."""
+
+    def resolve(name: str) -> Path:
+        try:
+            from tessera.models.registry import ensure_model
+        except ImportError:
+            ensure_model = None
+        if ensure_model is not None:
+            return Path(ensure_model(name))
+        path = Path("/tmp") / _FALLBACK_FILES.get(name, name)
+        if not path.is_file():
+            pytest.skip(f"model {name} is not available")
+        return path
+
+    return resolve
+
+
+def build_tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE trained on a few lines, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        unk_token=None, chat_template=TINY_CHAT_TEMPLATE,
+    )
+
+
+def tiny_hf_config(kind: str):
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  max_position_embeddings=512, bos_token_id=0, eos_token_id=2)
+    if kind == "llama":
+        return LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False, **common)
+    if kind == "llama3-rope":
+        return LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                            "rope_theta": 500000.0}, **common)
+    if kind == "llama-linear-rope":
+        return LlamaConfig(num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, **common)
+    if kind == "qwen2":
+        return Qwen2Config(num_hidden_layers=2, num_key_value_heads=1, tie_word_embeddings=True, **common)
+    if kind == "gemma3":
+        return Gemma3TextConfig(
+            num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24, **common,
+        )
+    raise ValueError(kind)
+
+
+def build_tiny_hf_model(kind: str, folder: Path, seed: int = 0):
+    """Random HF model of `kind` saved (float32 safetensors + tokenizer) into `folder`; returns the model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(kind)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gemma = kind.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # gemma stores w of (1 + w); the others w itself
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Callable[[str], Path]:
+    """Factory: folder of a tiny random HF model of a kind (llama, llama3-rope, qwen2, gemma3, ...)."""
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            build_tiny_hf_model(kind, folder)
+            made[kind] = folder
+        return made[kind]
+
+    return make

@@ -1,0 +1,291 @@
+"""GGUF loading on tiny files written here with gguf.GGUFWriter, the way llama.cpp's converter writes them.
+
+Checks the plumbing the real files rely on -- metadata keys, tensor offsets,
+quantized types, llama.cpp's Q/K row permutation, Gemma's stored (1 + w) norms --
+against transformers running the same (quantize-dequantized) weights, plus every
+way a file can be unusable.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from conftest import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_hf_model, build_tiny_tokenizer
+from tessera.errors import ModelFormatError
+from tessera.models import gguf_loader
+from tessera.models.gguf_loader import config_from_gguf, read_gguf
+from tessera.models.loader import forward_single, load_model
+from tessera.tokenizer import Tokenizer
+
+TOKENS = [5, 17, 42, 99, 3, 250, 7, 7, 120, 64, 33, 8, 301, 19, 77, 150]
+F32_ATOL = 1e-5  # same weights, same precision: only summation order differs
+
+_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+# A mix of the block types the packaged models use (K-quants have no Python quantizer).
+_QTYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q5_0, "attn_output": Q.Q4_1,
+           "ffn_gate": Q.Q8_0, "ffn_up": Q.F16, "ffn_down": Q.Q5_0, "token_embd": Q.Q8_0}
+
+
+def _gguf_name(hf: str, arch: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, idx, rest = hf.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    if arch != "gemma3" and part == "post_attention_layernorm":
+        return f"blk.{idx}.ffn_norm.{kind}"
+    return f"blk.{idx}.{_LAYER[part]}.{kind}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_tokenizer(writer: GGUFWriter) -> None:
+    tok = build_tiny_tokenizer()
+    vocab = tok.backend_tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    import json
+
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in TINY_SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+
+
+def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized: bool = True):
+    """Write a tiny random HF model as GGUF; return (path, HF model holding the dequantized weights)."""
+    model = build_tiny_hf_model(kind, folder / "hf")
+    cfg = model.config
+    arch = arch or ("gemma3" if kind == "gemma3" else "qwen2" if kind == "qwen2" else "llama")
+    path = folder / f"tiny-{kind}.gguf"
+    w = GGUFWriter(path, arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if kind == "gemma3":
+        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    else:
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    _add_tokenizer(w)
+    state = {}
+    for hf_name, param in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = _gguf_name(hf_name, arch)
+        data = param.detach().float().numpy().copy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0
+        short = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        qtype = _QTYPES.get(short, Q.F32) if quantized and data.ndim == 2 else Q.F32
+        if qtype in (Q.F32, Q.F16):
+            stored = data.astype(np.float32 if qtype == Q.F32 else np.float16)
+            used = stored.astype(np.float32)
+        else:
+            stored = quantize(data, qtype)
+            used = dequantize(stored, qtype)
+        # the reference gets what the file holds, before llama.cpp's row permutation (rows quantize independently)
+        state[hf_name] = torch.from_numpy((used - 1.0) if arch == "gemma3" and name.endswith("norm.weight") else used)
+        if arch == "llama" and short in ("attn_q", "attn_k"):
+            heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
+            stored = _llama_cpp_permute(stored, heads)
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, stored)
+        else:
+            w.add_tensor(name, stored, raw_shape=stored.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state)
+    if arch == "gemma3":  # a GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim)
+        for layer in model.model.layers:
+            layer.self_attn.scaling = cfg.head_dim ** -0.5
+    return path, model
+
+
+@pytest.fixture()
+def tessera_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+def test_gguf_logits_match_transformers(kind, tmp_path, tessera_home, monkeypatch):
+    path, ref_model = write_tiny_gguf(kind, tmp_path)
+    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK", 100)  # exercise row-chunked dequantization
+    loaded = load_model(path, "float32")
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([TOKENS])).logits[0]
+    ours = forward_single(loaded, TOKENS)
+    assert (ours - ref).abs().max().item() < F32_ATOL
+
+
+def test_gguf_without_unpermute_would_differ(tmp_path, tessera_home, monkeypatch):
+    """The Q/K permutation matters: skipping its reversal changes the logits."""
+    path, ref_model = write_tiny_gguf("llama", tmp_path)
+    monkeypatch.setattr(gguf_loader, "_unpermute_qk", lambda w, n_head: w)
+    ours = forward_single(load_model(path, "float32"), TOKENS)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([TOKENS])).logits[0]
+    assert (ours - ref).abs().max().item() > 1e-2
+
+
+def test_gguf_config_and_tokenizer(tmp_path, tessera_home, monkeypatch):
+    path, _ = write_tiny_gguf("gemma3", tmp_path)
+    gf = read_gguf(path)
+    cfg = config_from_gguf(gf)
+    gf.close()
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == ("gemma3", 3, 4, 1, 32)
+    assert (cfg.sliding_window, cfg.sliding_window_pattern, cfg.rope_local_base_freq) == (6, 3, 10000.0)
+    assert cfg.tie_word_embeddings and cfg.query_pre_attn_scalar == 32
+
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = load_model(path, "float32").tokenizer
+    for text in ["Hello world!", "def add(a, b):\n    return a + b", "Grüße 東京 🙂"]:
+        assert tok.encode(text) == hf_tok.encode(text)
+        assert tok.decode(tok.encode(text)) == hf_tok.decode(hf_tok.encode(text), skip_special_tokens=True)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == hf_tok.apply_chat_template(messages, tokenize=False,
+                                                                           add_generation_prompt=True)
+    assert 2 in tok.eos_token_ids  # <|im_end|>: the file's eos, also the template's end of turn
+
+    # the converted tokenizer is cached: a second load never converts again
+    assert any(tessera_home.joinpath("tokenizers").iterdir())
+    import tessera.tokenizer as tokenizer_module
+
+    def no_conversion(_path):
+        raise AssertionError("tokenizer converted again instead of read from the cache")
+
+    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", no_conversion)
+    again = Tokenizer.from_gguf(path)
+    assert again.encode("Hello world!") == tok.encode("Hello world!")
+    assert again.eos_token_ids == Tokenizer.from_gguf(path).eos_token_ids
+
+
+# -- unusable files ------------------------------------------------------------
+
+
+@pytest.fixture()
+def tiny_gguf(tmp_path) -> Path:
+    path, _ = write_tiny_gguf("llama", tmp_path, quantized=False)
+    return path
+
+
+def test_truncated_file(tiny_gguf, tmp_path):
+    data = tiny_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-1000])
+    with pytest.raises(ModelFormatError, match="cut.gguf is truncated.*re-download"):
+        read_gguf(cut)
+    cut.write_bytes(data[:5000])  # inside the metadata
+    with pytest.raises(ModelFormatError, match="corrupt or truncated GGUF header"):
+        read_gguf(cut)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        load_model(bad)
+    bad.write_bytes(b"")
+    with pytest.raises(ModelFormatError, match="cannot read"):
+        load_model(bad)
+
+
+def test_corrupt_header_counts(tiny_gguf, tmp_path):
+    data = bytearray(tiny_gguf.read_bytes())
+    data[16:24] = (2**40).to_bytes(8, "little")  # absurd metadata count
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match="corrupt"):
+        read_gguf(bad)
+
+
+def _minimal_gguf(path: Path, arch: str, tensor_type: Q = Q.F32) -> Path:
+    w = GGUFWriter(path, arch)
+    w.add_embedding_length(256)
+    w.add_block_count(1)
+    w.add_head_count(1)
+    w.add_feed_forward_length(256)
+    if tensor_type == Q.F32:
+        w.add_tensor("token_embd.weight", np.zeros((4, 256), dtype=np.float32))
+    else:
+        block, size = gguf_loader.GGML_QUANT_SIZES[tensor_type]
+        raw = np.zeros((4, 256 // block * size), dtype=np.uint8)
+        w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape, raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_architecture(tmp_path):
+    path = _minimal_gguf(tmp_path / "m.gguf", "mamba")
+    with pytest.raises(ModelFormatError, match="architecture 'mamba' is not supported.*llama, qwen2, gemma3"):
+        load_model(path)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = _minimal_gguf(tmp_path / "iq.gguf", "llama", Q.IQ2_XXS)
+    with pytest.raises(ModelFormatError, match="token_embd.weight has type IQ2_XXS.*use a file quantized as"):
+        load_model(path)
+
+
+def test_missing_tensors(tmp_path):
+    path = _minimal_gguf(tmp_path / "m.gguf", "llama")
+    with pytest.raises(ModelFormatError, match="missing .* weight"):
+        load_model(path, "float32")
+
+
+def test_rope_scaling_metadata(tmp_path):
+    w = GGUFWriter(tmp_path / "r.gguf", "qwen2")
+    for add, value in ((w.add_embedding_length, 64), (w.add_block_count, 1), (w.add_head_count, 4),
+                       (w.add_feed_forward_length, 128)):
+        add(value)
+    w.add_string("qwen2.rope.scaling.type", "yarn")
+    w.add_float32("qwen2.rope.scaling.factor", 4.0)
+    w.add_uint32("qwen2.rope.scaling.original_context_length", 32768)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = config_from_gguf(read_gguf(tmp_path / "r.gguf"))
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
