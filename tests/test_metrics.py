@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import random
 import re
 
@@ -225,6 +226,9 @@ def test_consumer_keeps_order_survives_a_broken_logger_and_closes_loggers(caplog
             consumer.put(s, it)
         assert consumer.flush(timeout_s=10)
         assert good.records == items
+        deadline = time.monotonic() + 10
+        while good.ticks < 1 and time.monotonic() < deadline:  # ticks come every tick_s
+            time.sleep(0.01)
         consumer.stop()
     assert not consumer.alive
     assert good.closed == ["flush", "shutdown"]

@@ -156,8 +156,10 @@ def _gather_context(kv_cache, block_tables, max_len, bs):
     tables = block_tables[:, :nblk]
     b = tables.shape[0]
     h, d = kv_cache.shape[3], kv_cache.shape[4]
-    keys = kv_cache[0][tables].reshape(b, nblk * bs, h, d).transpose(1, 2)
-    vals = kv_cache[1][tables].reshape(b, nblk * bs, h, d).transpose(1, 2)
+    # index_select, not advanced indexing: the latter takes a slow generic path on CPU.
+    flat = tables.reshape(-1)
+    keys = kv_cache[0].index_select(0, flat).view(b, nblk * bs, h, d).transpose(1, 2)
+    vals = kv_cache[1].index_select(0, flat).view(b, nblk * bs, h, d).transpose(1, 2)
     return keys, vals
 
 
@@ -196,7 +198,7 @@ def _prefill_layout(meta, sliding_window, length):
         if sliding_window is not None:
             mask &= kpos > qpos.unsqueeze(-1) - sliding_window
         mask[:, :, 0] |= ~valid  # padded rows attend to something, so softmax stays finite
-        meta._cache[key] = (pad_index, valid.view(-1), mask.unsqueeze(1), maxq)
+        meta._cache[key] = (pad_index, valid.view(-1).nonzero().view(-1), mask.unsqueeze(1), maxq)
     return meta._cache[key]
 
 
@@ -233,11 +235,11 @@ def _sdpa(q, k, v, kv_cache, meta, scale, sliding_window):
             keys, vals = _gather_context(kv_cache, meta.block_tables[nd:], max(prefill_lens), bs)
             pad_index, valid, mask, maxq = _prefill_layout(meta, sliding_window, keys.shape[2])
             q_ext = torch.cat([q, q.new_zeros((1, hq, d))])
-            qp = q_ext[pad_index].transpose(1, 2)  # [Bp, Hq, maxq, D]
+            qp = q_ext.index_select(0, pad_index.view(-1)).view(*pad_index.shape, hq, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qp, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
             )
-            o = o.transpose(1, 2).reshape(-1, hq, d)[valid]
+            o = o.transpose(1, 2).reshape(-1, hq, d).index_select(0, valid)
             out[start:] = o
     return out
 

@@ -81,7 +81,7 @@ class ModelRunner:
                             torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
         if not sample_reqs:
             return RunnerOutput({}, {}, num_prompt)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(sample_rows)))
         result = self.sampler(logits, sample_reqs)
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
         logprobs = {}
