@@ -10,9 +10,9 @@ KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]
 
 Two backends compute the same thing:
 - `reference`: a plain loop per request in float32, easy to trust, slow.
-- `sdpa`: decode requests in one batched call, prefill chunks in another,
-  through `torch.nn.functional.scaled_dot_product_attention`. No Python loop
-  per request or per token.
+- `sdpa`: decode requests in one pair of batched matmuls, prefill chunks in one
+  `torch.nn.functional.scaled_dot_product_attention` call. No Python loop per
+  request or per token.
 """
 from __future__ import annotations
 
@@ -210,12 +210,15 @@ def _sdpa(q, k, v, kv_cache, meta, scale, sliding_window):
     if nd > 0:
         max_len = max(meta.seq_lens[:nd])
         keys, vals = _gather_context(kv_cache, meta.block_tables[:nd], max_len, bs)
-        mask = _decode_mask(meta, sliding_window, keys.shape[2])
-        qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = o.squeeze(2)
+        mask = _decode_mask(meta, sliding_window, keys.shape[2])  # [Bd, 1, 1, L]
+        # Two batched matmuls with the query heads of one KV head stacked as rows: for a
+        # single query row this is >10x faster on CPU than SDPA's flash kernel in bfloat16.
+        hkv = keys.shape[1]
+        qg = q[:nd].view(nd, hkv, hq // hkv, d)
+        scores = torch.matmul(qg, keys.to(q.dtype).transpose(-1, -2)).float() * scale
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out[:nd] = torch.matmul(probs, vals.to(q.dtype)).view(nd, hq, d)
     if nd < meta.num_reqs:
         start = meta.query_start_loc[nd]
         prefill_lens = [meta.seq_lens[i] for i in range(nd, meta.num_reqs)]

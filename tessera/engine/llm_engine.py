@@ -267,6 +267,7 @@ class LLMEngine:
             out.stop_reason = req.stop_reason
         elif req.status == RequestStatus.FINISHED_LENGTH:
             out.finish_reason = "length"
+            out.text += child.detok.flush()  # a last incomplete character, if any
         stops = req.params.stop
         if stops and not out.finished:
             tail_start = max(0, prev_len - max(len(s) for s in stops) + 1)
