@@ -47,7 +47,7 @@ class ModelRunner:
         dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         for dev, host in zip(self.kv_caches, self.host_caches):
             src, dst = (dev, host) if to_host else (host, dev)
-            dst[:, dst_ids] = src[:, src_ids]
+            dst[:, :, dst_ids] = src[:, :, src_ids]  # [2, heads, blocks, ...]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
