@@ -151,8 +151,11 @@ class Scheduler:
             # req itself was preempted; the list shifted, do not advance i
 
         # 2. Then waiting requests, first come first served.
+        # Static batching admits a whole batch at once (its prompts are then computed
+        # over the next steps within the budget) and nothing more until it has finished.
         admit = not out.preempted and (not static or not self.running)
-        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while admit and self.waiting and (budget > 0 or static) and \
+                len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.wait_for is not None and not req.wait_for.is_finished and \
                     req.wait_for.num_computed_tokens < req.wait_for.num_prompt_tokens:
