@@ -193,6 +193,10 @@ def test_chat_stream_n_seed_and_logprobs(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=8,
                   temperature=1.0, seed=7, n=3, logprobs=True, top_logprobs=2)
     texts: dict[int, str] = {0: "", 1: "", 2: ""}
+    # Warm the prefix cache first, so both compared requests take the same computation path:
+    # in bfloat16 a cached prompt block and a freshly computed one round differently, which
+    # can move a temperature-1 sample (the sampler's randomness itself is seeded per choice).
+    client.chat.completions.create(**kwargs)
     for ch in client.chat.completions.create(stream=True, **kwargs):
         for choice in ch.choices:
             texts[choice.index] += choice.delta.content or ""

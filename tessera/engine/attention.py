@@ -67,18 +67,19 @@ class AttentionMetadata:
                 break
             num_decodes += 1
         query_start_loc = [0]
-        slots: list[int] = []
-        for q, s, row in zip(query_lens, seq_lens, block_table_rows):
+        for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)
-            for pos in range(s - q, s):
-                slots.append(row[pos // block_size] * block_size + pos % block_size)
         width = max((len(r) for r in block_table_rows), default=1) or 1
-        table = torch.zeros((len(block_table_rows), width), dtype=torch.long)
-        for i, row in enumerate(block_table_rows):
-            if row:
-                table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        table = torch.tensor([r + [0] * (width - len(r)) for r in block_table_rows], dtype=torch.long)
+        # Slot of every new token, computed as tensors rather than token by token.
+        qlens = torch.tensor(query_lens, dtype=torch.long)
+        req = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
+        first_pos = torch.tensor(seq_lens, dtype=torch.long) - qlens  # position of each request's first new token
+        starts = torch.tensor(query_start_loc[:-1], dtype=torch.long)
+        pos = torch.arange(query_start_loc[-1]) - starts[req] + first_pos[req]
+        slots = table[req, pos // block_size] * block_size + pos % block_size
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=slots,
             query_start_loc=query_start_loc,
             seq_lens=list(seq_lens),
             block_tables=table,

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from tessera.config import ModelConfig
 from tessera.engine.attention import AttentionMetadata, paged_attention
 from tessera.errors import ModelFormatError
-from tessera.models.llama import Rope, apply_rope, fuse_rows, set_param
+from tessera.models.llama import Rope, apply_rope, collect_layer_weights, fuse_rows, set_param
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -77,33 +77,8 @@ class Gemma3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]], source: str = "checkpoint") -> None:
         """Fuse, fold (1 + w) into the norms and cast HF-named float tensors, layer by layer."""
         parts = self.LAYER_PARTS
-        pending: list[dict[str, Tensor]] = [{} for _ in range(self.num_layers)]
-        done = [False] * self.num_layers
-        globals_: dict[str, Tensor] = {}
-        for name, tensor in weights:
-            if name.startswith("model.layers."):
-                idx_str, _, part = name[len("model.layers."):].partition(".")
-                idx = int(idx_str)
-                if idx >= self.num_layers or part not in parts:
-                    continue
-                pending[idx][part] = tensor
-                if len(pending[idx]) == len(parts):
-                    self._set_layer(idx, pending[idx])
-                    pending[idx], done[idx] = {}, True
-            else:
-                globals_[name] = tensor
-        missing = [f"model.layers.{i}.{p}" for i in range(self.num_layers) if not done[i]
-                   for p in parts if p not in pending[i]]
-        for name in ("model.embed_tokens.weight", "model.norm.weight"):
-            if name not in globals_:
-                missing.append(name)
-        if not self.config.tie_word_embeddings and "lm_head.weight" not in globals_:
-            missing.append("lm_head.weight")
-        if missing:
-            raise ModelFormatError(
-                f"{source} is missing {len(missing)} weight(s), e.g. {missing[0]}; the file is incomplete or "
-                "not a standard checkpoint"
-            )
+        globals_ = collect_layer_weights(weights, self.num_layers, parts, self._set_layer,
+                                         self.config.tie_word_embeddings, source)
         set_param(self, "embed_tokens", globals_.pop("model.embed_tokens.weight"), "model.embed_tokens.weight")
         if self.config.tie_word_embeddings:
             self.lm_head = self.embed_tokens

@@ -96,6 +96,42 @@ def set_param(module: nn.Module, attr: str, value: Tensor, name: str) -> None:
     setattr(module, attr, nn.Parameter(value.to(want.dtype).contiguous(), requires_grad=False))
 
 
+def collect_layer_weights(
+    weights: Iterable[tuple[str, Tensor]], num_layers: int, parts: list[str], set_layer,
+    tie_word_embeddings: bool, source: str,
+) -> dict[str, Tensor]:
+    """Hand each layer's tensors to `set_layer(idx, parts)` as soon as the layer is complete,
+    so dequantized copies never pile up; return the other tensors; raise if any is missing."""
+    pending: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
+    done = [False] * num_layers
+    globals_: dict[str, Tensor] = {}
+    for name, tensor in weights:
+        if name.startswith("model.layers."):
+            idx_str, _, part = name[len("model.layers."):].partition(".")
+            idx = int(idx_str)
+            if idx >= num_layers or part not in parts:
+                continue
+            pending[idx][part] = tensor
+            if len(pending[idx]) == len(parts):
+                set_layer(idx, pending[idx])
+                pending[idx], done[idx] = {}, True
+        else:
+            globals_[name] = tensor
+    missing = [f"model.layers.{i}.{p}" for i in range(num_layers) if not done[i]
+               for p in parts if p not in pending[i]]
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        if name not in globals_:
+            missing.append(name)
+    if not tie_word_embeddings and "lm_head.weight" not in globals_:
+        missing.append("lm_head.weight")
+    if missing:
+        raise ModelFormatError(
+            f"{source} is missing {len(missing)} weight(s), e.g. {missing[0]}; the file is incomplete or "
+            "not a standard checkpoint"
+        )
+    return globals_
+
+
 def fuse_rows(parts: dict[str, Tensor], *names: str, prefix: str) -> Tensor:
     """Concatenate along rows, with a clear error if the pieces do not fit together."""
     try:
@@ -153,33 +189,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]], source: str = "checkpoint") -> None:
         """Fuse and cast HF-named float tensors into this module, one layer at a time."""
         parts = self.LAYER_PARTS + (self.BIAS_PARTS if self.config.attention_bias else [])
-        pending: list[dict[str, Tensor]] = [{} for _ in range(self.num_layers)]
-        done = [False] * self.num_layers
-        globals_: dict[str, Tensor] = {}
-        for name, tensor in weights:
-            if name.startswith("model.layers."):
-                idx_str, _, part = name[len("model.layers."):].partition(".")
-                idx = int(idx_str)
-                if idx >= self.num_layers or part not in parts:
-                    continue
-                pending[idx][part] = tensor
-                if len(pending[idx]) == len(parts):
-                    self._set_layer(idx, pending[idx])
-                    pending[idx], done[idx] = {}, True
-            else:
-                globals_[name] = tensor
-        missing = [f"model.layers.{i}.{p}" for i in range(self.num_layers) if not done[i]
-                   for p in parts if p not in pending[i]]
-        for name in ("model.embed_tokens.weight", "model.norm.weight"):
-            if name not in globals_:
-                missing.append(name)
-        if not self.config.tie_word_embeddings and "lm_head.weight" not in globals_:
-            missing.append("lm_head.weight")
-        if missing:
-            raise ModelFormatError(
-                f"{source} is missing {len(missing)} weight(s), e.g. {missing[0]}; the file is incomplete or "
-                "not a standard checkpoint"
-            )
+        globals_ = collect_layer_weights(weights, self.num_layers, parts, self._set_layer,
+                                         self.config.tie_word_embeddings, source)
         set_param(self, "embed_tokens", globals_.pop("model.embed_tokens.weight"), "model.embed_tokens.weight")
         if self.config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
