@@ -5,8 +5,6 @@ import random
 
 import pytest
 
-from tessera.engine.llm_engine import LLMEngine
-from tessera.config import EngineConfig
 from tessera.llm import LLM
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 

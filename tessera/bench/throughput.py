@@ -16,7 +16,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tessera.bench.datasets import random_workload
-from tessera.config import EngineConfig
 from tessera.engine.args import add_engine_args, config_from_args
 from tessera.engine.llm_engine import LLMEngine
 from tessera.sampling_params import SamplingParams

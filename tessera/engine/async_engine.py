@@ -11,7 +11,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union
 
 from tessera.config import EngineConfig

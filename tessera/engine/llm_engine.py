@@ -7,7 +7,6 @@ fan-out) lives here too, so the server and the offline `LLM` share it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union

@@ -6,7 +6,6 @@ without padding; attention alone looks at request boundaries (AttentionMetadata)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
