@@ -1,6 +1,6 @@
-"""The engine loop on its own thread, fed and drained from asyncio.
+"""The engine loop on a thread apart from the HTTP event loop, fed and drained from asyncio.
 
-The HTTP event loop never runs model code and the engine thread never waits
+The HTTP event loop never runs model code and the engine loop never waits
 on the network: requests cross over through a command queue, outputs come
 back through one asyncio.Queue per request. Tokenization and validation run
 in the caller, so a bad request is refused before it reaches the engine.
@@ -132,7 +132,7 @@ class AsyncLLMEngine:
         self._commands.put((kind, payload))
         self._wakeup.set()
 
-    # -- engine thread ------------------------------------------------------------
+    # -- engine loop side ---------------------------------------------------------
     def _deliver(self, request_id: str, item: object) -> None:
         target = self._streams.get(request_id)
         if target is not None:

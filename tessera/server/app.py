@@ -1,7 +1,8 @@
 """The HTTP server: a FastAPI app over one AsyncLLMEngine, and `serve(args)` for `tessera serve`.
 
-The engine steps in its own thread (AsyncLLMEngine), so the event loop here
-only parses, streams and waits: a slow client never stalls decoding, and a
+The engine steps on a thread apart from the event loop (in `tessera serve`, the
+main thread, with uvicorn on its own thread), so the event loop here only parses,
+streams and waits: a slow client never stalls decoding, and a
 long step never stalls HTTP.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
