@@ -7,7 +7,7 @@ are plain dataclasses so they can be logged, compared and copied freely.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 
 @dataclass
@@ -41,21 +41,48 @@ class ModelConfig:
     quantization: str = ""  # e.g. "Q4_1" as found in the file, informational
 
 
+DTYPES = ("auto", "bfloat16", "float32")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DENSE_WEIGHT_COPIES = ("auto", "on", "off")
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULER_POLICIES = ("continuous", "static")
+ATTENTION_BACKENDS = ("sdpa", "reference")
+
+
 @dataclass
 class EngineConfig:
     """Every serving knob; the CLI maps flags 1:1 onto these fields."""
 
     model: str = "smollm2-135m"
-    dtype: str = "auto"  # auto | bfloat16 | float32
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # Weight storage of Linear layers (vLLM's --quantization): auto keeps the file's precision class.
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    # Quantized weights also kept dense for large steps (prefill, big batches): auto = when small.
+    dense_weight_copy: Literal["auto", "on", "off"] = "auto"
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size
     max_model_len: Optional[int] = None  # None = min(model max positions, 4096)
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 32
     enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # recompute | swap
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
-    scheduler_policy: str = "continuous"  # continuous | static
-    attention_backend: str = "sdpa"  # sdpa | reference
+    scheduler_policy: Literal["continuous", "static"] = "continuous"
+    attention_backend: Literal["sdpa", "reference"] = "sdpa"
     num_threads: Optional[int] = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dtype", DTYPES), ("quantization", QUANTIZATIONS),
+                              ("dense_weight_copy", DENSE_WEIGHT_COPIES), ("preemption_mode", PREEMPTION_MODES),
+                              ("scheduler_policy", SCHEDULER_POLICIES), ("attention_backend", ATTENTION_BACKENDS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    @property
+    def dense_copy(self) -> Optional[bool]:
+        return {"auto": None, "on": True, "off": False}[self.dense_weight_copy]

@@ -147,7 +147,7 @@ def tessera_home(tmp_path, monkeypatch):
 def test_gguf_logits_match_transformers(kind, tmp_path, tessera_home, monkeypatch):
     path, ref_model = write_tiny_gguf(kind, tmp_path)
     monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK", 100)  # exercise row-chunked dequantization
-    loaded = load_model(path, "float32")
+    loaded = load_model(path, "float32", quantization="none")
     with torch.no_grad():
         ref = ref_model(torch.tensor([TOKENS])).logits[0]
     ours = forward_single(loaded, TOKENS)
@@ -158,7 +158,7 @@ def test_gguf_without_unpermute_would_differ(tmp_path, tessera_home, monkeypatch
     """The Q/K permutation matters: skipping its reversal changes the logits."""
     path, ref_model = write_tiny_gguf("llama", tmp_path)
     monkeypatch.setattr(gguf_loader, "_unpermute_qk", lambda w, n_head: w)
-    ours = forward_single(load_model(path, "float32"), TOKENS)
+    ours = forward_single(load_model(path, "float32", quantization="none"), TOKENS)
     with torch.no_grad():
         ref = ref_model(torch.tensor([TOKENS])).logits[0]
     assert (ours - ref).abs().max().item() > 1e-2
@@ -176,7 +176,7 @@ def test_gguf_config_and_tokenizer(tmp_path, tessera_home, monkeypatch):
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok = load_model(path, "float32").tokenizer
+    tok = load_model(path, "float32", quantization="none").tokenizer
     for text in ["Hello world!", "def add(a, b):\n    return a + b", "Grüße 東京 🙂"]:
         assert tok.encode(text) == hf_tok.encode(text)
         assert tok.decode(tok.encode(text)) == hf_tok.decode(hf_tok.encode(text), skip_special_tokens=True)
@@ -271,7 +271,7 @@ def test_unsupported_tensor_type(tmp_path):
 def test_missing_tensors(tmp_path):
     path = _minimal_gguf(tmp_path / "m.gguf", "llama")
     with pytest.raises(ModelFormatError, match="missing .* weight"):
-        load_model(path, "float32")
+        load_model(path, "float32", quantization="none")
 
 
 def test_rope_scaling_metadata(tmp_path):

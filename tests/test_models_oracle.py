@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from tessera.engine.attention import AttentionMetadata, allocate_kv_caches
+from tessera.attention import get_backend
 from tessera.models.loader import LoadedModel, forward_single, load_model
 
 pytestmark = pytest.mark.model
@@ -46,7 +46,7 @@ def models(request, model_path):
         str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True),
         dtype=torch.float32,
     ).eval()
-    yield request.param, oracle, load_model(path, "float32"), load_model(path, "bfloat16")
+    yield request.param, oracle, load_model(path, "float32", quantization="none"), load_model(path, "bfloat16", quantization="none")
 
 
 LONG_PROMPT = " ".join(
@@ -110,17 +110,18 @@ def _greedy_tessera(loaded: LoadedModel, ids: list[int], n: int, block_size: int
     """Prefill, then one decode step per token through the paged KV cache."""
     c = loaded.config
     num_blocks = math.ceil((len(ids) + n) / block_size)
-    caches = allocate_kv_caches(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
+    backend = get_backend("sdpa")
+    caches = backend.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
     blocks = list(reversed(range(num_blocks)))  # non-contiguous order on purpose
     tokens, out = list(ids), []
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [blocks], block_size)
+    meta = backend.build_metadata([len(ids)], [len(ids)], [blocks], block_size)
     hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
     for _ in range(n):
         token = int(loaded.model.compute_logits(hidden[-1:]).argmax())
         out.append(token)
         tokens.append(token)
         pos = len(tokens) - 1
-        meta = AttentionMetadata.build([1], [len(tokens)], [blocks], block_size)
+        meta = backend.build_metadata([1], [len(tokens)], [blocks], block_size)
         hidden = loaded.model(torch.tensor([token]), torch.tensor([pos]), caches, meta)
     return out
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tessera.config import ModelConfig
-from tessera.engine.attention import AttentionMetadata, allocate_kv_caches
+from tessera.attention import get_backend
 from tessera.errors import ModelFormatError, ModelNotFoundError, TesseraError
 from tessera.models.dtype import measure_linear_speed, resolve_dtype
 from tessera.models.loader import forward_single, load_model
@@ -48,7 +48,7 @@ def test_bfloat16_logits_close_to_transformers(tiny_model_dir, kind):
     folder = tiny_model_dir(kind)
     loaded = load_model(folder, "bfloat16")
     assert loaded.dtype == torch.bfloat16
-    assert loaded.model.layers[0].qkv.dtype == torch.bfloat16
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     ref = hf_logits(folder, TOKENS)
     ours = forward_single(loaded, TOKENS)
     assert ours.dtype == torch.float32
@@ -64,7 +64,7 @@ def _step(model, caches, reqs, block_size, backend):
         qlens.append(new)
         seqlens.append(done + new)
         tables.append(blocks)
-    meta = AttentionMetadata.build(qlens, seqlens, tables, block_size, backend)
+    meta = get_backend(backend).build_metadata(qlens, seqlens, tables, block_size)
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.tensor(pos), caches, meta)
         return model.compute_logits(hidden)
@@ -77,7 +77,7 @@ def test_packed_batch_with_cache_matches_single_sequences(tiny_model_dir, kind, 
     loaded = load_model(tiny_model_dir(kind), "float32")
     c = loaded.config
     bs = 4
-    caches = allocate_kv_caches(c.num_layers, 24, bs, c.num_kv_heads, c.head_dim, torch.float32)
+    caches = get_backend(backend).allocate(c.num_layers, 24, bs, c.num_kv_heads, c.head_dim, torch.float32)
     a, b, d = TOKENS[:9], TOKENS[:4] + TOKENS[10:19], TOKENS[3:11]
     blocks_a, blocks_b, blocks_d = [3, 0, 7], [1, 2, 5, 9], [4, 6]
     ref = {name: forward_single(loaded, seq) for name, seq in (("a", a), ("b", b), ("d", d))}
@@ -151,11 +151,21 @@ def test_resolve_dtype_names_and_errors():
         resolve_dtype(torch.float16, _config())
 
 
-def test_auto_dtype_measures_both(caplog):
+def test_auto_dtype_measures_both_without_native_bf16(caplog, monkeypatch):
+    monkeypatch.setattr("tessera.models.dtype.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     timings = measure_linear_speed(_config(), budget_s=0.01)
     assert set(timings) == {torch.float32, torch.bfloat16}
     assert all(t > 0 for per_batch in timings.values() for t in per_batch.values())
     with caplog.at_level("INFO", logger="tessera.models.dtype"):
         chosen = resolve_dtype("auto", _config())
     assert chosen in (torch.float32, torch.bfloat16)
-    assert "dtype auto" in caplog.text and "using" in caplog.text
+    assert "no native bfloat16" in caplog.text and "using" in caplog.text
+
+
+def test_auto_dtype_is_bf16_by_rule_on_native_bf16_cpus(caplog, monkeypatch):
+    monkeypatch.setattr("tessera.models.dtype.cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr("tessera.models.dtype.measure_linear_speed",
+                        lambda *a, **k: pytest.fail("a CPU with native bf16 needs no timing"))
+    with caplog.at_level("INFO", logger="tessera.models.dtype"):
+        assert resolve_dtype("auto", _config()) == torch.bfloat16
+    assert "natively: avx512_bf16" in caplog.text

@@ -5,7 +5,8 @@ import argparse
 import re
 from dataclasses import fields
 
-from tessera.config import EngineConfig
+from tessera.config import (ATTENTION_BACKENDS, DENSE_WEIGHT_COPIES, DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
+                            SCHEDULER_POLICIES, EngineConfig)
 
 
 def parse_size(text: str) -> int:
@@ -20,8 +21,15 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float32"],
-                   help="compute dtype; auto measures which is faster here (default: %(default)s)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                   help="compute dtype; auto: bfloat16 where the CPU computes it natively, else measured "
+                        "(default: %(default)s)")
+    g.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATIONS,
+                   help="weight storage of linear layers: auto keeps the file's precision (a Q4 GGUF runs "
+                        "int4, Q5-Q8 tensors int8, float files dense); none dequantizes (default: %(default)s)")
+    g.add_argument("--dense-weight-copy", default=d.dense_weight_copy, choices=DENSE_WEIGHT_COPIES,
+                   help="keep a dense copy of quantized weights for prefill-sized steps (faster, more memory); "
+                        "auto: when the copy is under 1 GiB and 1/8 of free RAM (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="memory for the KV cache, e.g. 2GiB (default: from model size and free RAM)")
@@ -33,13 +41,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most requests in one step (default: %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt heads (default: on)")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode,
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,
                    help="what to do with a preempted request's KV (default: %(default)s)")
     g.add_argument("--swap-space", type=parse_size, default=d.swap_space,
                    help="host memory for swapped-out KV blocks (default: 1GiB)")
-    g.add_argument("--scheduler-policy", choices=["continuous", "static"], default=d.scheduler_policy,
+    g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
                    help="continuous batching, or the naive static baseline (default: %(default)s)")
-    g.add_argument("--attention-backend", choices=["sdpa", "reference"], default=d.attention_backend,
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
                    help="attention implementation (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")

@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from tessera.attention import get_backend
 from tessera.config import EngineConfig
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -20,6 +21,7 @@ from tessera.engine.request import Request, RequestStatus
 from tessera.engine.runner import ModelRunner
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from tessera.hostinfo import available_memory
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("tessera")
@@ -60,17 +62,6 @@ class _Parent:
         return all(c.out.finished for c in self.children)
 
 
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         from tessera.models.loader import load_model
@@ -80,7 +71,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if loaded is None:
             path = resolve_model(config.model)
-            loaded = load_model(path, config.dtype)
+            loaded = load_model(path, config.dtype, quantization=config.quantization,
+                                dense_copy=config.dense_copy)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -91,11 +83,12 @@ class LLMEngine:
         if max_model_len > mc.max_position_embeddings:
             raise InvalidRequestError(
                 f"--max-model-len {max_model_len} exceeds the model's limit of {mc.max_position_embeddings}")
-        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        self.attn_backend = get_backend(config.attention_backend)
+        bytes_per_token = self.attn_backend.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         bytes_per_block = bytes_per_token * config.block_size
         kv_memory = config.kv_cache_memory
         if kv_memory is None:
-            kv_memory = min(DEFAULT_KV_CACHE_MEMORY, int(_available_memory() * 0.25))
+            kv_memory = min(DEFAULT_KV_CACHE_MEMORY, int(available_memory() * 0.25))
         num_blocks = kv_memory // bytes_per_block
         if num_blocks < 1:
             raise InvalidRequestError(
@@ -106,7 +99,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks, hash_extra=str(config.model))
         self.scheduler = Scheduler(self.config, self.kv, max_model_len)
-        self.runner = ModelRunner(loaded.model, mc, self.config, num_blocks, num_host_blocks, self.dtype)
+        self.runner = ModelRunner(loaded.model, mc, self.config, self.attn_backend, num_blocks, num_host_blocks,
+                                  self.dtype)
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._aborted: list[str] = []  # parents aborted since the last step, to report

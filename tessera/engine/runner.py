@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.attention import AttentionBackend
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.attention import AttentionMetadata, allocate_kv_caches
 from tessera.engine.request import Request
 from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import SchedulerOutput
@@ -25,18 +25,17 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 num_blocks: int, num_host_blocks: int, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype) -> None:
         self.model = model
         self.config = config
+        self.backend = backend
         self.block_size = config.block_size
-        shape = (model_config.num_layers, num_blocks, config.block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = allocate_kv_caches(*shape, dtype=dtype)
+        mc = model_config
+        self.kv_caches = backend.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+                                          mc.head_dim, dtype)
         # Host copies for swapped-out requests (pinned memory would go here on a GPU).
-        self.host_caches = allocate_kv_caches(
-            model_config.num_layers, max(num_host_blocks, 0), config.block_size,
-            model_config.num_kv_heads, model_config.head_dim, dtype=dtype,
-        ) if num_host_blocks > 0 else []
+        self.host_caches = backend.allocate(mc.num_layers, num_host_blocks, config.block_size, mc.num_kv_heads,
+                                            mc.head_dim, dtype) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
@@ -44,9 +43,8 @@ class ModelRunner:
             return
         src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        for dev, host in zip(self.kv_caches, self.host_caches):
-            src, dst = (dev, host) if to_host else (host, dev)
-            dst[:, :, dst_ids] = src[:, :, src_ids]  # [2, heads, blocks, ...]
+        src, dst = (self.kv_caches, self.host_caches) if to_host else (self.host_caches, self.kv_caches)
+        self.backend.copy_blocks(src, dst, src_ids, dst_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -74,13 +72,14 @@ class ModelRunner:
             if s.produces_token:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(r)
-        meta = AttentionMetadata.build(qlens, seqlens, tables, self.block_size,
-                                       self.config.attention_backend)
+        meta = self.backend.build_metadata(qlens, seqlens, tables, self.block_size)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
         if not sample_reqs:
             return RunnerOutput({}, {}, num_prompt)
-        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(sample_rows)))
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(sample_rows))
+        logits = self.model.compute_logits(hidden)
         result = self.sampler(logits, sample_reqs)
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
         logprobs = {}

@@ -1,4 +1,4 @@
-"""Gemma 3 text decoder over Tessera's packed batch and paged KV cache.
+"""Gemma 3 text decoder built from tessera.layers.
 
 Differs from llama in: embeddings scaled by sqrt(hidden), RMSNorm scale stored
 as (1 + w) (folded in at load time), RMSNorm on each query/key head, norms
@@ -8,136 +8,122 @@ choices as tessera.models.llama apply (fused QKV and gate/up, table RoPE).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
-from tessera.engine.attention import AttentionMetadata, paged_attention
 from tessera.errors import ModelFormatError
-from tessera.models.llama import Rope, apply_rope, collect_layer_weights, fuse_rows, set_param
+from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
+from tessera.layers.weights import AnyWeight
+from tessera.models.weights import load_named_weights
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, c: ModelConfig, quant: QuantConfig, prefix: str, sliding: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.eps = c.rms_norm_eps
+        self.qkv_proj = Linear(c.hidden_size, [self.q_size, self.kv_size, self.kv_size], quant,
+                               shard_names=["q", "k", "v"], prefix=prefix + ".qkv_proj")
+        self.o_proj = Linear(self.q_size, c.hidden_size, quant, prefix=prefix + ".o_proj")
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, quant.dtype, offset=1.0, prefix=prefix + ".q_norm")
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, quant.dtype, offset=1.0, prefix=prefix + ".k_norm")
+        scale = float(c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.attn = Attention(c.num_heads, c.head_dim, scale, c.num_kv_heads, c.sliding_window if sliding else None)
+        self.qk_scale: Optional[Tensor] = None  # [Hq + Hkv, D]: q_norm rows then k_norm rows
+
+    def finish_loading(self) -> None:
+        self.qk_scale = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
+                                   self.k_norm.weight.expand(self.num_kv_heads, -1)]).contiguous()
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        t = h.shape[0]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(h)
+        qk_end = self.q_size + self.kv_size
+        # Per-head norm of Q and K heads in one call, each head with its own (1 + w) row.
+        qk = F.rms_norm(qkv[:, :qk_end].view(t, nq + nkv, d), (d,), None, self.eps) * self.qk_scale
+        qk = apply_rope(qk, cos, sin, d // 2)
+        v = qkv[:, qk_end:].view(t, nkv, d)
+        return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], v, cache, meta))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, quant: QuantConfig, prefix: str, sliding: bool):
+        super().__init__()
+        self.sliding = sliding
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, offset=1.0, prefix=f"{prefix}.{name}")
+
+        self.input_layernorm = norm("input_layernorm")
+        self.self_attn = Gemma3Attention(c, quant, prefix + ".self_attn", sliding)
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, quant, "gelu_tanh", prefix + ".mlp")
+        self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, c: ModelConfig, quant: QuantConfig, is_sliding: list[bool]):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, quant, prefix="model.embed_tokens")
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, quant, f"model.layers.{i}", is_sliding[i])
+                                    for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, offset=1.0, prefix="model.norm")
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, quant: QuantConfig):
         super().__init__()
         c = config
         if c.attn_logit_softcapping:
             raise ModelFormatError("Gemma models with attention logit soft-capping are not supported")
         self.config = c
-        self.dtype = dtype
-        self.hidden = c.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
-        self.eps = c.rms_norm_eps
-        self.scale = float(c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        self.num_layers = c.num_layers
+        self.dtype = quant.dtype
         pattern = c.sliding_window_pattern or 0
         # Layer i is global when (i + 1) is a multiple of the pattern; without a window all are global.
         self.is_sliding = [bool(c.sliding_window) and pattern > 0 and (i + 1) % pattern != 0
                            for i in range(c.num_layers)]
         # HF rounds the embedding scale to the compute dtype; do the same.
-        self.embed_scale = torch.tensor(c.hidden_size ** 0.5, dtype=dtype)
-
-        def param(*shape: int) -> nn.Parameter:  # placeholder; load_weights assigns the real tensor
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
-
-        self.embed_tokens = param(c.vocab_size, c.hidden_size)
-        self.lm_head = self.embed_tokens if c.tie_word_embeddings else param(c.vocab_size, c.hidden_size)
-        self.norm = param(c.hidden_size)
-        self.layers = nn.ModuleList()
-        for _ in range(c.num_layers):
-            layer = nn.Module()
-            layer.input_norm = param(c.hidden_size)
-            layer.qkv = param(self.q_size + 2 * self.kv_size, c.hidden_size)
-            layer.qk_norm = param(c.num_heads + c.num_kv_heads, c.head_dim)  # per-head (1 + w) rows
-            layer.o_proj = param(c.hidden_size, self.q_size)
-            layer.post_attn_norm = param(c.hidden_size)
-            layer.pre_ffn_norm = param(c.hidden_size)
-            layer.gate_up = param(2 * c.intermediate_size, c.hidden_size)
-            layer.down = param(c.hidden_size, c.intermediate_size)
-            layer.post_ffn_norm = param(c.hidden_size)
-            self.layers.append(layer)
-        self.rope_global: Optional[Rope] = None
-        self.rope_local: Optional[Rope] = None
-
-    # -- loading -------------------------------------------------------------
-    LAYER_PARTS = [
-        "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
-        "self_attn.k_norm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
-        "post_feedforward_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    ]
+        self.embed_scale = torch.tensor(c.hidden_size ** 0.5, dtype=quant.dtype)
+        self.model = Gemma3Model(c, quant, self.is_sliding)
+        self.lm_head = (self.model.embed_tokens if c.tie_word_embeddings
+                        else VocabEmbedding(c.vocab_size, c.hidden_size, quant, prefix="lm_head"))
+        self.rotary_global: Optional[RotaryEmbedding] = None
+        self.rotary_local: Optional[RotaryEmbedding] = None
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]], source: str = "checkpoint") -> None:
-        """Fuse, fold (1 + w) into the norms and cast HF-named float tensors, layer by layer."""
-        parts = self.LAYER_PARTS
-        globals_ = collect_layer_weights(weights, self.num_layers, parts, self._set_layer,
-                                         self.config.tie_word_embeddings, source)
-        set_param(self, "embed_tokens", globals_.pop("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        if self.config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            set_param(self, "lm_head", globals_.pop("lm_head.weight"), "lm_head.weight")
-        set_param(self, "norm", 1.0 + globals_.pop("model.norm.weight").float(), "model.norm.weight")
+    def load_weights(self, weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
+                     source: str = "checkpoint") -> None:
+        load_named_weights(self, weights, source)
+        for layer in self.model.layers:
+            layer.self_attn.finish_loading()
         c = self.config
-        self.rope_global = Rope(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, self.dtype)
-        local_base = c.rope_local_base_freq or c.rope_theta
-        self.rope_local = Rope(c.head_dim, local_base, None, c.max_position_embeddings, self.dtype)
+        self.rotary_global = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
+                                             self.dtype)
+        self.rotary_local = RotaryEmbedding(c.head_dim, c.rope_local_base_freq or c.rope_theta, None,
+                                            c.max_position_embeddings, self.dtype)
 
-    def _set_layer(self, idx: int, p: dict[str, Tensor]) -> None:
-        layer, pre = self.layers[idx], f"model.layers.{idx}."
-        set_param(layer, "qkv", fuse_rows(p, "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                     "self_attn.v_proj.weight", prefix=pre), pre + "self_attn.q/k/v_proj.weight")
-        q_norm, k_norm = p["self_attn.q_norm.weight"].float(), p["self_attn.k_norm.weight"].float()
-        if q_norm.shape != (self.head_dim,) or k_norm.shape != (self.head_dim,):
-            raise ModelFormatError(f"{pre}self_attn.q_norm/k_norm do not match head_dim {self.head_dim}")
-        qk_norm = 1.0 + torch.cat([q_norm.expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)])
-        set_param(layer, "qk_norm", qk_norm, pre + "self_attn.q_norm/k_norm.weight")
-        set_param(layer, "gate_up", fuse_rows(p, "mlp.gate_proj.weight", "mlp.up_proj.weight", prefix=pre),
-                  pre + "mlp.gate/up_proj.weight")
-        set_param(layer, "o_proj", p["self_attn.o_proj.weight"], pre + "self_attn.o_proj.weight")
-        set_param(layer, "down", p["mlp.down_proj.weight"], pre + "mlp.down_proj.weight")
-        for attr, src in (("input_norm", "input_layernorm.weight"),
-                          ("post_attn_norm", "post_attention_layernorm.weight"),
-                          ("pre_ffn_norm", "pre_feedforward_layernorm.weight"),
-                          ("post_ffn_norm", "post_feedforward_layernorm.weight")):
-            set_param(layer, attr, 1.0 + p[src].float(), pre + src)
-
-    # -- running -------------------------------------------------------------
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata) -> Tensor:
-        h_size, eps = (self.hidden,), self.eps
-        qk_end = self.q_size + self.kv_size
-        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        t = input_ids.shape[0]
-        tables = {False: self.rope_global(positions), True: self.rope_local(positions)}
-        half = d // 2
-        window = self.config.sliding_window
-        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
-        for layer, cache, sliding in zip(self.layers, kv_caches, self.is_sliding):
-            cos, sin = tables[sliding]
-            h = F.rms_norm(x, h_size, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv)
-            qk = F.rms_norm(qkv[:, :qk_end].view(t, nq + nkv, d), (d,), None, eps) * layer.qk_norm
-            qk = apply_rope(qk, cos, sin, half)
-            v = qkv[:, qk_end:].view(t, nkv, d)
-            a = paged_attention(qk[:, :nq], qk[:, nq:], v, cache, attn_meta, self.scale,
-                                window if sliding else None)
-            x = x + F.rms_norm(F.linear(a, layer.o_proj), h_size, layer.post_attn_norm, eps)
-            h = F.rms_norm(x, h_size, layer.pre_ffn_norm, eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            h = F.linear(F.gelu(gate, approximate="tanh") * up, layer.down)
-            x = x + F.rms_norm(h, h_size, layer.post_ffn_norm, eps)
-        return F.rms_norm(x, h_size, self.norm, eps)
+        tables = {False: self.rotary_global(positions), True: self.rotary_local(positions)}
+        x = self.model.embed_tokens.embed(input_ids) * self.embed_scale
+        for layer, cache in zip(self.model.layers, kv_caches):
+            cos, sin = tables[layer.sliding]
+            a = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, attn_meta)
+            x = x + layer.post_attention_layernorm(a)
+            h = layer.mlp(layer.pre_feedforward_layernorm(x))
+            x = x + layer.post_feedforward_layernorm(h)
+        return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

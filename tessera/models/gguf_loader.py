@@ -20,7 +20,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from gguf.quants import dequantize
 
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
+from tessera.layers.weights import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +104,22 @@ class GGUFFile:
             out[i:i + step] = dequantize(rows[i:i + step], info.ggml_type)
         return out.reshape(info.shape)
 
+    def raw_weight(self, name: str) -> GGUFWeight:
+        """A quantized matrix's blocks, undecoded: [rows, bytes per row] over the mapped file."""
+        info = self.tensors[name]
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        return GGUFWeight(raw.reshape(info.shape[0], -1), info.ggml_type, (info.shape[0], info.shape[1]))
+
     def header_bytes(self) -> bytes:
         """The metadata and tensor table (everything before the tensor data)."""
         start = min((t.start for t in self.tensors.values()), default=len(self._buf))
         return self._buf[:start]
 
     def close(self) -> None:
-        self._buf.close()
+        try:
+            self._buf.close()
+        except BufferError:  # a raw weight still maps it; the mapping goes when that weight does
+            pass
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -373,13 +383,14 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_gguf_weights(
-    gf: GGUFFile, config: ModelConfig, num_threads: Optional[int] = None, dtype: torch.dtype = torch.float32,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) pairs, dequantizing on a thread pool.
+    gf: GGUFFile, config: ModelConfig, num_threads: Optional[int] = None,
+) -> Iterator[tuple[str, Union[torch.Tensor, GGUFWeight]]]:
+    """Yield (HF name, weight) pairs: quantized matrices as their raw GGUF blocks (a
+    `GGUFWeight`, memory-mapped, so a quantization method can take the 4-bit codes over
+    exactly), everything else as float32 tensors.
 
-    numpy and torch release the GIL inside their kernels, so tensors dequantize in
-    parallel. Matrices are cast to `dtype` in the workers too; vectors (norms,
-    biases) stay float32 so the model can fold in offsets before rounding.
+    Q/K rows are un-permuted on the raw blocks (blocks never cross rows). Float
+    tensors are read on a thread pool (numpy releases the GIL while converting).
     """
     arch = config.architecture
     jobs = []
@@ -390,16 +401,23 @@ def iter_gguf_weights(
             continue
         jobs.append((name, target))
 
-    def load(job: tuple[str, str]) -> tuple[str, torch.Tensor]:
+    def load(job: tuple[str, str]) -> tuple[str, Union[torch.Tensor, GGUFWeight]]:
         name, target = job
-        w = gf.dequantize(name)
+        info = gf.tensors[name]
+        qk_heads = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-            w = _unpermute_qk(w, heads)
+            qk_heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+        if len(info.shape) == 2 and info.ggml_type not in (Q.F32, Q.F16, Q.BF16):
+            w = gf.raw_weight(name)
+            if qk_heads is not None:
+                w = w.permute_rows(_unpermute_qk(np.arange(info.shape[0]), qk_heads))
+            return target, w
+        w = gf.dequantize(name)
+        if qk_heads is not None:
+            w = _unpermute_qk(w, qk_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF keeps w
-        tensor = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
-        return target, tensor.to(dtype) if tensor.dim() >= 2 else tensor
+        return target, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
     workers = max(1, num_threads or torch.get_num_threads())
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.engine.attention import AttentionMetadata, allocate_kv_caches
-from tessera.errors import ModelFormatError, ModelNotFoundError
+from tessera.attention import get_backend
+from tessera.errors import ModelFormatError, ModelNotFoundError, TesseraError
+from tessera.hostinfo import available_memory
+from tessera.layers.quantization import QUANTIZATION_MODES, QuantConfig, QuantizationMode, resolve_dense_copy
 from tessera.models.dtype import resolve_dtype
+from tessera.models.weights import count_linear_params, describe_quantization
 from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     path: Path
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
@@ -52,53 +56,59 @@ def load_model(
     path: Union[str, os.PathLike],
     dtype: Union[str, torch.dtype] = "auto",
     num_threads: Optional[int] = None,
+    quantization: QuantizationMode = "auto",
+    dense_copy: Optional[bool] = None,
 ) -> LoadedModel:
-    """Load a .gguf file or an HF folder (config.json + *.safetensors) with its tokenizer."""
+    """Load a .gguf file or an HF folder (config.json + *.safetensors) with its tokenizer.
+
+    `quantization` picks how Linear weights are stored (auto keeps the file's
+    precision class); `dense_copy` whether quantized weights also keep a dense
+    copy for large steps (None: when it is small, see resolve_dense_copy).
+    """
+    if quantization not in QUANTIZATION_MODES:
+        raise TesseraError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATION_MODES)}")
     path = Path(path).expanduser()
     if num_threads:
         torch.set_num_threads(num_threads)
     t0 = time.perf_counter()
     if path.is_dir():
-        loaded = _load_hf_folder(path, dtype, num_threads)
+        from tessera.models.safetensors_loader import config_from_hf, iter_safetensors_weights, read_hf_config
+
+        config = config_from_hf(read_hf_config(path), name=path.name)
+        model, quant = _build(config, dtype, quantization, dense_copy)
+        model.load_weights(iter_safetensors_weights(path), source=path.name)
+        tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
     elif path.is_file():
-        loaded = _load_gguf(path, dtype, num_threads)
+        from tessera.models.gguf_loader import config_from_gguf, iter_gguf_weights, read_gguf
+
+        gf = read_gguf(path)
+        try:
+            config = config_from_gguf(gf, name=path.stem)
+            model, quant = _build(config, dtype, quantization, dense_copy)
+            model.load_weights(iter_gguf_weights(gf, config, num_threads), source=path.name)
+            tokenizer = Tokenizer.from_gguf(path, gguf=gf)
+        finally:
+            gf.close()
     else:
         raise ModelNotFoundError(f"model path not found: {path}")
-    logger.info("loaded %s (%s, %s, %s) in %.1f s", path.name, loaded.config.architecture,
-                loaded.config.quantization or "unquantized", str(loaded.dtype).removeprefix("torch."),
+    _merge_eos(config, tokenizer)
+    logger.info("loaded %s (%s, %s, %s) in %.1f s", path.name, config.architecture,
+                config.quantization or "unquantized", str(quant.dtype).removeprefix("torch."),
                 time.perf_counter() - t0)
-    return loaded
+    logger.info("weights (--quantization %s%s): %s", quantization,
+                ", dense copies for large steps" if quant.dense_copy else "",
+                "; ".join(describe_quantization(model)))
+    return LoadedModel(model.eval(), config, tokenizer, quant.dtype, path, quant)
 
 
-def _load_gguf(path: Path, dtype: Union[str, torch.dtype], num_threads: Optional[int]) -> LoadedModel:
-    from tessera.models.gguf_loader import config_from_gguf, iter_gguf_weights, read_gguf
-
-    gf = read_gguf(path)
-    try:
-        config = config_from_gguf(gf, name=path.stem)
-        resolved = resolve_dtype(dtype, config)
-        t0 = time.perf_counter()
-        model = model_class(config)(config, resolved)
-        model.load_weights(iter_gguf_weights(gf, config, num_threads, resolved), source=path.name)
-        t1 = time.perf_counter()
-        tokenizer = Tokenizer.from_gguf(path, gguf=gf)
-        logger.debug("weights %.2f s, tokenizer %.2f s", t1 - t0, time.perf_counter() - t1)
-    finally:
-        gf.close()
-    _merge_eos(config, tokenizer)
-    return LoadedModel(model.eval(), config, tokenizer, resolved, path)
-
-
-def _load_hf_folder(path: Path, dtype: Union[str, torch.dtype], num_threads: Optional[int]) -> LoadedModel:
-    from tessera.models.safetensors_loader import config_from_hf, iter_safetensors_weights, read_hf_config
-
-    config = config_from_hf(read_hf_config(path), name=path.name)
+def _build(config: ModelConfig, dtype: Union[str, torch.dtype], quantization: QuantizationMode,
+           dense_copy: Optional[bool]) -> tuple[nn.Module, QuantConfig]:
+    """The model with empty layers; dense-copy policy decided from its size before any weight loads."""
     resolved = resolve_dtype(dtype, config)
-    model = model_class(config)(config, resolved)
-    model.load_weights(iter_safetensors_weights(path), source=path.name)
-    tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
-    _merge_eos(config, tokenizer)
-    return LoadedModel(model.eval(), config, tokenizer, resolved, path)
+    probe = model_class(config)(config, QuantConfig(quantization, resolved))
+    keep = resolve_dense_copy(dense_copy, count_linear_params(probe), resolved, available_memory())
+    quant = QuantConfig(quantization, resolved, keep)
+    return model_class(config)(config, quant), quant
 
 
 def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:
@@ -111,12 +121,14 @@ def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:
 
 
 @torch.inference_mode()
-def forward_single(loaded: LoadedModel, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+def forward_single(loaded: LoadedModel, token_ids: list[int], block_size: int = 16,
+                   backend_name: str = "sdpa") -> torch.Tensor:
     """Logits [T, vocab] (float32) of one fresh sequence, run without the engine."""
     c = loaded.config
     n = len(token_ids)
     num_blocks = max(1, math.ceil(n / block_size))
-    caches = allocate_kv_caches(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
-    meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size)
+    backend = get_backend(backend_name)
+    caches = backend.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
+    meta = backend.build_metadata([n], [n], [list(range(num_blocks))], block_size)
     hidden = loaded.model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n), caches, meta)
     return loaded.model.compute_logits(hidden)

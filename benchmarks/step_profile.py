@@ -1,0 +1,136 @@
+"""Where one engine step's time goes: decode-step timings, a roofline, and an op profile.
+
+For each batch size, B requests with ~200-token prompts are prefilled, then the
+engine runs decode-only steps; the median step time is compared with two
+floors measured on this machine in the same run:
+- bandwidth floor: bytes of weights read per step / measured memory-copy bandwidth;
+- compute floor: FLOPs of the step (2 x params x tokens) / measured bf16 matmul rate.
+A torch.profiler table of one decode step says which operators take the time.
+
+    python benchmarks/step_profile.py --model smollm2-135m --quantization auto --batch 1 32 \\
+        --out benchmarks/results/step_profile_auto.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large tensor copy (read + write counted)."""
+    src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes read by a decode step's matmuls, parameter count of the linears)."""
+    from tessera.layers import Linear
+
+    total, params = 0, 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            total += m.quant_method.nbytes(m)
+            params += m.input_size * m.output_size
+    return total, params
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tessera import LLM, SamplingParams
+    from tessera.bench.machine import machine_info
+
+    torch.set_num_threads(args.num_threads or torch.get_num_threads())
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+              dense_weight_copy=args.dense_weight_copy, max_num_seqs=max(args.batch))
+    engine = llm.engine
+    model = engine.runner.model
+    wbytes, params = weight_bytes(model)
+    bw, rate = copy_bandwidth(), matmul_rate()
+    prompt = ("The history of the city goes back many centuries, and its people have kept records " * 12)
+    result = {"model": args.model, "quantization": args.quantization, "dtype": str(engine.dtype),
+              "weights_read_bytes": wbytes, "linear_params": params, "copy_bandwidth_Bps": bw,
+              "bf16_matmul_flops": rate, "machine": machine_info(), "python": platform.python_version(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "batches": {}}
+    for b in args.batch:
+        params_s = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=0)
+        for i in range(b):
+            engine.add_request(f"b{b}-{i}", f"{i}: {prompt}", params_s)
+        times = []
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            _, stats = engine.step_with_stats()
+            dt = time.perf_counter() - t0
+            if stats.num_prompt_tokens == 0 and stats.num_generation_tokens == b:
+                times.append(dt)
+        med = statistics.median(times)
+        floor_bw = wbytes / (bw / 2)  # a step reads each weight byte once: read bandwidth ~ copy / 2
+        floor_compute = 2 * params * b / rate
+        entry = {"decode_steps": len(times), "median_step_ms": med * 1e3, "p90_step_ms":
+                 sorted(times)[int(0.9 * len(times))] * 1e3, "tokens_per_s": b / med,
+                 "bandwidth_floor_ms": floor_bw * 1e3, "compute_floor_ms": floor_compute * 1e3}
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for i in range(b):
+                engine.add_request(f"p{b}-{i}", f"{i}: {prompt}", SamplingParams(max_tokens=4, ignore_eos=True))
+            while True:  # prefill first, then profile one decode-only step
+                _, stats = engine.step_with_stats()
+                if stats.num_prompt_tokens == 0:
+                    break
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                engine.step()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
+            entry["profile"] = table
+            while engine.has_unfinished_requests():
+                engine.step()
+        result["batches"][str(b)] = entry
+        print(f"batch {b}: median decode step {med * 1e3:.2f} ms ({b / med:.1f} tok/s); floors: bandwidth "
+              f"{floor_bw * 1e3:.2f} ms, compute {floor_compute * 1e3:.2f} ms", flush=True)
+        if args.profile:
+            print(entry["profile"])
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--dense-weight-copy", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-rows", type=int, default=18)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    result = run(args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

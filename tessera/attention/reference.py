@@ -1,0 +1,34 @@
+"""A plain per-request float32 loop: slow and easy to trust; tests hold the fast backends to it."""
+from __future__ import annotations
+
+import torch
+
+from tessera.attention.base import AttentionBackend, write_kv
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
+        write_kv(kv_cache, k, v, meta)
+        bs = meta.block_size
+        out = torch.empty_like(q)
+        hq, hkv, d = q.shape[1], kv_cache.shape[1], q.shape[2]
+        for i in range(meta.num_reqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            seq_len = meta.seq_lens[i]
+            nblk = (seq_len + bs - 1) // bs
+            blocks = meta.block_tables[i, :nblk]
+            keys = kv_cache[0][:, blocks].reshape(hkv, -1, d)[:, :seq_len].transpose(0, 1).float()
+            vals = kv_cache[1][:, blocks].reshape(hkv, -1, d)[:, :seq_len].transpose(0, 1).float()
+            keys = keys.repeat_interleave(hq // hkv, dim=1)
+            vals = vals.repeat_interleave(hq // hkv, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+            qpos = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
+            kpos = torch.arange(seq_len).unsqueeze(0)
+            allowed = kpos <= qpos
+            if sliding_window is not None:
+                allowed &= kpos > qpos - sliding_window
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            out[start:end] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
+        return out.view(q.shape[0], hq * d)

@@ -1,0 +1,150 @@
+"""The default CPU attention backend: batched matmuls for decodes, SDPA for prefills.
+
+- Decode rows (one query each) attend in one pair of batched matmuls over
+  their gathered context, with the query heads that share a KV head stacked as
+  rows: for a single query row this is >10x faster on CPU than SDPA's flash
+  kernel in bfloat16.
+- Prefill chunks go through one `scaled_dot_product_attention` call, padded
+  to the longest chunk with a causal mask; a single fresh prompt takes the
+  plain causal path with no gather at all.
+No Python loop per request or per token; loops run over KV heads only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from tessera.attention.base import AttentionBackend, AttentionMetadata, write_kv
+
+
+def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, bs: int,
+                   meta: Optional[AttentionMetadata] = None):
+    """Copy each request's blocks into dense keys and values, each [Hkv, B, L, D] (L = blocks * bs).
+
+    One index_select over all (K/V, head, block) triples; the index depends only on the
+    step's block tables, so it is built once per step and reused by every layer.
+    """
+    nblk = (max_len + bs - 1) // bs
+    b = block_tables.shape[0]
+    _, h, nb, _, d = kv_cache.shape
+    cache = kv_cache.view(2 * h * nb, bs * d)
+    if kv_cache.element_size() == 2 and (bs * d) % 2 == 0:
+        # Move 16-bit blocks as int32 words: index_select is several times faster that way.
+        cache = cache.view(torch.int32)
+    key = ("gather", block_tables.data_ptr(), b, nblk, h, nb)
+    index = meta._cache.get(key) if meta is not None else None
+    if index is None:
+        flat = block_tables[:, :nblk].reshape(-1)
+        index = ((torch.arange(2 * h) * nb).unsqueeze(1) + flat.unsqueeze(0)).reshape(-1)
+        if meta is not None:
+            meta._cache[key] = index
+    out = cache.index_select(0, index).view(kv_cache.dtype).view(2, h, b, nblk * bs, d)
+    return out[0], out[1]
+
+
+def _decode_mask(meta: AttentionMetadata, sliding_window: Optional[int], length: int) -> torch.Tensor:
+    key = ("decode", sliding_window, length)
+    if key not in meta._cache:
+        nd = meta.num_decodes
+        lens = torch.tensor(meta.seq_lens[:nd]).unsqueeze(1)
+        kpos = torch.arange(length).unsqueeze(0)
+        mask = kpos < lens
+        if sliding_window is not None:
+            mask &= kpos > (lens - 1) - sliding_window
+        meta._cache[key] = mask
+    return meta._cache[key]
+
+
+def _prefill_layout(meta: AttentionMetadata, sliding_window: Optional[int], length: int):
+    """Index tensors to pad the prefill tokens into [Bp, maxq] and a matching mask."""
+    key = ("prefill", sliding_window, length)
+    if key not in meta._cache:
+        nd = meta.num_decodes
+        starts = meta.query_start_loc[nd:]
+        qlens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+        maxq = max(qlens)
+        bp = len(qlens)
+        pad_index = torch.full((bp, maxq), meta.num_tokens, dtype=torch.long)  # points at a zero row
+        qpos = torch.zeros((bp, maxq), dtype=torch.long)
+        valid = torch.zeros((bp, maxq), dtype=torch.bool)
+        for j, (s, ql) in enumerate(zip(starts[:-1], qlens)):
+            ctx = meta.seq_lens[nd + j]
+            pad_index[j, :ql] = torch.arange(s, s + ql)
+            qpos[j, :ql] = torch.arange(ctx - ql, ctx)
+            valid[j, :ql] = True
+        kpos = torch.arange(length).view(1, 1, -1)
+        mask = kpos <= qpos.unsqueeze(-1)
+        if sliding_window is not None:
+            mask &= kpos > qpos.unsqueeze(-1) - sliding_window
+        mask[:, :, 0] |= ~valid  # padded rows attend to something, so softmax stays finite
+        meta._cache[key] = (pad_index, valid.view(-1).nonzero().view(-1), mask.unsqueeze(1), maxq)
+    return meta._cache[key]
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [Bd, Hq, D] against gathered keys/values [Hkv, Bd, L, D] with a [Bd, L] mask -> [Bd, Hq, D]."""
+    nd, hq, d = q.shape
+    hkv = keys.shape[0]
+    qg = q.view(nd, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, Bd, G, D]
+    scores = torch.matmul(qg, keys.to(q.dtype).transpose(-1, -2)).float() * scale
+    scores.masked_fill_(~mask.view(1, nd, 1, -1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, vals.to(q.dtype)).transpose(0, 1).reshape(nd, hq, d)
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
+        write_kv(kv_cache, k, v, meta)
+        bs = meta.block_size
+        nd = meta.num_decodes
+        hq, d = q.shape[1], q.shape[2]
+        out = torch.empty_like(q)
+        if nd == 1 and sliding_window is None:
+            # One decode row: its exact context needs no mask, and SDPA beats the two batched
+            # matmuls there (measured 12 vs 55 us at 32 tokens of context, bfloat16).
+            seq_len = meta.seq_lens[0]
+            keys, vals = gather_context(kv_cache, meta.block_tables[:1], seq_len, bs, meta)
+            hkv = keys.shape[0]
+            qg = q[:1].view(hkv, 1, hq // hkv, d)
+            o = F.scaled_dot_product_attention(qg, keys[:, :, :seq_len], vals[:, :, :seq_len], scale=scale)
+            out[:1] = o.reshape(1, hq, d)
+        elif nd > 0:
+            max_len = max(meta.seq_lens[:nd])
+            keys, vals = gather_context(kv_cache, meta.block_tables[:nd], max_len, bs, meta)
+            mask = _decode_mask(meta, sliding_window, keys.shape[2])
+            out[:nd] = decode_attention(q[:nd], keys, vals, mask, scale)
+        if nd < meta.num_reqs:
+            self._prefill(q, k, v, kv_cache, meta, scale, sliding_window, out)
+        return out.view(q.shape[0], hq * d)
+
+    @staticmethod
+    def _prefill(q, k, v, kv_cache, meta, scale, sliding_window, out):
+        bs, nd = meta.block_size, meta.num_decodes
+        hq, d = q.shape[1], q.shape[2]
+        start = meta.query_start_loc[nd]
+        prefill_lens = meta.seq_lens[nd:]
+        single_fresh = meta.num_reqs - nd == 1 and prefill_lens[0] == meta.num_tokens - start
+        if single_fresh and sliding_window is None:
+            # One prompt with no cached context: its own k/v are the whole context.
+            o = F.scaled_dot_product_attention(
+                q[start:].transpose(0, 1).unsqueeze(0),
+                k[start:].transpose(0, 1).unsqueeze(0).to(q.dtype),
+                v[start:].transpose(0, 1).unsqueeze(0).to(q.dtype),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+            out[start:] = o.squeeze(0).transpose(0, 1)
+            return
+        keys, vals = gather_context(kv_cache, meta.block_tables[nd:], max(prefill_lens), bs, meta)
+        keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)  # [Bp, Hkv, L, D]
+        pad_index, valid, mask, maxq = _prefill_layout(meta, sliding_window, keys.shape[2])
+        q_ext = torch.cat([q, q.new_zeros((1, hq, d))])
+        qp = q_ext.index_select(0, pad_index.view(-1)).view(*pad_index.shape, hq, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qp, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[start:] = o.transpose(1, 2).reshape(-1, hq, d).index_select(0, valid)

@@ -1,0 +1,29 @@
+"""The Attention layer: hands q/k/v and this layer's cache to the step's backend.
+
+Models stay backend-agnostic: the backend travels in the step's metadata, so
+the same model runs on the reference loop, the SDPA backend or any other.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+from tessera.attention.base import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: Optional[int] = None):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        return meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+                + (f", window={self.sliding_window}" if self.sliding_window else ""))

@@ -1,0 +1,98 @@
+"""Linear layers whose weight storage and matmul come from a quantization method.
+
+A `Linear` may be merged from several checkpoint tensors (Q, K and V into one
+QKV projection; gate and up into one): the model's packed-module map routes
+each checkpoint tensor to `weight_loader(source, shard)`, and once every shard
+has arrived the layer picks its method (from all shards' formats, so
+`--quantization auto` can keep the checkpoint's precision) and stores the
+weight. Until then the shards wait as their raw sources, so nothing is
+dequantized twice and no shard outlives its layer's loading.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from tessera.errors import ModelFormatError
+from tessera.layers.quantization import QuantConfig, QuantMethod
+from tessera.layers.weights import AnyWeight, as_source
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), W [sum(output_sizes), input_size] stored by a QuantMethod."""
+
+    def __init__(self, input_size: int, output_sizes: Union[int, Sequence[int]], quant: QuantConfig,
+                 bias: bool = False, shard_names: Optional[Sequence[str]] = None, prefix: str = ""):
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.output_size = sum(self.output_sizes)
+        self.quant = quant
+        self.prefix = prefix
+        self.shard_names = list(shard_names) if shard_names is not None else [str(i) for i in
+                                                                             range(len(self.output_sizes))]
+        self.quant_method: Optional[QuantMethod] = None
+        self.bias: Optional[Tensor] = None
+        self._has_bias = bias
+        self._pending: dict[str, AnyWeight] = {}
+        self._pending_bias: dict[str, Tensor] = {}
+
+    @property
+    def loaded(self) -> bool:
+        return self.quant_method is not None and (not self._has_bias or self.bias is not None)
+
+    def missing_parts(self) -> list[str]:
+        """Parts whose weight has not arrived yet (all of them before loading starts)."""
+        if self.quant_method is not None:
+            return []
+        return [n for n in self.shard_names if n not in self._pending]
+
+    def _shard_size(self, shard: Optional[str], what: str) -> tuple[str, int]:
+        shard = shard if shard is not None else self.shard_names[0]
+        if shard not in self.shard_names:
+            raise ModelFormatError(f"{self.prefix}: unknown part {shard!r} for {what}")
+        return shard, self.output_sizes[self.shard_names.index(shard)]
+
+    def weight_loader(self, weight: Union[Tensor, AnyWeight], shard: Optional[str] = None) -> None:
+        """Take one checkpoint tensor (float or GGUF blocks) for part `shard` of this layer."""
+        src = as_source(weight)
+        shard, rows = self._shard_size(shard, "weight")
+        if tuple(src.shape) != (rows, self.input_size):
+            raise ModelFormatError(
+                f"weight {self.prefix}{'' if len(self.shard_names) == 1 else '.' + shard} has shape "
+                f"{tuple(src.shape)} but the config implies {(rows, self.input_size)}; the file's "
+                "metadata and tensors disagree")
+        self._pending[shard] = src
+        if len(self._pending) == len(self.shard_names):
+            sources = [self._pending.pop(n) for n in self.shard_names]
+            self.quant_method = self.quant.method_for(sources)
+            self.quant_method.load(self, sources)
+
+    def bias_loader(self, bias: Tensor, shard: Optional[str] = None) -> None:
+        shard, rows = self._shard_size(shard, "bias")
+        if tuple(bias.shape) != (rows,):
+            raise ModelFormatError(f"bias {self.prefix}.{shard} has shape {tuple(bias.shape)}, expected ({rows},)")
+        self._pending_bias[shard] = bias.float()
+        if len(self._pending_bias) == len(self.shard_names):
+            b = torch.cat([self._pending_bias.pop(n) for n in self.shard_names])
+            self.bias = b.to(self.quant.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        how = self.quant_method.describe(self) if self.quant_method else "unloaded"
+        return f"in={self.input_size}, out={self.output_size}, {how}"
+
+
+class VocabEmbedding(Linear):
+    """Token embedding table that can double as the LM head (tied weights, one stored copy)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant: QuantConfig, prefix: str = ""):
+        super().__init__(hidden_size, vocab_size, quant, prefix=prefix)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.quant_method.embedding(self, ids)

@@ -1,0 +1,27 @@
+"""The gated MLP of llama-family and Gemma decoders: down(act(gate(x)) * up(x)), gate and up fused."""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.layers.linear import Linear
+from tessera.layers.quantization import QuantConfig
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig,
+                 activation: Literal["silu", "gelu_tanh"], prefix: str):
+        super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown activation {activation!r}")
+        self.activation = activation
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, quant, shard_names=["gate", "up"],
+                                   prefix=prefix + ".gate_up_proj")
+        self.down_proj = Linear(intermediate_size, hidden_size, quant, prefix=prefix + ".down_proj")
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)

@@ -1,0 +1,274 @@
+"""Weight storage and matrix products for Linear layers: dense, int8 and int4 weight-only.
+
+A `QuantMethod` owns how a Linear keeps its weight and how it multiplies by
+it. Measured on the development machines (benchmarks/kernels.py): PyTorch's
+weight-only CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
+read 2-4x fewer bytes and run 2.5-4x faster than a bfloat16 matmul for a few
+rows, but fall 2-3x behind from about 8-16 rows, where the matmul is
+compute-bound. No single kernel wins everywhere, so the quantized methods
+choose per call by row count: the weight-only kernel for decode-sized steps,
+a dense matmul for prefill-sized ones. The dense matmul reads either a dense
+copy kept beside the quantized weight (`dense_copy`, for small models where
+the memory is cheap) or a copy dequantized for that call (large models, where
+keeping two copies would double the weights' memory).
+
+The int4 format is PyTorch's CPU int4pack: codes in 0..15 and per-group
+(scale, zero) with `w = (code - 8) * scale + zero`, groups of 32 along the
+input dimension. GGUF Q4_0, Q4_1 and Q4_K blocks map onto it exactly (no
+re-rounding of codes; scales and zeros are stored in the compute dtype).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.layers.weights import FIVE_TO_EIGHT_BIT, FOUR_BIT_OR_LESS, AnyWeight, FloatWeight, GGUFWeight
+
+QuantizationMode = Literal["auto", "none", "int8", "int4"]
+QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "int8", "int4")
+INT4_GROUP = 32
+INT4_ROW_TILE = 64  # the CPU int4pack layout packs output rows in tiles of 64
+# Largest row count sent to the weight-only kernels (measured crossovers, benchmarks/kernels.py):
+# with a dense copy at hand bf16 wins from ~8-16 rows; when the dense weight must first be
+# dequantized, that cost moves the crossover to ~32-64 rows.
+SMALL_BATCH_WITH_DENSE_COPY = 8
+SMALL_BATCH_DEQUANTIZING = 32
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a model's Linear layers store weights; one object handed to every layer."""
+
+    mode: QuantizationMode = "auto"
+    dtype: torch.dtype = torch.bfloat16  # compute dtype of activations and dense weights
+    dense_copy: bool = False  # keep a dense copy of quantized weights for large steps
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {self.mode!r}")
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute dtype must be float32 or bfloat16, not {self.dtype}")
+
+    @property
+    def small_batch_max(self) -> int:
+        return SMALL_BATCH_WITH_DENSE_COPY if self.dense_copy else SMALL_BATCH_DEQUANTIZING
+
+    def method_for(self, sources: list[AnyWeight]) -> "QuantMethod":
+        """The method for one (possibly merged) weight given where its pieces come from.
+
+        `auto` keeps the checkpoint's precision class: float tensors stay dense,
+        4-bit-or-less GGUF types become int4 (exactly for Q4_0/Q4_1/Q4_K), 5- to
+        8-bit types become int8. A merged weight takes the most precise class of
+        its pieces. Weights whose input size is not a multiple of the int4 group
+        use int8 instead of int4.
+        """
+        mode = self.mode
+        if mode == "auto":
+            kinds = set()
+            for s in sources:
+                if isinstance(s, FloatWeight):
+                    kinds.add("none")
+                elif s.ggml_type in FOUR_BIT_OR_LESS:
+                    kinds.add("int4")
+                elif s.ggml_type in FIVE_TO_EIGHT_BIT:
+                    kinds.add("int8")
+                else:
+                    kinds.add("none")
+            mode = "none" if "none" in kinds else "int8" if "int8" in kinds else "int4"
+        if mode == "none":
+            return DenseMethod(self)
+        if mode == "int4" and sources[0].shape[-1] % INT4_GROUP == 0:
+            return Int4Method(self)
+        return Int8Method(self)
+
+
+class QuantMethod(ABC):
+    """Storage and matmul of one Linear's weight; `layer` is the Linear that owns the buffers."""
+
+    name: str = ""
+
+    def __init__(self, config: QuantConfig):
+        self.config = config
+
+    @abstractmethod
+    def load(self, layer: nn.Module, sources: list[AnyWeight]) -> None:
+        """Store the weight made of `sources` stacked along output rows."""
+
+    @abstractmethod
+    def dequantize(self, layer: nn.Module) -> Tensor:
+        """The whole weight [out, in] in the compute dtype."""
+
+    @abstractmethod
+    def embedding(self, layer: nn.Module, ids: Tensor) -> Tensor:
+        """Rows `ids` of the weight in the compute dtype (for embedding tables)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        """x [T, in] @ weight.T -> [T, out] (no bias)."""
+
+    def nbytes(self, layer: nn.Module) -> int:
+        return sum(b.numel() * b.element_size() for b in layer.buffers(recurse=False))
+
+    def describe(self, layer: nn.Module) -> str:
+        return self.name
+
+
+def _stack(sources: list[AnyWeight]) -> Tensor:
+    return torch.cat([s.dequantize() for s in sources]) if len(sources) > 1 else sources[0].dequantize()
+
+
+class DenseMethod(QuantMethod):
+    name = "dense"
+
+    def load(self, layer, sources):
+        layer.register_buffer("weight", _stack(sources).to(self.config.dtype).contiguous(), persistent=False)
+
+    def dequantize(self, layer):
+        return layer.weight
+
+    def embedding(self, layer, ids):
+        return F.embedding(ids, layer.weight)
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight)
+
+    def describe(self, layer):
+        return str(self.config.dtype).removeprefix("torch.")
+
+
+class _WeightOnlyMethod(QuantMethod):
+    """Shared routing for the quantized methods: kernel by row count, dense copy if kept."""
+
+    def _finish(self, layer: nn.Module) -> None:
+        if self.config.dense_copy:
+            layer.register_buffer("dense_weight", self.dequantize(layer).contiguous(), persistent=False)
+
+    def apply(self, layer, x):
+        if x.shape[0] <= self.config.small_batch_max:
+            return self._small(layer, x)
+        dense = getattr(layer, "dense_weight", None)
+        return F.linear(x, dense if dense is not None else self.dequantize(layer))
+
+    @abstractmethod
+    def _small(self, layer: nn.Module, x: Tensor) -> Tensor: ...
+
+    def nbytes(self, layer):
+        return sum(b.numel() * b.element_size() for n, b in layer.named_buffers(recurse=False)
+                   if n != "dense_weight")
+
+
+class Int8Method(_WeightOnlyMethod):
+    """Per-output-channel symmetric int8 (requantized from whatever the checkpoint holds)."""
+
+    name = "int8"
+
+    def load(self, layer, sources):
+        w = _stack(sources)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        layer.register_buffer("qweight", q.contiguous(), persistent=False)
+        layer.register_buffer("scales", scale.to(self.config.dtype), persistent=False)
+        self._finish(layer)
+
+    def dequantize(self, layer):
+        return layer.qweight.to(self.config.dtype) * layer.scales[:, None]
+
+    def embedding(self, layer, ids):
+        return layer.qweight[ids].to(self.config.dtype) * layer.scales[ids].unsqueeze(-1)
+
+    def _small(self, layer, x):
+        return torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
+
+
+class Int4Method(_WeightOnlyMethod):
+    """Group-wise asymmetric int4 (groups of 32) in PyTorch's CPU int4pack layout."""
+
+    name = "int4"
+
+    def load(self, layer, sources):
+        parts = []
+        exact = True
+        for s in sources:
+            groups = s.int4_groups() if isinstance(s, GGUFWeight) else None
+            if groups is None:
+                exact = False
+                groups = quantize_int4(s.dequantize())
+            parts.append(groups)
+        codes, scale, zero = (torch.cat(p) for p in zip(*parts))
+        n, k = codes.shape
+        n_pad = -n % INT4_ROW_TILE  # the packed layout needs whole tiles of 64 rows
+        if n_pad:
+            codes = F.pad(codes, (0, 0, 0, n_pad))
+            scale, zero = F.pad(scale, (0, 0, 0, n_pad)), F.pad(zero, (0, 0, 0, n_pad))
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(self.config.dtype)
+        layer.register_buffer("qweight", packed, persistent=False)
+        layer.register_buffer("scales_zeros", sz, persistent=False)  # [K/32, N_padded, 2]
+        layer.out_rows = n
+        layer.int4_exact = exact
+        self._finish(layer)
+
+    def _rows(self, layer: nn.Module, rows: Tensor) -> Tensor:
+        """Dequantize selected output rows: the layout keeps row r of tile b as nibble r // 32
+        of byte column r % 32, over all K, in `qweight.view(tiles, K, 32)`."""
+        k = layer.scales_zeros.shape[0] * INT4_GROUP
+        tiles = layer.qweight.view(-1, k, 32)
+        local = rows % INT4_ROW_TILE
+        bytes_ = tiles[rows // INT4_ROW_TILE, :, local % 32]  # [R, K]
+        codes = (bytes_ >> (4 * (local // 32)).unsqueeze(1).to(torch.uint8)) & 0x0F
+        sz = layer.scales_zeros[:, rows].transpose(0, 1)  # [R, K/32, 2]
+        w = (codes.view(len(rows), -1, INT4_GROUP).to(self.config.dtype) - 8) * sz[..., :1] + sz[..., 1:]
+        return w.view(len(rows), k)
+
+    def dequantize(self, layer):
+        k = layer.scales_zeros.shape[0] * INT4_GROUP
+        tiles = layer.qweight.view(-1, k, 32)
+        nt = tiles.shape[0]
+        out = torch.empty(nt, INT4_ROW_TILE, k, dtype=self.config.dtype)
+        view = out.view(nt, 2, 32, k)
+        view[:, 0] = (tiles & 0x0F).transpose(1, 2)
+        view[:, 1] = (tiles >> 4).transpose(1, 2)
+        w = out.view(-1, k // INT4_GROUP, INT4_GROUP)
+        sz = layer.scales_zeros.transpose(0, 1)  # [N, K/32, 2]
+        w.sub_(8).mul_(sz[..., :1]).add_(sz[..., 1:])
+        return out.view(-1, k)[:layer.out_rows]
+
+    def embedding(self, layer, ids):
+        flat = ids.reshape(-1)
+        return self._rows(layer, flat).view(*ids.shape, -1)
+
+    def _small(self, layer, x):
+        out = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP, layer.scales_zeros)
+        return out if out.shape[1] == layer.out_rows else out[:, :layer.out_rows]
+
+    def describe(self, layer):
+        return "int4" + ("" if layer.int4_exact else " (requantized)")
+
+
+def quantize_int4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Round a float [N, K] weight to asymmetric int4 groups of 32 (min/max per group)."""
+    n, k = w.shape
+    g = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
+    return codes, scale, lo + 8.0 * scale
+
+
+def dense_bytes(num_params: int, dtype: torch.dtype) -> int:
+    return num_params * dtype.itemsize
+
+
+def resolve_dense_copy(choice: Optional[bool], num_linear_params: int, dtype: torch.dtype,
+                       available_bytes: int) -> bool:
+    """Whether to keep dense copies of quantized weights: yes when asked, else when they are
+    small (at most 1 GiB and an eighth of available memory)."""
+    if choice is not None:
+        return choice
+    need = dense_bytes(num_linear_params, dtype)
+    return need <= min(1 << 30, available_bytes // 8)

@@ -1,0 +1,80 @@
+"""Rotary position embedding from a precomputed cos/sin table, as in HF's neox (half-split) form.
+
+The table is built once (and grown on demand) so a step only gathers rows for
+its positions; Q and K heads rotate together in one addcmul.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from tessera.errors import ModelFormatError
+
+_INITIAL_ROPE_POSITIONS = 4096
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Optional[dict[str, Any]], max_positions: int,
+) -> tuple[Tensor, float]:
+    """Inverse frequencies and cos/sin scale for a RoPE base and optional scaling.
+
+    Scaled variants are computed by transformers' own ROPE_INIT_FUNCTIONS so they
+    match the reference implementation exactly.
+    """
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ModelFormatError(f"RoPE scaling type {kind!r} is not supported (linear, llama3 and yarn are)")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {k: v for k, v in scaling.items() if k != "type"}
+    params.update(rope_type=kind, rope_theta=theta)
+    hf_config = LlamaConfig(
+        hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+        max_position_embeddings=max_positions, rope_parameters=params,
+    )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for one RoPE base, laid out for the rotate-by-roll form.
+
+    Row p of `cos` is [cos(p*f), cos(p*f)] and of `sin` is [-sin(p*f), sin(p*f)],
+    so `x*cos + roll(x, D/2)*sin` equals the usual `x*cos + rotate_half(x)*sin`.
+    The table grows on demand past its initial size.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict[str, Any]], max_positions: int,
+                 dtype: torch.dtype, freq_factors: Optional[Tensor] = None):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(head_dim, theta, scaling, max_positions)
+        if freq_factors is not None:  # llama3-style rope_freqs tensor from a GGUF file
+            inv_freq = inv_freq / freq_factors.float()
+        self.inv_freq = inv_freq
+        self.half = head_dim // 2
+        self.dtype = dtype
+        self.max_positions = max_positions
+        self._build(min(max_positions, _INITIAL_ROPE_POSITIONS))
+
+    def _build(self, n: int) -> None:
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        self.cos = torch.cat([cos, cos], dim=-1).to(self.dtype)
+        self.sin = torch.cat([-sin, sin], dim=-1).to(self.dtype)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, D] (broadcast over heads)."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(max(int(positions.max()) + 1, 2 * self.cos.shape[0]))
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, half: int) -> Tensor:
+    """Rotate [T, H, D] by the gathered [T, 1, D] tables (neox / half-split layout)."""
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)
+

@@ -1,0 +1,129 @@
+"""Weights as they come out of a checkpoint, before a quantization method stores them.
+
+A loader yields each tensor either as a plain float tensor (safetensors, GGUF
+F32/F16/BF16) or as a `GGUFWeight`: the raw blocks of a quantized GGUF tensor,
+kept undecoded so that a method can take them over exactly (a Q4_1 block's
+4-bit codes, scale and minimum become an int4 group as they are, with no
+re-rounding). Every source can also be dequantized to float32, which is what
+the dense method and any requantization start from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Union
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+Q = GGMLQuantizationType
+# Types whose blocks map exactly onto int4 groups of 32 with a scale and a zero point.
+INT4_EXACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+# "Precision class" of GGUF types, used by --quantization auto.
+FOUR_BIT_OR_LESS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K})
+FIVE_TO_EIGHT_BIT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})
+_DEQUANT_CHUNK = 1 << 20  # values per gguf dequantize call (cache-sized temporaries are 4-6x faster)
+
+
+class WeightSource(Protocol):
+    """A 2-D (or 1-D) weight in some storage format, [out_features, in_features]."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def type_name(self) -> str: ...
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32."""
+
+
+@dataclass
+class FloatWeight:
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def type_name(self) -> str:
+        return str(self.tensor.dtype).removeprefix("torch.").upper().replace("FLOAT", "F").replace("BF16", "BF16")
+
+    def dequantize(self) -> torch.Tensor:
+        return self.tensor.float()
+
+
+@dataclass
+class GGUFWeight:
+    """Raw blocks of a quantized GGUF matrix: `raw` is [rows, bytes_per_row] uint8."""
+
+    raw: np.ndarray
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.shape
+        out = np.empty((rows, cols), dtype=np.float32)
+        step = max(1, _DEQUANT_CHUNK // cols)
+        for i in range(0, rows, step):
+            out[i:i + step] = gguf_dequantize(self.raw[i:i + step], self.ggml_type)
+        return torch.from_numpy(out)
+
+    def permute_rows(self, order: np.ndarray) -> "GGUFWeight":
+        """Rows reordered (blocks never cross rows, so this is exact)."""
+        return GGUFWeight(np.ascontiguousarray(self.raw[order]), self.ggml_type, self.shape)
+
+    def int4_groups(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(codes uint8 [N, K] in 0..15, scale f32 [N, K/32], zero f32 [N, K/32]) with
+        `w = (code - 8) * scale + zero` exactly, or None if this type has no such form."""
+        if self.ggml_type not in INT4_EXACT_TYPES:
+            return None
+        n, k = self.shape
+        block, nbytes = GGML_QUANT_SIZES[self.ggml_type]
+        blocks = self.raw.reshape(n, k // block, nbytes)
+        if self.ggml_type in (Q.Q4_0, Q.Q4_1):
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+            off = 2 if self.ggml_type == Q.Q4_0 else 4
+            qs = blocks[..., off:off + 16]  # value j: low nibble of byte j; value j + 16: high nibble
+            codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, K/32, 32]
+            if self.ggml_type == Q.Q4_0:
+                zero = np.zeros_like(d)  # w = d * (code - 8)
+            else:
+                m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+                zero = m + 8.0 * d  # w = d * code + m
+            scale = d
+        else:  # Q4_K: 256 values in 8 sub-blocks of 32, 6-bit sub-scales and sub-minimums
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+            dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+            sc_bytes = blocks[..., 4:16].astype(np.uint8)
+            qs = blocks[..., 16:144].reshape(n, k // block, 4, 32)  # four 64-value chunks
+            sc = np.empty((n, k // block, 8), dtype=np.float32)
+            mn = np.empty((n, k // block, 8), dtype=np.float32)
+            for j in range(8):
+                if j < 4:
+                    s = sc_bytes[..., j] & 63
+                    m = sc_bytes[..., j + 4] & 63
+                else:
+                    s = (sc_bytes[..., j + 4] & 0x0F) | ((sc_bytes[..., j - 4] >> 6) << 4)
+                    m = (sc_bytes[..., j + 4] >> 4) | ((sc_bytes[..., j] >> 6) << 4)
+                sc[..., j], mn[..., j] = s, m
+            # Chunk i holds sub-block 2i in its low nibbles and 2i + 1 in its high nibbles.
+            codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // block * 8, 32)
+            scale = (d * sc).reshape(n, -1)  # w = d * sc * code - dmin * m
+            zero = (-(dmin * mn)).reshape(n, -1) + 8.0 * scale
+        return (torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k))),
+                torch.from_numpy(np.ascontiguousarray(scale.reshape(n, -1))),
+                torch.from_numpy(np.ascontiguousarray(zero.reshape(n, -1))))
+
+
+AnyWeight = Union[FloatWeight, GGUFWeight]
+
+
+def as_source(w: Union[torch.Tensor, AnyWeight]) -> AnyWeight:
+    return FloatWeight(w) if isinstance(w, torch.Tensor) else w

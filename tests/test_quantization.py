@@ -1,0 +1,210 @@
+"""Weight-only quantization: exact GGUF -> int4 mapping, kernel choice by row count, embeddings,
+--quantization auto's choices, batching invariance with each method, and perplexity against the
+dequantized model on real packaged models."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from tessera.layers import FloatWeight, GGUFWeight, Linear, QuantConfig
+from tessera.layers.quantization import Int4Method, Int8Method, quantize_int4
+from tessera.llm import LLM
+from tessera.sampling_params import SamplingParams
+
+from tiny_model import make_tiny_model
+
+PPL_TEXT = Path(__file__).parent / "data" / "gfdl-1.3-head.txt"
+
+
+def gguf_weight(w: np.ndarray, qtype: Q) -> GGUFWeight:
+    raw = quantize(w.astype(np.float32), qtype)
+    return GGUFWeight(raw, qtype, w.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_blocks_map_exactly_onto_int4_groups(qtype):
+    rng = np.random.default_rng(0)
+    src = gguf_weight(rng.standard_normal((70, 96)) * 0.05, qtype)
+    codes, scale, zero = src.int4_groups()
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    rebuilt = ((codes.float().view(70, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(70, 96)
+    ref = torch.from_numpy(dequantize(src.raw, qtype).reshape(70, 96))
+    torch.testing.assert_close(rebuilt, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_non_q4_types_have_no_exact_int4_form():
+    w = gguf_weight(np.ones((4, 64)), Q.Q8_0)
+    assert w.int4_groups() is None
+
+
+@pytest.mark.model
+def test_q4_k_blocks_map_exactly_onto_int4_groups(model_path):
+    from tessera.models.gguf_loader import read_gguf
+
+    gf = read_gguf(model_path("qwen2.5-coder-0.5b"))
+    try:
+        name = next(n for n, t in gf.tensors.items() if t.ggml_type == Q.Q4_K)
+        w = gf.raw_weight(name)
+        part = GGUFWeight(w.raw[:64], w.ggml_type, (64, w.shape[1]))
+        codes, scale, zero = part.int4_groups()
+        k = w.shape[1]
+        rebuilt = ((codes.float().view(64, k // 32, 32) - 8) * scale[..., None] + zero[..., None]).view(64, k)
+        torch.testing.assert_close(rebuilt, part.dequantize(), atol=1e-5, rtol=1e-5)
+    finally:
+        del w, part
+        gf.close()
+
+
+def _layer(method_cls, w: torch.Tensor, dtype=torch.float32, dense_copy=False, source=None):
+    cfg = QuantConfig("int4" if method_cls is Int4Method else "int8", dtype, dense_copy)
+    layer = nn.Module()
+    method = method_cls(cfg)
+    method.load(layer, [source or FloatWeight(w)])
+    return method, layer
+
+
+@pytest.mark.parametrize("method_cls", [Int4Method, Int8Method])
+@pytest.mark.parametrize("dense_copy", [False, True])
+@pytest.mark.parametrize("rows", [300, 128])  # 300: not a whole number of 64-row int4 tiles
+def test_small_and_large_steps_compute_the_same_weight(method_cls, dense_copy, rows):
+    torch.manual_seed(0)
+    w = torch.randn(rows, 64) * 0.05
+    method, layer = _layer(method_cls, w, dense_copy=dense_copy)
+    deq = method.dequantize(layer)
+    assert deq.shape == (rows, 64)
+    assert (deq - w).abs().max() < (0.02 if method_cls is Int4Method else 0.002)  # a quantization step
+    for t in (1, 3, method.config.small_batch_max, method.config.small_batch_max + 1, 64):
+        x = torch.randn(t, 64)
+        torch.testing.assert_close(method.apply(layer, x), x @ deq.T, atol=2e-5, rtol=1e-5)
+    ids = torch.tensor([[0, 5], [63, rows - 1]])
+    torch.testing.assert_close(method.embedding(layer, ids), deq[ids])
+
+
+def test_int4_from_q4_1_keeps_the_codes_and_is_exact():
+    rng = np.random.default_rng(1)
+    src = gguf_weight(rng.standard_normal((64, 64)) * 0.05, Q.Q4_1)
+    method, layer = _layer(Int4Method, None, source=src)
+    assert layer.int4_exact and method.describe(layer) == "int4"
+    torch.testing.assert_close(method.dequantize(layer), src.dequantize(), atol=1e-6, rtol=1e-6)
+
+
+def test_requantized_int4_is_marked_and_close():
+    w = torch.randn(64, 64) * 0.05
+    codes, scale, zero = quantize_int4(w)
+    assert int(codes.max()) <= 15 and scale.shape == (64, 2)
+    method, layer = _layer(Int4Method, w)
+    assert not layer.int4_exact and "requantized" in method.describe(layer)
+
+
+def test_bfloat16_int4_scales_and_kernels():
+    torch.manual_seed(0)
+    w = torch.randn(128, 64) * 0.05
+    method, layer = _layer(Int4Method, w, dtype=torch.bfloat16)
+    x = torch.randn(2, 64).bfloat16()
+    ref = x.float() @ method.dequantize(layer).float().T
+    assert (method.apply(layer, x).float() - ref).abs().max() < 0.02
+
+
+def _auto(*sources) -> str:
+    return QuantConfig("auto", torch.float32).method_for(list(sources)).name
+
+
+def test_auto_keeps_each_checkpoints_precision_class():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 64)) * 0.05
+    assert _auto(gguf_weight(w, Q.Q4_1)) == "int4"
+    assert _auto(gguf_weight(w, Q.Q4_0), gguf_weight(w, Q.Q4_1)) == "int4"
+    assert _auto(gguf_weight(w, Q.Q8_0)) == "int8"
+    assert _auto(gguf_weight(w, Q.Q4_0), gguf_weight(w, Q.Q8_0)) == "int8"  # a merged weight: the finer class
+    assert _auto(FloatWeight(torch.from_numpy(w))) == "dense"
+    assert QuantConfig("none").method_for([gguf_weight(w, Q.Q4_1)]).name == "dense"
+    assert QuantConfig("int4").method_for([gguf_weight(w, Q.Q8_0)]).name == "int4"
+    assert QuantConfig("int4").method_for([FloatWeight(torch.zeros(8, 48))]).name == "int8"  # 48 % 32 != 0
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        QuantConfig("fp8")
+
+
+def test_linear_rejects_wrong_shapes():
+    from tessera.errors import ModelFormatError
+
+    lin = Linear(64, [32, 16], QuantConfig("int8"), shard_names=["q", "k"], prefix="x.qkv_proj")
+    with pytest.raises(ModelFormatError, match="x.qkv_proj.k has shape"):
+        lin.weight_loader(torch.zeros(32, 64), "k")
+    lin.weight_loader(torch.zeros(16, 64), "k")
+    assert lin.missing_parts() == ["q"] and not lin.loaded
+    lin.weight_loader(torch.zeros(32, 64), "q")
+    assert lin.loaded and lin(torch.zeros(2, 64, dtype=torch.bfloat16)).shape == (2, 48)
+
+
+# -- the engine with each method: batching must never change greedy output --------------------------
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-q") / "llama")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("dense_copy", ["on", "off"])
+def test_batching_invariance_with_each_method(tiny_folder, quantization, dense_copy):
+    opts = dict(dtype="float32", quantization=quantization, dense_weight_copy=dense_copy, max_model_len=128)
+    llm = LLM(str(tiny_folder), **opts)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.quant_method.name == quantization
+    ps = _prompts(24)
+    alone = [o.outputs[0].token_ids for p in ps for o in llm.generate([p], GREEDY)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
+    chunked = LLM(str(tiny_folder), loaded=llm.engine.loaded, max_num_batched_tokens=7, max_num_seqs=5,
+                  max_model_len=128, quantization=quantization)
+    assert batched == alone
+    assert [o.outputs[0].token_ids for o in chunked.generate(ps, GREEDY)] == alone
+
+
+# -- real models: perplexity against the dequantized model -------------------------------------------
+
+def perplexity(loaded, ids: list[int]) -> float:
+    from tessera.models.loader import forward_single
+
+    with torch.inference_mode():
+        logits = forward_single(loaded, ids)
+    lp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+    return math.exp(-lp.mean().item())
+
+
+@pytest.fixture(scope="module")
+def ppl_ids():
+    return PPL_TEXT.read_text()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name, quantization, limit", [
+    ("smollm2-135m", "auto", 0.01),  # Q4_1 -> int4 exactly, Q8_0 embeddings -> int8
+    ("qwen2.5-coder-0.5b", "auto", 0.03),  # Q5_0 / Q6_K / Q8_0 requantized to int8, Q4_K -> int4 exactly
+])
+def test_perplexity_close_to_dequantized_model(model_path, ppl_ids, name, quantization, limit):
+    from tessera.models.loader import load_model
+
+    path = model_path(name)
+    ref = load_model(path, "float32", quantization="none")
+    ids = ref.tokenizer.encode(ppl_ids)[:2048]
+    assert len(ids) >= 2000
+    ppl_ref = perplexity(ref, ids)
+    del ref
+    quant = load_model(path, "float32", quantization=quantization)
+    ppl_q = perplexity(quant, ids)
+    assert abs(ppl_q / ppl_ref - 1) <= limit, (ppl_ref, ppl_q)
