@@ -46,9 +46,13 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes read by a decode step's matmuls, parameter count of the linears)."""
+    """(bytes of weights a decode step reads, their parameter count): the linears, the LM head
+    included, as stored (quantized where they are; dense copies for large steps are not read)."""
     from tessera.layers import Linear
 
+    if not any(isinstance(m, Linear) for m in model.modules()):  # the first wave's plain 2-D parameters
+        mats = [p for p in model.parameters() if p.dim() == 2]
+        return sum(p.numel() * p.element_size() for p in mats), sum(p.numel() for p in mats)
     total, params = 0, 0
     for m in model.modules():
         if isinstance(m, Linear):
@@ -62,14 +66,15 @@ def run(args: argparse.Namespace) -> dict:
     from tessera.bench.machine import machine_info
 
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
-              dense_weight_copy=args.dense_weight_copy, max_num_seqs=max(args.batch))
+    options = {k: v for k, v in (("quantization", args.quantization), ("dense_weight_copy", args.dense_weight_copy),
+                                 ("attention_backend", args.attention_backend)) if v is not None}
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch), **options)
     engine = llm.engine
     model = engine.runner.model
     wbytes, params = weight_bytes(model)
     bw, rate = copy_bandwidth(), matmul_rate()
     prompt = ("The history of the city goes back many centuries, and its people have kept records " * 12)
-    result = {"model": args.model, "quantization": args.quantization, "dtype": str(engine.dtype),
+    result = {"model": args.model, "options": options, "dtype": str(engine.dtype),
               "weights_read_bytes": wbytes, "linear_params": params, "copy_bandwidth_Bps": bw,
               "bf16_matmul_flops": rate, "machine": machine_info(), "python": platform.python_version(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "batches": {}}
@@ -116,8 +121,9 @@ def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--quantization", default="auto")
-    p.add_argument("--dense-weight-copy", default="auto")
+    p.add_argument("--quantization", default=None, help="engine default unless given")
+    p.add_argument("--dense-weight-copy", default=None, help="engine default unless given")
+    p.add_argument("--attention-backend", default=None, help="engine default unless given")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--steps", type=int, default=48)

@@ -57,5 +57,8 @@ fi
 
 "${pip[@]}" install -e ".[test]"
 have_torch || { echo "error: torch $TORCH_VERSION is not installed in $VENV" >&2; exit 1; }
+# The C kernels (tessera/kernels) are compiled for this CPU now rather than on first use;
+# without a C compiler Tessera still runs, on PyTorch operators.
+"$py" -m tessera.kernels build || echo "warning: C kernels not built; the sdpa attention backend will be used"
 echo "$want" > "$stamp"
 echo "installed Tessera into $VENV"

@@ -46,7 +46,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DENSE_WEIGHT_COPIES = ("auto", "on", "off")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULER_POLICIES = ("continuous", "static")
-ATTENTION_BACKENDS = ("sdpa", "reference")
+ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
 
 
 @dataclass
@@ -68,7 +68,7 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     scheduler_policy: Literal["continuous", "static"] = "continuous"
-    attention_backend: Literal["sdpa", "reference"] = "sdpa"
+    attention_backend: Literal["auto", "paged", "sdpa", "reference"] = "auto"
     num_threads: Optional[int] = None
     seed: int = 0
 

@@ -70,7 +70,7 @@ def _step(model, caches, reqs, block_size, backend):
         return model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["paged", "sdpa", "reference"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_packed_batch_with_cache_matches_single_sequences(tiny_model_dir, kind, backend):
     """Decodes, chunked prefill over cached context and fresh prompts in one step give the same logits."""

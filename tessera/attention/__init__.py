@@ -3,19 +3,32 @@ from __future__ import annotations
 
 from typing import Literal
 
+import logging
+
 from tessera.attention.base import AttentionBackend, AttentionMetadata, build_metadata
+from tessera.attention.paged import PagedBackend
 from tessera.attention.reference import ReferenceBackend
 from tessera.attention.sdpa import SdpaBackend
+from tessera.kernels import KernelUnavailable
 
-AttentionBackendName = Literal["sdpa", "reference"]
-BACKENDS: dict[str, type[AttentionBackend]] = {"sdpa": SdpaBackend, "reference": ReferenceBackend}
+logger = logging.getLogger(__name__)
+
+AttentionBackendName = Literal["auto", "paged", "sdpa", "reference"]
+BACKENDS: dict[str, type[AttentionBackend]] = {"paged": PagedBackend, "sdpa": SdpaBackend,
+                                               "reference": ReferenceBackend}
 
 
 def get_backend(name: str) -> AttentionBackend:
-    try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
+    """The named backend; "auto" is `paged` where its C kernel builds, else `sdpa`."""
+    if name == "auto":
+        try:
+            return PagedBackend()
+        except KernelUnavailable as exc:
+            logger.warning("attention backend auto: the paged C kernel is unavailable (%s); using sdpa", exc)
+            return SdpaBackend()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    return BACKENDS[name]()
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "AttentionBackendName", "BACKENDS", "build_metadata",

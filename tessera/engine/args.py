@@ -48,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
                    help="continuous batching, or the naive static baseline (default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
-                   help="attention implementation (default: %(default)s)")
+                   help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), reference (a plain loop, for checking); auto: paged where its kernel builds (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
 

@@ -1,0 +1,143 @@
+"""Small C kernels for what PyTorch's CPU operators cannot do well, built for the host CPU.
+
+They are compiled once (by `scripts/install.sh`, or on first use) with the
+system C compiler into `$TESSERA_HOME/kernels` (default ~/.cache/tessera/kernels),
+named by a hash of the source and flags, and loaded with ctypes. They run on
+PyTorch's own OpenMP thread pool: the library asks for `libgomp.so.1`, which
+torch has already loaded, so both share one team of threads. Where no compiler
+is found, callers fall back to PyTorch operators (and say so in the log).
+
+    python -m tessera.kernels build    # compile now (what install.sh runs)
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("paged_attention.c",)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+MAX_HEAD_DIM = 512
+MAX_GROUP = 16
+MAX_BLOCK_SIZE = 64
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def kernel_dir() -> Path:
+    home = os.environ.get("TESSERA_HOME")
+    return (Path(home) if home else Path.home() / ".cache" / "tessera") / "kernels"
+
+
+def _source_text() -> str:
+    return "".join((Path(__file__).parent / name).read_text() for name in SOURCES)
+
+
+def library_path(compiler: str) -> Path:
+    digest = hashlib.sha256((_source_text() + " ".join(CFLAGS) + compiler).encode()).hexdigest()[:16]
+    return kernel_dir() / f"tessera_kernels-{digest}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels if they are not built yet; return the library's path."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise KernelUnavailable("no C compiler (cc/gcc) found")
+    path = library_path(compiler)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sources = [str(Path(__file__).parent / name) for name in SOURCES]
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.partial", delete=False) as tmp:
+        partial = Path(tmp.name)
+    cmd = [compiler, *CFLAGS, *sources, "-o", str(partial), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        partial.unlink(missing_ok=True)
+        raise KernelUnavailable(f"compiling the kernels failed: {exc}") from None
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise KernelUnavailable(f"compiling the kernels failed: {done.stderr.strip()[:2000]}")
+    os.replace(partial, path)  # atomic: concurrent builders never load a half-written file
+    if verbose:
+        print(f"built {path}")
+    return path
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL:
+    """The kernel library, compiled on first use; raises KernelUnavailable if that cannot work."""
+    lib = ctypes.CDLL(str(build()))
+    f = lib.paged_decode_attention
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
+    f.restype = None
+    return lib
+
+
+def available() -> Optional[str]:
+    """None when the kernels load, else why not."""
+    try:
+        load()
+        return None
+    except (KernelUnavailable, OSError) as exc:
+        return str(exc)
+
+
+def supports(num_heads: int, kv_cache: torch.Tensor) -> bool:
+    """Whether the paged decode kernel handles this head count and cache (else use PyTorch)."""
+    _, hkv, _, bs, d = kv_cache.shape
+    return (d <= MAX_HEAD_DIM and num_heads // hkv <= MAX_GROUP and bs <= MAX_BLOCK_SIZE
+            and kv_cache.dtype in (torch.bfloat16, torch.float32))
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, max_len: int, scale: float,
+                           window: Optional[int]) -> torch.Tensor:
+    """q [B, Hq, D] against each request's cached context -> [B, Hq, D] float32.
+
+    kv_cache [2, Hkv, num_blocks, block_size, D] (bfloat16 or float32), block_tables [B, max_blocks]
+    int64, seq_lens [B] int64 (context including the new token).
+    """
+    lib = load()
+    b, hq, d = q.shape
+    _, hkv, nb, bs, _ = kv_cache.shape
+    if not supports(hq, kv_cache):
+        raise KernelUnavailable(f"unsupported shape or dtype (head_dim {d}, group {hq // hkv}, block size {bs}, "
+                                f"{kv_cache.dtype})")
+    q = q.float().contiguous()
+    tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    scratch = torch.empty(b * hkv * (hq // hkv) * max_len, dtype=torch.float32)
+    lib.paged_decode_attention(
+        q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, nb, bs, tables.shape[1], scale, window or 0,
+        scratch.data_ptr(), max_len)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv[1:] != ["build"]:
+        print("usage: python -m tessera.kernels build", file=sys.stderr)
+        return 2
+    try:
+        build(verbose=True)
+    except KernelUnavailable as exc:
+        print(f"warning: {exc}; Tessera will use PyTorch operators instead", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from tessera.kernels import main
+
+sys.exit(main(sys.argv))

@@ -1,0 +1,154 @@
+/* Decode attention read straight from the paged KV cache (no gathered copy of K/V).
+ *
+ * One query row per request, grouped-query attention: for each (request, KV head)
+ * pair -- run in parallel with OpenMP -- the G query heads that share the KV head
+ * score every cached key of the request's blocks, take a softmax, and sum the
+ * values. Keys and values are read once from their blocks in place, in the
+ * cache's own dtype (bfloat16 widened to float32 on the fly, or float32).
+ *
+ * Cache layout per layer: [2][Hkv][num_blocks][block_size][D] (keys, then values).
+ * Built at install time (or first use) with -O3 -march=native -fopenmp; plain
+ * loops with `omp simd` so the compiler vectorises them for the host CPU.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+#endif
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = ((uint32_t)v) << 16;
+    return x.f;
+}
+
+/* Widen one cached row of D elements to float32. */
+static inline void load_row(const void *base, int64_t index, int d, int is_bf16, float *dst) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + index * d;
+#pragma omp simd
+        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + index * d, sizeof(float) * d);
+    }
+}
+
+/*
+ * q:            [B][Hq][D] float32
+ * cache:        [2][Hkv][num_blocks][block_size][D], bfloat16 (is_bf16=1) or float32
+ * block_tables: [B][max_blocks] int64
+ * seq_lens:     [B] int64 (context length including the new token)
+ * out:          [B][Hq][D] float32
+ * window:       sliding window in tokens, 0 for none
+ * scratch:      B * Hkv * (G * max_len) floats for the scores
+ * Limits (checked by the caller): D <= 512, G <= 16, block_size <= 64.
+ */
+void paged_decode_attention(const float *q, const void *cache, int is_bf16, const int64_t *block_tables,
+                            const int64_t *seq_lens, float *out, int64_t B, int64_t Hq, int64_t Hkv,
+                            int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                            float scale, int64_t window, float *scratch, int64_t max_len) {
+    const int64_t G = Hq / Hkv;
+    const int64_t plane = num_blocks * block_size; /* rows per (K or V, head) */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t pair = 0; pair < B * Hkv; pair++) {
+        const int64_t b = pair / Hkv, h = pair % Hkv;
+        const int64_t len = seq_lens[b];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t *table = block_tables + b * max_blocks;
+        const float *qh = q + (b * Hq + h * G) * D;
+        float *scores = scratch + pair * G * max_len;
+        float row[512];
+        float kt[512 * 64]; /* one block of keys, transposed: kt[i * block_size + t] */
+        float acc[16 * 512];
+        float maxs[16], sums[16];
+        for (int64_t g = 0; g < G; g++) maxs[g] = -INFINITY;
+#ifdef HAVE_AVX512_BF16
+        if (is_bf16 && D % 32 == 0) {
+            /* bfloat16 keys: dot products straight on the stored pairs with VDPBF16PS (float32
+             * accumulation), the query rounded to bfloat16 once (it was bfloat16 to begin with
+             * in a bfloat16 model). */
+            __m512bh qv[16][16];
+            const int64_t nv = D / 32;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < nv; j++)
+                    qv[g][j] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + g * D + 32 * j + 16),
+                                                   _mm512_loadu_ps(qh + g * D + 32 * j));
+            const uint16_t *kbase = (const uint16_t *)cache + h * plane * D;
+            for (int64_t t = start; t < len; t++) {
+                const uint16_t *kr = kbase + (table[t / block_size] * block_size + t % block_size) * D;
+                __m512bh kv[16];
+                for (int64_t j = 0; j < nv; j++) kv[j] = (__m512bh)_mm512_loadu_si512((const void *)(kr + 32 * j));
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < nv; j++) a = _mm512_dpbf16_ps(a, kv[j], qv[g][j]);
+                    const float v = _mm512_reduce_add_ps(a) * scale;
+                    scores[g * max_len + t] = v;
+                    if (v > maxs[g]) maxs[g] = v;
+                }
+            }
+        } else
+#endif
+        /* Scores, one block at a time: widen and transpose the block's keys, then for each
+         * query head accumulate over the head dimension with the block's tokens as the vector
+         * lanes, which needs no horizontal sums. */
+        for (int64_t t0 = start - start % block_size; t0 < len; t0 += block_size) {
+            const int64_t base = h * plane + table[t0 / block_size] * block_size;
+            const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
+            for (int64_t t = 0; t < n; t++) {
+                load_row(cache, base + t, (int)D, is_bf16, row);
+                for (int64_t i = 0; i < D; i++) kt[i * block_size + t] = row[i];
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qh + g * D;
+                float s[64];
+#pragma omp simd
+                for (int64_t t = 0; t < block_size; t++) s[t] = 0.f;
+                for (int64_t i = 0; i < D; i++) {
+                    const float qi = qg[i];
+                    const float *kr = kt + i * block_size;
+#pragma omp simd
+                    for (int64_t t = 0; t < block_size; t++) s[t] += qi * kr[t];
+                }
+                float *sg = scores + g * max_len + t0;
+                for (int64_t t = 0; t < n; t++) {
+                    if (t0 + t < start) continue;
+                    const float v = s[t] * scale;
+                    sg[t] = v;
+                    if (v > maxs[g]) maxs[g] = v;
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float sum = 0.f, m = maxs[g];
+            float *sg = scores + g * max_len;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = start; t < len; t++) {
+                const float e = expf(sg[t] - m);
+                sg[t] = e;
+                sum += e;
+            }
+            sums[g] = sum;
+            memset(acc + g * D, 0, sizeof(float) * D);
+        }
+        const int64_t vbase = (Hkv + h) * plane;
+        for (int64_t t = start; t < len; t++) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            load_row(cache, vbase + slot, (int)D, is_bf16, row);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = scores[g * max_len + t];
+                float *ag = acc + g * D;
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) ag[i] += p * row[i];
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *o = out + (b * Hq + h * G + g) * D;
+            const float inv = 1.f / sums[g];
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) o[i] = acc[g * D + i] * inv;
+        }
+    }
+}
