@@ -68,16 +68,29 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
     options = {k: v for k, v in (("quantization", args.quantization), ("dense_weight_copy", args.dense_weight_copy),
                                  ("attention_backend", args.attention_backend)) if v is not None}
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch), **options)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch), enable_prefix_caching=False, **options)
     engine = llm.engine
     model = engine.runner.model
     wbytes, params = weight_bytes(model)
     bw, rate = copy_bandwidth(), matmul_rate()
     prompt = ("The history of the city goes back many centuries, and its people have kept records " * 12)
-    result = {"model": args.model, "options": options, "dtype": str(engine.dtype),
+    result = {"model": args.model, "options": options, "prefix_caching": False, "dtype": str(engine.dtype),
               "weights_read_bytes": wbytes, "linear_params": params, "copy_bandwidth_Bps": bw,
               "bf16_matmul_flops": rate, "machine": machine_info(), "python": platform.python_version(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "batches": {}}
+    if args.prefill:
+        ids = engine.tokenizer.encode(prompt * 4)[:args.prefill]
+        times = []
+        for i in range(5):
+            engine.add_request(f"prefill-{i}", ids, SamplingParams(max_tokens=1))
+            t0 = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            times.append(time.perf_counter() - t0)
+        result["prefill"] = {"tokens": len(ids), "median_ms": statistics.median(times) * 1e3,
+                             "tokens_per_s": len(ids) / statistics.median(times)}
+        print(f"prefill of {len(ids)} tokens: median {statistics.median(times) * 1e3:.1f} ms "
+              f"({len(ids) / statistics.median(times):.0f} tok/s)", flush=True)
     for b in args.batch:
         params_s = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=0)
         for i in range(b):
@@ -127,6 +140,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--prefill", type=int, default=256, help="also time one fresh prompt of this many tokens (0: no)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=18)

@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c",)
+SOURCES = ("paged_attention.c", "rms_norm.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
@@ -87,6 +87,9 @@ def load() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     f.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f.restype = None
+    g = lib.rms_norm_bf16
+    g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+    g.restype = None
     return lib
 
 
@@ -128,6 +131,20 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, nb, bs, tables.shape[1], scale, window or 0,
         scratch.data_ptr(), max_len)
+    return out
+
+
+MAX_NORM_HIDDEN = 8192
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of bfloat16 rows [T, H]; with `residual`, first residual += x in place and
+    normalise that. Contiguous bfloat16 inputs, H <= 8192 (callers check `norm_supported`)."""
+    lib = load()
+    out = torch.empty_like(x)
+    lib.rms_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                      out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
 
 

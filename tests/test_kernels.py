@@ -1,0 +1,56 @@
+"""The C kernels: built once per source and flags, and equal to the PyTorch operators they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera import kernels
+from tessera.layers import RMSNorm
+
+pytestmark = pytest.mark.skipif(kernels.available() is not None, reason="C kernels unavailable here")
+
+
+def test_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    path = kernels.build()
+    assert path.parent == tmp_path / "kernels" and path.is_file()
+    mtime = path.stat().st_mtime_ns
+    assert kernels.build() == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+    assert not list(path.parent.glob("*.partial"))
+
+
+def test_build_without_compiler_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(kernels.KernelUnavailable, match="compiling the kernels failed"):
+        kernels.build()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_torch(rows, with_residual):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).bfloat16()
+    res = torch.randn(rows, 576, generator=gen).bfloat16()
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
+    want_res = x + res if with_residual else x
+    want = F.rms_norm(want_res, (576,), w, 1e-5)
+    got_res = res.clone()
+    got = kernels.rms_norm_bf16(x, w, 1e-5, got_res if with_residual else None)
+    if with_residual:
+        assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 1e-3  # equal but for rare summation-order ties
+
+
+def test_rms_norm_layer_uses_kernel_for_bf16_only():
+    norm = RMSNorm(64, 1e-6, torch.bfloat16)
+    norm.weight_loader(torch.ones(64))
+    assert norm.use_kernel
+    x, r = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    out, new_r = norm(x, r.clone())
+    torch.testing.assert_close(out, F.rms_norm(x + r, (64,), norm.weight, 1e-6), atol=1e-2, rtol=1e-2)
+    assert not RMSNorm(64, 1e-6, torch.float32).use_kernel
+    strided = torch.randn(64, 3).bfloat16().t()  # not contiguous: PyTorch path
+    torch.testing.assert_close(norm(strided), F.rms_norm(strided, (64,), norm.weight, 1e-6))
