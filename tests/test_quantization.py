@@ -208,3 +208,20 @@ def test_perplexity_close_to_dequantized_model(model_path, ppl_ids, name, quanti
     quant = load_model(path, "float32", quantization=quantization)
     ppl_q = perplexity(quant, ids)
     assert abs(ppl_q / ppl_ref - 1) <= limit, (ppl_ref, ppl_q)
+
+
+@pytest.mark.parametrize("method_cls", [Int4Method, Int8Method])
+def test_loading_in_row_chunks_gives_the_same_weight(monkeypatch, method_cls):
+    """Large weights are converted a few thousand rows at a time; the result must not depend on it."""
+    torch.manual_seed(3)
+    w = torch.randn(300, 64) * 0.05
+    rng = np.random.default_rng(3)
+    q41 = gguf_weight(rng.standard_normal((200, 64)) * 0.05, Q.Q4_1)
+    whole = [m.dequantize(l) for m, l in (_layer(method_cls, w), _layer(method_cls, None, source=q41))]
+    monkeypatch.setattr("tessera.layers.quantization.LOAD_CHUNK_ROWS", 64)
+    chunked = [m.dequantize(l) for m, l in (_layer(method_cls, w), _layer(method_cls, None, source=q41))]
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+    method, layer = _layer(method_cls, w)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(method.apply(layer, x), x @ method.dequantize(layer).T, atol=2e-5, rtol=1e-5)

@@ -38,6 +38,7 @@ INT4_ROW_TILE = 64  # the CPU int4pack layout packs output rows in tiles of 64
 # dequantized, that cost moves the crossover to ~32-64 rows.
 SMALL_BATCH_WITH_DENSE_COPY = 8
 SMALL_BATCH_DEQUANTIZING = 32
+LOAD_CHUNK_ROWS = 4096  # rows dequantized at a time while loading
 
 
 @dataclass(frozen=True)
@@ -118,15 +119,22 @@ class QuantMethod(ABC):
         return self.name
 
 
-def _stack(sources: list[AnyWeight]) -> Tensor:
-    return torch.cat([s.dequantize() for s in sources]) if len(sources) > 1 else sources[0].dequantize()
+def _stack(sources: list[AnyWeight], dtype: torch.dtype) -> Tensor:
+    """Sources stacked by rows in `dtype`, converted a chunk of rows at a time."""
+    out = torch.empty(sum(s.shape[0] for s in sources), sources[0].shape[1], dtype=dtype)
+    r = 0
+    for s in sources:
+        for w in s.row_chunks(LOAD_CHUNK_ROWS):
+            out[r:r + len(w)] = w
+            r += len(w)
+    return out
 
 
 class DenseMethod(QuantMethod):
     name = "dense"
 
     def load(self, layer, sources):
-        layer.register_buffer("weight", _stack(sources).to(self.config.dtype).contiguous(), persistent=False)
+        layer.register_buffer("weight", _stack(sources, self.config.dtype), persistent=False)
 
     def dequantize(self, layer):
         return layer.weight
@@ -168,10 +176,19 @@ class Int8Method(_WeightOnlyMethod):
     name = "int8"
 
     def load(self, layer, sources):
-        w = _stack(sources)
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        layer.register_buffer("qweight", q.contiguous(), persistent=False)
+        # Row by row chunks (scales are per row), so no float32 copy of a whole large matrix
+        # (a 151k x 1536 LM head would be 0.9 GB) ever exists.
+        rows = sum(s.shape[0] for s in sources)
+        q = torch.empty(rows, sources[0].shape[1], dtype=torch.int8)
+        scale = torch.empty(rows, dtype=torch.float32)
+        r = 0
+        for s in sources:
+            for w in s.row_chunks(LOAD_CHUNK_ROWS):
+                sc = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+                q[r:r + len(w)] = torch.round(w / sc[:, None]).clamp_(-127, 127).to(torch.int8)
+                scale[r:r + len(w)] = sc
+                r += len(w)
+        layer.register_buffer("qweight", q, persistent=False)
         layer.register_buffer("scales", scale.to(self.config.dtype), persistent=False)
         self._finish(layer)
 
@@ -191,27 +208,42 @@ class Int4Method(_WeightOnlyMethod):
     name = "int4"
 
     def load(self, layer, sources):
-        parts = []
-        exact = True
-        for s in sources:
-            groups = s.int4_groups() if isinstance(s, GGUFWeight) else None
-            if groups is None:
-                exact = False
-                groups = quantize_int4(s.dequantize())
-            parts.append(groups)
-        codes, scale, zero = (torch.cat(p) for p in zip(*parts))
-        n, k = codes.shape
-        n_pad = -n % INT4_ROW_TILE  # the packed layout needs whole tiles of 64 rows
-        if n_pad:
-            codes = F.pad(codes, (0, 0, 0, n_pad))
-            scale, zero = F.pad(scale, (0, 0, 0, n_pad)), F.pad(zero, (0, 0, 0, n_pad))
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        # Codes, scales and zeros are gathered (and packed) a few thousand rows at a time: the
+        # packing wants int32 codes, 4 bytes a weight, which for a 151k x 1536 table would be
+        # 0.9 GB at once.
+        n, k = sum(s.shape[0] for s in sources), sources[0].shape[1]
+        n_pad = n + (-n % INT4_ROW_TILE)  # the packed layout needs whole tiles of 64 rows
+        codes = torch.zeros(n_pad, k, dtype=torch.uint8)
+        scale = torch.zeros(n_pad, k // INT4_GROUP)
+        zero = torch.zeros(n_pad, k // INT4_GROUP)
+        r, exact = 0, True
+        for src in sources:
+            for c, sc, z in self._groups(src):
+                codes[r:r + len(c)], scale[r:r + len(c)], zero[r:r + len(c)] = c, sc, z
+                r += len(c)
+            exact = exact and isinstance(src, GGUFWeight) and src.int4_exact
+        packed = torch.empty(n_pad, k // 2, dtype=torch.uint8)
+        step = LOAD_CHUNK_ROWS  # a multiple of the 64-row tile: tiles pack independently
+        for i in range(0, n_pad, step):
+            packed[i:i + step] = torch._convert_weight_to_int4pack_for_cpu(codes[i:i + step].to(torch.int32), 1)
+        del codes
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(self.config.dtype)
         layer.register_buffer("qweight", packed, persistent=False)
         layer.register_buffer("scales_zeros", sz, persistent=False)  # [K/32, N_padded, 2]
         layer.out_rows = n
         layer.int4_exact = exact
         self._finish(layer)
+
+    @staticmethod
+    def _groups(src: AnyWeight):
+        """(codes, scale, zero) chunks of rows: the file's own for Q4 GGUF types, else requantized."""
+        if isinstance(src, GGUFWeight) and src.int4_exact:
+            for i in range(0, src.shape[0], LOAD_CHUNK_ROWS):
+                part = src.raw[i:i + LOAD_CHUNK_ROWS]
+                yield GGUFWeight(part, src.ggml_type, (len(part), src.shape[1])).int4_groups()
+        else:
+            for w in src.row_chunks(LOAD_CHUNK_ROWS):
+                yield quantize_int4(w)
 
     def _rows(self, layer: nn.Module, rows: Tensor) -> Tensor:
         """Dequantize selected output rows: the layout keeps row r of tile b as nibble r // 32

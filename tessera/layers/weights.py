@@ -10,7 +10,7 @@ the dense method and any requantization start from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import Iterator, Optional, Protocol, Union
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ class WeightSource(Protocol):
     def dequantize(self) -> torch.Tensor:
         """The weight as float32."""
 
+    def row_chunks(self, rows: int) -> Iterator[torch.Tensor]:
+        """The weight as float32, `rows` rows at a time (bounded temporary memory)."""
+
 
 @dataclass
 class FloatWeight:
@@ -53,6 +56,10 @@ class FloatWeight:
 
     def dequantize(self) -> torch.Tensor:
         return self.tensor.float()
+
+    def row_chunks(self, rows: int) -> Iterator[torch.Tensor]:
+        for i in range(0, self.tensor.shape[0], rows):
+            yield self.tensor[i:i + rows].float()
 
 
 @dataclass
@@ -75,9 +82,18 @@ class GGUFWeight:
             out[i:i + step] = gguf_dequantize(self.raw[i:i + step], self.ggml_type)
         return torch.from_numpy(out)
 
+    def row_chunks(self, rows: int) -> Iterator[torch.Tensor]:
+        for i in range(0, self.shape[0], rows):
+            yield torch.from_numpy(gguf_dequantize(self.raw[i:i + rows], self.ggml_type).reshape(-1, self.shape[1]))
+
     def permute_rows(self, order: np.ndarray) -> "GGUFWeight":
         """Rows reordered (blocks never cross rows, so this is exact)."""
         return GGUFWeight(np.ascontiguousarray(self.raw[order]), self.ggml_type, self.shape)
+
+    @property
+    def int4_exact(self) -> bool:
+        """Whether the blocks map exactly onto int4 groups (see int4_groups)."""
+        return self.ggml_type in INT4_EXACT_TYPES
 
     def int4_groups(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(codes uint8 [N, K] in 0..15, scale f32 [N, K/32], zero f32 [N, K/32]) with

@@ -21,7 +21,7 @@ from torch import nn
 from tessera.config import ModelConfig
 from tessera.attention import get_backend
 from tessera.errors import ModelFormatError, ModelNotFoundError, TesseraError
-from tessera.hostinfo import available_memory
+from tessera.hostinfo import available_memory, map_large_allocations, release_free_memory
 from tessera.layers.quantization import QUANTIZATION_MODES, QuantConfig, QuantizationMode, resolve_dense_copy
 from tessera.models.dtype import resolve_dtype
 from tessera.models.weights import count_linear_params, describe_quantization
@@ -70,6 +70,7 @@ def load_model(
     path = Path(path).expanduser()
     if num_threads:
         torch.set_num_threads(num_threads)
+    map_large_allocations()
     t0 = time.perf_counter()
     if path.is_dir():
         from tessera.models.safetensors_loader import config_from_hf, iter_safetensors_weights, read_hf_config
@@ -92,6 +93,7 @@ def load_model(
     else:
         raise ModelNotFoundError(f"model path not found: {path}")
     _merge_eos(config, tokenizer)
+    release_free_memory()
     logger.info("loaded %s (%s, %s, %s) in %.1f s", path.name, config.architecture,
                 config.quantization or "unquantized", str(quant.dtype).removeprefix("torch."),
                 time.perf_counter() - t0)
