@@ -3,7 +3,8 @@
 For each batch size, B requests with ~200-token prompts are prefilled, then the
 engine runs decode-only steps; the median step time is compared with two
 floors measured on this machine in the same run:
-- bandwidth floor: bytes of weights read per step / measured memory-copy bandwidth;
+- bandwidth floor: bytes of weights read per step / measured memory-copy bandwidth (read + write
+  counted, so a floor no kernel can beat);
 - compute floor: FLOPs of the step (2 x params x tokens) / measured bf16 matmul rate.
 A torch.profiler table of one decode step says which operators take the time.
 
@@ -45,9 +46,10 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048) -> float:
     return 2 * n ** 3 / best
 
 
-def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of weights a decode step reads, their parameter count): the linears, the LM head
-    included, as stored (quantized where they are; dense copies for large steps are not read)."""
+def weight_bytes(model: torch.nn.Module, rows: int) -> tuple[int, int]:
+    """(bytes of weights a decode step of `rows` rows reads, their parameter count): the linears,
+    LM head included, as the step reads them: quantized for small steps, the dense copy (where
+    kept) for large ones."""
     from tessera.layers import Linear
 
     if not any(isinstance(m, Linear) for m in model.modules()):  # the first wave's plain 2-D parameters
@@ -56,7 +58,9 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     total, params = 0, 0
     for m in model.modules():
         if isinstance(m, Linear):
-            total += m.quant_method.nbytes(m)
+            dense = getattr(m, "dense_weight", None)
+            large = rows > m.quant.small_batch_max and dense is not None
+            total += dense.numel() * dense.element_size() if large else m.quant_method.nbytes(m)
             params += m.input_size * m.output_size
     return total, params
 
@@ -71,11 +75,10 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch), enable_prefix_caching=False, **options)
     engine = llm.engine
     model = engine.runner.model
-    wbytes, params = weight_bytes(model)
     bw, rate = copy_bandwidth(), matmul_rate()
     prompt = ("The history of the city goes back many centuries, and its people have kept records " * 12)
     result = {"model": args.model, "options": options, "prefix_caching": False, "dtype": str(engine.dtype),
-              "weights_read_bytes": wbytes, "linear_params": params, "copy_bandwidth_Bps": bw,
+              "copy_bandwidth_Bps": bw,
               "bf16_matmul_flops": rate, "machine": machine_info(), "python": platform.python_version(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "batches": {}}
     if args.prefill:
@@ -103,22 +106,27 @@ def run(args: argparse.Namespace) -> dict:
             if stats.num_prompt_tokens == 0 and stats.num_generation_tokens == b:
                 times.append(dt)
         med = statistics.median(times)
-        floor_bw = wbytes / (bw / 2)  # a step reads each weight byte once: read bandwidth ~ copy / 2
+        wbytes, params = weight_bytes(model, b)
+        floor_bw = wbytes / bw  # the issue's definition: weight bytes / measured copy bandwidth
         floor_compute = 2 * params * b / rate
-        entry = {"decode_steps": len(times), "median_step_ms": med * 1e3, "p90_step_ms":
-                 sorted(times)[int(0.9 * len(times))] * 1e3, "tokens_per_s": b / med,
+        entry = {"weights_read_bytes": wbytes, "linear_params": params, "decode_steps": len(times),
+                 "median_step_ms": med * 1e3, "p90_step_ms": sorted(times)[int(0.9 * len(times))] * 1e3,
+                 "tokens_per_s": b / med,
                  "bandwidth_floor_ms": floor_bw * 1e3, "compute_floor_ms": floor_compute * 1e3}
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
+            # Sampled (temperature 1) like a chat client; long enough that all b requests are still
+            # decoding once the last prefill chunk is done.
             for i in range(b):
-                engine.add_request(f"p{b}-{i}", f"{i}: {prompt}", SamplingParams(max_tokens=4, ignore_eos=True))
+                engine.add_request(f"p{b}-{i}", f"{i}: {prompt}", SamplingParams(max_tokens=64, ignore_eos=True))
             while True:  # prefill first, then profile one decode-only step
                 _, stats = engine.step_with_stats()
                 if stats.num_prompt_tokens == 0:
                     break
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                engine.step()
+                _, stats = engine.step_with_stats()
+            entry["profiled_step_rows"] = stats.num_generation_tokens
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
             entry["profile"] = table
             while engine.has_unfinished_requests():
