@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from tessera.errors import ConfigError
+
 
 @dataclass
 class ModelConfig:
@@ -73,15 +75,18 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, allowed in (("dtype", DTYPES), ("quantization", QUANTIZATIONS),
-                              ("dense_weight_copy", DENSE_WEIGHT_COPIES), ("preemption_mode", PREEMPTION_MODES),
-                              ("scheduler_policy", SCHEDULER_POLICIES), ("attention_backend", ATTENTION_BACKENDS)):
+        choices = [("quantization", QUANTIZATIONS), ("dense_weight_copy", DENSE_WEIGHT_COPIES),
+                   ("preemption_mode", PREEMPTION_MODES), ("scheduler_policy", SCHEDULER_POLICIES),
+                   ("attention_backend", ATTENTION_BACKENDS)]
+        if isinstance(self.dtype, str):  # a torch.dtype from the Python API is checked when resolved
+            choices.append(("dtype", DTYPES))
+        for name, allowed in choices:
             value = getattr(self, name)
             if not isinstance(value, str) or value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+                raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, not {value!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
 
     @property
     def dense_copy(self) -> Optional[bool]:

@@ -22,3 +22,9 @@ class ModelFormatError(TesseraError):
 
 class ChecksumError(TesseraError):
     """Downloaded or assembled bytes do not match the recorded sha256."""
+
+
+class ConfigError(TesseraError, ValueError):
+    """An engine option out of range (a ValueError too, for Python API callers)."""
+
+    exit_code = 2
