@@ -225,3 +225,24 @@ def test_loading_in_row_chunks_gives_the_same_weight(monkeypatch, method_cls):
     method, layer = _layer(method_cls, w)
     x = torch.randn(2, 64)
     torch.testing.assert_close(method.apply(layer, x), x @ method.dequantize(layer).T, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_int8_gemv_kernel_for_large_matrices(dtype, atol):
+    from tessera import kernels
+    from tessera.layers.quantization import GEMV_KERNEL_MIN_WEIGHTS
+
+    if kernels.available() is not None:
+        pytest.skip("C kernels unavailable")
+    torch.manual_seed(4)
+    w = torch.randn(GEMV_KERNEL_MIN_WEIGHTS // 512, 512) * 0.05
+    method, layer = _layer(Int8Method, w, dtype=dtype)
+    assert layer.use_gemv_kernel
+    deq = method.dequantize(layer).float()
+    for rows in (1, 2, 3):  # 1-2 rows: the C kernel; 3: PyTorch's
+        x = torch.randn(rows, 512).to(dtype)
+        got = method.apply(layer, x)
+        assert got.dtype == dtype and got.shape == (rows, w.shape[0])
+        torch.testing.assert_close(got.float(), x.float() @ deq.T, atol=atol, rtol=0.02)
+    small_method, small = _layer(Int8Method, w[:64], dtype=dtype)
+    assert not small.use_gemv_kernel

@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "rms_norm.c")
+SOURCES = ("paged_attention.c", "rms_norm.c", "int8_gemv.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
@@ -90,6 +90,9 @@ def load() -> ctypes.CDLL:
     g = lib.rms_norm_bf16
     g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
     g.restype = None
+    h = lib.int8_gemv
+    h.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int, p]
+    h.restype = ctypes.c_int
     return lib
 
 
@@ -145,6 +148,22 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     lib.rms_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                       out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+INT8_GEMV_MAX_ROWS = 4
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bfloat16 or float32, M <= 4) @ (int8 weight [N, K] * scale [N]).T -> [M, N] in x's dtype."""
+    lib = load()
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty(m, weight.shape[0], dtype=x.dtype)
+    scratch = torch.empty(m * k, dtype=torch.float32)
+    if lib.int8_gemv(x.data_ptr(), weight.data_ptr(), scale_f32.data_ptr(), out.data_ptr(), m, weight.shape[0], k,
+                     int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
+        raise KernelUnavailable(f"int8_gemv takes at most {INT8_GEMV_MAX_ROWS} rows, not {m}")
     return out
 
 
