@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "rms_norm.c", "int8_gemv.c")
+SOURCES = ("paged_attention.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
@@ -93,6 +93,9 @@ def load() -> ctypes.CDLL:
     h = lib.int8_gemv
     h.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int, p]
     h.restype = ctypes.c_int
+    f4 = lib.int4_gemv_bf16
+    f4.argtypes = [p, p, p, p, i64, i64, i64, p]
+    f4.restype = ctypes.c_int
     return lib
 
 
@@ -164,6 +167,19 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) ->
     if lib.int8_gemv(x.data_ptr(), weight.data_ptr(), scale_f32.data_ptr(), out.data_ptr(), m, weight.shape[0], k,
                      int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
         raise KernelUnavailable(f"int8_gemv takes at most {INT8_GEMV_MAX_ROWS} rows, not {m}")
+    return out
+
+
+def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """One bfloat16 row [1, K] times an int4pack weight (see int4_gemv.c) -> [1, out_rows] bfloat16."""
+    lib = load()
+    k = x.shape[1]
+    x = x.contiguous()
+    out = torch.empty(1, out_rows, dtype=torch.bfloat16)
+    scratch = torch.empty(k + k // 32, dtype=torch.float32)
+    if lib.int4_gemv_bf16(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(),
+                          scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
+        raise KernelUnavailable("int4_gemv_bf16 needs AVX-512 BF16 on the build machine")
     return out
 
 
