@@ -25,7 +25,7 @@ t0=$(date +%s.%N)
 # shellcheck disable=SC2086
 "$PY" -m tessera serve "$MODEL" --port "$PORT" --kv-cache-memory "$KV" $TESSERA_ARGS >"$LOG" 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
   kill -0 $pid 2>/dev/null || { echo "server died, see $LOG" >&2; exit 1; }
   sleep 0.5
