@@ -1,8 +1,6 @@
 """Attention backends: each owns its KV cache layout, its step metadata and its kernel."""
 from __future__ import annotations
 
-from typing import Literal
-
 import logging
 
 from tessera.attention.base import AttentionBackend, AttentionMetadata, build_metadata
@@ -13,7 +11,6 @@ from tessera.kernels import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
-AttentionBackendName = Literal["auto", "paged", "sdpa", "reference"]
 BACKENDS: dict[str, type[AttentionBackend]] = {"paged": PagedBackend, "sdpa": SdpaBackend,
                                                "reference": ReferenceBackend}
 
@@ -31,5 +28,5 @@ def get_backend(name: str) -> AttentionBackend:
     return BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionBackendName", "BACKENDS", "build_metadata",
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "build_metadata",
            "get_backend"]

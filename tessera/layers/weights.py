@@ -32,9 +32,6 @@ class WeightSource(Protocol):
     @property
     def shape(self) -> tuple[int, ...]: ...
 
-    @property
-    def type_name(self) -> str: ...
-
     def dequantize(self) -> torch.Tensor:
         """The weight as float32."""
 
@@ -49,10 +46,6 @@ class FloatWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
-
-    @property
-    def type_name(self) -> str:
-        return str(self.tensor.dtype).removeprefix("torch.").upper().replace("FLOAT", "F").replace("BF16", "BF16")
 
     def dequantize(self) -> torch.Tensor:
         return self.tensor.float()
@@ -69,10 +62,6 @@ class GGUFWeight:
     raw: np.ndarray
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]
-
-    @property
-    def type_name(self) -> str:
-        return self.ggml_type.name
 
     def dequantize(self) -> torch.Tensor:
         rows, cols = self.shape
