@@ -81,3 +81,18 @@ def test_paged_backend_falls_back_for_large_blocks():
         meta = b.build_metadata([1], [200], [[2, 0]], 128)
         outs.append(b.forward(q, k, v, cache.clone(), meta, 0.125, None))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_kernel_reads_row_strided_queries(dtype, atol):
+    """Models hand over Q as a view into the fused QKV output; the kernel reads it in place."""
+    cache, tables, q, k, v = _case(dtype)
+    lens = [1, 17, 40, 300]
+    fused = torch.cat([q, k, v], dim=1)  # [B, Hq + 2 Hkv, D], like qkv_proj's output
+    strided = fused[:, :6]
+    assert not strided.is_contiguous()
+    table = torch.tensor([t + [0] * (19 - len(t)) for t in tables])
+    got = kernels.paged_decode_attention(strided, cache, table, torch.tensor(lens), max(lens), 0.125, None)
+    want = kernels.paged_decode_attention(q.contiguous(), cache, table, torch.tensor(lens), max(lens), 0.125, None)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)

@@ -33,15 +33,18 @@ class PagedBackend(SdpaBackend):
         out = torch.empty_like(q)
         if nd > 0:
             cached = meta._cache.get("paged_decode")
-            if cached is None:
+            if cached is None:  # per step, shared by all layers: lengths, tables, score scratch
                 seq_lens = torch.tensor(meta.seq_lens[:nd], dtype=torch.long)
-                cached = (seq_lens, meta.block_tables[:nd].contiguous(), max(meta.seq_lens[:nd]))
+                max_len = max(meta.seq_lens[:nd])
+                cached = (seq_lens, meta.block_tables[:nd].contiguous(), max_len,
+                          torch.empty(nd * hq * max_len, dtype=torch.float32))
                 meta._cache["paged_decode"] = cached
-            seq_lens, tables, max_len = cached
-            o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale, sliding_window)
+            seq_lens, tables, max_len, scratch = cached
+            o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale, sliding_window,
+                                               scratch)
             if nd == meta.num_reqs:  # a decode-only step: no prefill rows to place beside it
                 return o.to(q.dtype).view(nd, hq * d)
-            out[:nd] = o.to(q.dtype)
+            out[:nd] = o
         if nd < meta.num_reqs:
             self._prefill(q, k, v, kv_cache, meta, scale, sliding_window, out)
         return out.view(q.shape[0], hq * d)

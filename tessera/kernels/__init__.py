@@ -85,7 +85,7 @@ def load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     f = lib.paged_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
+    f.argtypes = [p, i64, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f.restype = None
     g = lib.rms_norm_bf16
     g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -116,27 +116,31 @@ def supports(num_heads: int, kv_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, max_len: int, scale: float,
-                           window: Optional[int]) -> torch.Tensor:
-    """q [B, Hq, D] against each request's cached context -> [B, Hq, D] float32.
+                           seq_lens: torch.Tensor, max_len: int, scale: float, window: Optional[int],
+                           scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, Hq, D] against each request's cached context -> [B, Hq, D] in the cache's dtype.
 
-    kv_cache [2, Hkv, num_blocks, block_size, D] (bfloat16 or float32), block_tables [B, max_blocks]
-    int64, seq_lens [B] int64 (context including the new token).
+    q may be a row-strided view (e.g. the Q part of a fused QKV output) as long as each row's heads
+    are contiguous. kv_cache [2, Hkv, num_blocks, block_size, D] (bfloat16 or float32), block_tables
+    [B, max_blocks] int64, seq_lens [B] int64 (context including the new token); `scratch`, if given,
+    holds at least B * Hq * max_len float32 (callers reuse one across the layers of a step).
     """
     lib = load()
     b, hq, d = q.shape
-    _, hkv, nb, bs, _ = kv_cache.shape
+    hkv = kv_cache.shape[1]
     if not supports(hq, kv_cache):
-        raise KernelUnavailable(f"unsupported shape or dtype (head_dim {d}, group {hq // hkv}, block size {bs}, "
-                                f"{kv_cache.dtype})")
-    q = q.float().contiguous()
+        raise KernelUnavailable(f"unsupported shape or dtype (head_dim {d}, group {hq // hkv}, block size "
+                                f"{kv_cache.shape[3]}, {kv_cache.dtype})")
+    if q.dtype != kv_cache.dtype or q.stride(2) != 1 or q.stride(1) != d:
+        q = q.to(kv_cache.dtype).contiguous()
     tables = block_tables.contiguous()
-    out = torch.empty_like(q)
-    scratch = torch.empty(b * hkv * (hq // hkv) * max_len, dtype=torch.float32)
+    out = torch.empty(b, hq, d, dtype=kv_cache.dtype)
+    if scratch is None or scratch.numel() < b * hq * max_len:
+        scratch = torch.empty(b * hq * max_len, dtype=torch.float32)
     lib.paged_decode_attention(
-        q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, nb, bs, tables.shape[1], scale, window or 0,
-        scratch.data_ptr(), max_len)
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, kv_cache.shape[2], kv_cache.shape[3], tables.shape[1],
+        scale, window or 0, scratch.data_ptr(), max_len)
     return out
 
 

@@ -44,17 +44,18 @@ static inline void load_row(const void *base, int64_t index, int d, int is_bf16,
 }
 
 /*
- * q:            [B][Hq][D] float32
+ * q:            [B] rows of q_stride elements, each starting with [Hq][D], in the cache's dtype
  * cache:        [2][Hkv][num_blocks][block_size][D], bfloat16 (is_bf16=1) or float32
  * block_tables: [B][max_blocks] int64
  * seq_lens:     [B] int64 (context length including the new token)
- * out:          [B][Hq][D] float32
+ * out:          [B][Hq][D] in the cache's dtype
  * window:       sliding window in tokens, 0 for none
  * scratch:      B * Hkv * (G * max_len) floats for the scores
  * Limits (checked by the caller): D <= 512, G <= 16, block_size <= 64.
  */
-void paged_decode_attention(const float *q, const void *cache, int is_bf16, const int64_t *block_tables,
-                            const int64_t *seq_lens, float *out, int64_t B, int64_t Hq, int64_t Hkv,
+void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
+                            const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
+                            int64_t Hkv,
                             int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                             float scale, int64_t window, float *scratch, int64_t max_len) {
     const int64_t G = Hq / Hkv;
@@ -65,7 +66,13 @@ void paged_decode_attention(const float *q, const void *cache, int is_bf16, cons
         const int64_t len = seq_lens[b];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
         const int64_t *table = block_tables + b * max_blocks;
-        const float *qh = q + (b * Hq + h * G) * D;
+        /* This pair's G query rows, widened to float32 (q is in the cache's dtype; rows of a
+         * request are q_stride elements apart, its heads contiguous). */
+        float qh[16 * 512];
+        for (int64_t i = 0; i < G * D; i++) {
+            const int64_t at = b * q_stride + h * G * D + i;
+            qh[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
+        }
         float *scores = scratch + pair * G * max_len;
         float row[512];
         float kt[512 * 64]; /* one block of keys, transposed: kt[i * block_size + t] */
@@ -184,10 +191,16 @@ void paged_decode_attention(const float *q, const void *cache, int is_bf16, cons
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            float *o = out + (b * Hq + h * G + g) * D;
+            const int64_t at = (b * Hq + h * G + g) * D;
             const float inv = 1.f / sums[g];
+            if (is_bf16) {
+                uint16_t *o = (uint16_t *)out + at;
+                for (int64_t i = 0; i < D; i++) o[i] = f32_to_bf16_bits(acc[g * D + i] * inv);
+            } else {
+                float *o = (float *)out + at;
 #pragma omp simd
-            for (int64_t i = 0; i < D; i++) o[i] = acc[g * D + i] * inv;
+                for (int64_t i = 0; i < D; i++) o[i] = acc[g * D + i] * inv;
+            }
         }
     }
 }
