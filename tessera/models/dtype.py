@@ -70,6 +70,13 @@ def layer_linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
             (c.hidden_size, c.intermediate_size)]
 
 
+def linear_param_count(config: ModelConfig) -> int:
+    """Weights of every Linear of the model (decoder layers, embedding table, untied LM head)."""
+    per_layer = sum(o * i for o, i in layer_linear_shapes(config))
+    tables = (1 if config.tie_word_embeddings else 2) * config.vocab_size * config.hidden_size
+    return config.num_layers * per_layer + tables
+
+
 @torch.inference_mode()
 def measure_linear_speed(config: ModelConfig, budget_s: float = 0.1) -> dict[torch.dtype, dict[int, float]]:
     """Median seconds per pass over one layer's linears, by dtype and batch size.

@@ -23,8 +23,8 @@ from tessera.attention import get_backend
 from tessera.errors import ModelFormatError, ModelNotFoundError, TesseraError
 from tessera.hostinfo import available_memory, map_large_allocations, release_free_memory
 from tessera.layers.quantization import QUANTIZATION_MODES, QuantConfig, QuantizationMode, resolve_dense_copy
-from tessera.models.dtype import resolve_dtype
-from tessera.models.weights import count_linear_params, describe_quantization
+from tessera.models.dtype import linear_param_count, resolve_dtype
+from tessera.models.weights import describe_quantization
 from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -107,8 +107,7 @@ def _build(config: ModelConfig, dtype: Union[str, torch.dtype], quantization: Qu
            dense_copy: Optional[bool]) -> tuple[nn.Module, QuantConfig]:
     """The model with empty layers; dense-copy policy decided from its size before any weight loads."""
     resolved = resolve_dtype(dtype, config)
-    probe = model_class(config)(config, QuantConfig(quantization, resolved))
-    keep = resolve_dense_copy(dense_copy, count_linear_params(probe), resolved, available_memory())
+    keep = resolve_dense_copy(dense_copy, linear_param_count(config), resolved, available_memory())
     quant = QuantConfig(quantization, resolved, keep)
     return model_class(config)(config, quant), quant
 

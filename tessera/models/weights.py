@@ -93,12 +93,8 @@ def describe_quantization(model: nn.Module) -> list[str]:
     return [f"{k} x{n} ({b / 2**20:.1f} MiB)" for k, (n, b) in sorted(counts.items())]
 
 
-def count_linear_params(model: nn.Module) -> int:
-    return sum(m.input_size * m.output_size for m in model.modules() if isinstance(m, Linear))
-
-
 def as_float_tensor(t: Union[Tensor, AnyWeight]) -> Tensor:
     return t if isinstance(t, Tensor) else t.dequantize()
 
 
-__all__ = ["PACKED_MODULES", "load_named_weights", "describe_quantization", "count_linear_params", "as_float_tensor"]
+__all__ = ["PACKED_MODULES", "load_named_weights", "describe_quantization", "as_float_tensor"]
