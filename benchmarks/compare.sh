@@ -5,6 +5,12 @@
 #   benchmarks/compare.sh                  full timed run (takes a while; run on a quiet machine)
 #   benchmarks/compare.sh --smoke          start each server, 6 short requests 2 at a time, stop (no results kept)
 #   benchmarks/compare.sh --servers tessera,vllm --no-capacity
+#   benchmarks/compare.sh --servers tessera@bursty,tessera@multi-agent,tessera@fixed,vllm
+#
+# `tessera@PROFILE` runs Tessera with `--profile PROFILE` and its preset's own sequence cap
+# (results labelled tessera-PROFILE); `tessera@fixed` is the fixed-budget scheduler of the
+# first waves (`--target-itl-ms 0 --max-num-batched-tokens 512`), the baseline for the
+# latency-targeted one. Plain `tessera` uses the default profile with 32 sequences like the peers.
 #
 # Each server is started in turn on its own port with equivalent settings (32 concurrent
 # sequences, 2048 tokens of context each), the runs are serialised by flock on $LOCK, and
@@ -29,7 +35,7 @@ THREADS=${THREADS:-2}
 CONCURRENCY=${CONCURRENCY:-"1 4 16 32"}
 NUM_PROMPTS=${NUM_PROMPTS:-"8 16 48 96"}   # requests per concurrency level, same order
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-"--prompt-words 50:400 --max-tokens 16:256"}
-CAPACITY_ARGS=${CAPACITY_ARGS:-"--start-rate 0.25 --growth 2 --max-probes 7 --rel-tol 0.15 --probe-duration 20 --min-requests 10 --max-requests 60 --probe-timeout 240"}
+CAPACITY_ARGS=${CAPACITY_ARGS:-"--start-rate 0.25 --growth 2 --max-probes 7 --rel-tol 0.15 --probe-duration 20 --min-requests 10 --max-requests 60 --probe-timeout 90"}
 SLO_ARGS=${SLO_ARGS:-"--slo-ttft 1 --slo-itl 0.05"}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-400}
 VLLM_KV_GIB=${VLLM_KV_GIB:-2}
@@ -82,14 +88,27 @@ stop_server() {
 }
 trap stop_server EXIT INT TERM
 
+port_of() { echo "${PORT[${1%%@*}]}"; }  # tessera@PROFILE listens where tessera does
+label_of() { echo "${1/@/-}"; }
+
+tessera_profile_args() {  # the flags of a tessera@PROFILE variant
+  case "$1" in
+    fixed) echo "--max-num-seqs 32 --target-itl-ms 0 --max-num-batched-tokens 512" ;;
+    *) echo "--profile $1" ;;
+  esac
+}
+
 start_server() {  # start_server NAME LOGFILE
-  local name=$1 logfile=$2 port=${PORT[$1]}
+  local name=$1 logfile=$2 port
+  port=$(port_of "$1")
   stop_server
   case "$name" in
-    tessera)
+    tessera|tessera@*)
+      local extra="--max-num-seqs 32"
+      [[ $name == tessera@* ]] && extra=$(tessera_profile_args "${name#tessera@}")
       # shellcheck disable=SC2086
       "${TESSERA[@]}" serve "$MODEL" --host 127.0.0.1 --port "$port" --served-model-name "$MODEL" \
-        --max-num-seqs 32 --max-model-len 2048 --num-threads "$THREADS" $TESSERA_ARGS \
+        --max-model-len 2048 --num-threads "$THREADS" $extra $TESSERA_ARGS \
         > "$logfile" 2>&1 &
       ;;
     llamacpp)
@@ -126,29 +145,32 @@ note_environment() {  # what else was running, kept with the results
 }
 
 bench_serve() {  # bench_serve SERVER LEVEL_INDEX CONCURRENCY NUM_PROMPTS
-  local name=$1 i=$2 c=$3 n=$4 port=${PORT[$1]}
+  local name=$1 i=$2 c=$3 n=$4 port label
+  port=$(port_of "$1"); label=$(label_of "$1")
   note_environment "$name serve c=$c"
   # shellcheck disable=SC2086
-  "${BENCH[@]}" serve --base-url "http://127.0.0.1:$port" --model "$MODEL" --label "$name" \
+  "${BENCH[@]}" serve --base-url "http://127.0.0.1:$port" --model "$MODEL" --label "$label" \
     --dataset "$DATASET" --seed $((SEED + 1000 * i)) --concurrency "$c" --num-prompts "$n" --warmup 2 \
-    $WORKLOAD_ARGS $SLO_ARGS --output "$RESULTS/${name}_${DATASET}_c${c}.json"
+    $WORKLOAD_ARGS $SLO_ARGS --output "$RESULTS/${label}_${DATASET}_c${c}.json"
 }
 
 bench_capacity() {
-  local name=$1 port=${PORT[$1]}
+  local name=$1 port label
+  port=$(port_of "$1"); label=$(label_of "$1")
   note_environment "$name capacity"
   # shellcheck disable=SC2086
-  "${BENCH[@]}" capacity --base-url "http://127.0.0.1:$port" --model "$MODEL" --label "$name" \
+  "${BENCH[@]}" capacity --base-url "http://127.0.0.1:$port" --model "$MODEL" --label "$label" \
     --dataset "$DATASET" --seed $((SEED + 500000)) --warmup 2 $WORKLOAD_ARGS $SLO_ARGS $CAPACITY_ARGS \
-    --output "$RESULTS/${name}_${DATASET}_capacity.json"
+    --output "$RESULTS/${label}_${DATASET}_capacity.json"
 }
 
 smoke() {
-  local name=$1 port=${PORT[$1]}
-  start_server "$name" "$LOGS/$name.log"
-  "${BENCH[@]}" serve --base-url "http://127.0.0.1:$port" --model "$MODEL" --label "$name" \
+  local name=$1 port label
+  port=$(port_of "$1"); label=$(label_of "$1")
+  start_server "$name" "$LOGS/$label.log"
+  "${BENCH[@]}" serve --base-url "http://127.0.0.1:$port" --model "$MODEL" --label "$label" \
     --concurrency 2 --num-prompts 6 --max-tokens 8 --prompt-words 20 --warmup 0 --no-progress \
-    --output "$RESULTS/${name}_smoke.json"
+    --output "$RESULTS/${label}_smoke.json"
   stop_server
 }
 
@@ -158,17 +180,18 @@ read -r -a COUNTS <<< "$NUM_PROMPTS"
 (( ${#LEVELS[@]} == ${#COUNTS[@]} )) || { echo "CONCURRENCY and NUM_PROMPTS need the same length" >&2; exit 2; }
 
 for name in "${SERVER_LIST[@]}"; do
-  [[ -n "${PORT[$name]:-}" ]] || { echo "unknown server $name (tessera, llamacpp, vllm)" >&2; exit 2; }
+  [[ -n "${PORT[${name%%@*}]:-}" ]] || { echo "unknown server $name (tessera[@PROFILE], llamacpp, vllm)" >&2; exit 2; }
+  label=$(label_of "$name")
   if [[ $SMOKE == 1 ]]; then smoke "$name"; continue; fi
-  log "== $name"
+  log "== $label"
   for i in "${!LEVELS[@]}"; do
     if [[ $name == llamacpp || -z "$SERVER_PID" ]]; then
-      start_server "$name" "$LOGS/${name}_${DATASET}_c${LEVELS[$i]}.log"
+      start_server "$name" "$LOGS/${label}_${DATASET}_c${LEVELS[$i]}.log"
     fi
     bench_serve "$name" "$i" "${LEVELS[$i]}" "${COUNTS[$i]}"
   done
   if [[ $CAPACITY == 1 ]]; then
-    [[ $name == llamacpp ]] && start_server "$name" "$LOGS/${name}_${DATASET}_capacity.log"
+    [[ $name == llamacpp || -z "$SERVER_PID" ]] && start_server "$name" "$LOGS/${label}_${DATASET}_capacity.log"
     bench_capacity "$name"
   fi
   stop_server
@@ -181,7 +204,7 @@ if [[ $SMOKE == 1 ]]; then
 fi
 shopt -s nullglob
 files=()
-for name in "${SERVER_LIST[@]}"; do files+=("$RESULTS/${name}_${DATASET}"_*.json); done
+for name in "${SERVER_LIST[@]}"; do files+=("$RESULTS/$(label_of "$name")_${DATASET}"_*.json); done
 "${BENCH[@]}" report "${files[@]}" --output "$RESULTS/summary_${DATASET}.md" \
   --plot "$RESULTS/compare_${DATASET}.png"
 log "done: $RESULTS/summary_${DATASET}.md"

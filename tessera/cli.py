@@ -11,6 +11,7 @@ import sys
 import uuid
 from typing import Optional, Sequence
 
+from tessera.config import DEFAULT_PROFILE
 from tessera.engine.args import add_engine_args, config_from_args
 from tessera.errors import TesseraError
 from tessera.models import registry
@@ -39,10 +40,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="model name the API reports and accepts (default: the model's name)")
-    g.add_argument("--max-num-queued-requests", type=int, default=256,
-                   help="requests waiting beyond this many get HTTP 429 (default: %(default)s)")
+    g.add_argument("--max-num-queued-requests", type=int, default=None,
+                   help="requests waiting beyond this many get HTTP 429 (default: profile: chat-solo 8, "
+                        "bursty 128, multi-agent 512)")
     g.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds after which a request is aborted, 0 = never (default: %(default)s)")
+                   help="seconds after which a request is aborted, 0 = never; a request whose forecast queue wait "
+                        "is already longer is refused at once with 429 (default: %(default)s)")
     g.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP/HTTP endpoint to export request traces to, e.g. http://127.0.0.1:4318/v1/traces "
                         "(default: tracing off)")
@@ -92,11 +95,11 @@ def _resolve_for_engine(spec: str) -> str:
     return registry.get_entry(spec).name if registry.is_registry_name(spec) else str(path)
 
 
-def _build_llm(args: argparse.Namespace):
+def _build_llm(args: argparse.Namespace, auto_profile: str = DEFAULT_PROFILE):
     model = _resolve_for_engine(args.model)
     from tessera.llm import LLM
 
-    config = config_from_args(args, model)
+    config = config_from_args(args, model, auto_profile)
     options = {k: v for k, v in vars(config).items() if k != "model"}
     return LLM(model, **options)
 
@@ -144,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
-    llm = _build_llm(args)
+    llm = _build_llm(args, auto_profile="chat-solo")
     engine = llm.engine
     tokenizer = engine.tokenizer
     system = [{"role": "system", "content": args.system}] if args.system else []

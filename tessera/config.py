@@ -6,6 +6,7 @@ are plain dataclasses so they can be logged, compared and copied freely.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -49,11 +50,46 @@ DENSE_WEIGHT_COPIES = ("auto", "on", "off")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULER_POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
+PROFILES = ("auto", "chat-solo", "multi-agent", "bursty")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A deployment preset (source 000's table): the settings one kind of traffic wants.
+
+    chat-solo: one person chatting; latency first, a batch of 1-2, room for long prompts.
+    multi-agent: many agents behind an API sharing long prefixes; throughput first, a large
+    batch, prefix caching, a looser latency target and a long queue.
+    bursty: a small team's uneven traffic; the middle ground, with swap so a burst's
+    preemptions do not throw work away, and a shorter queue so overload is refused early.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    target_itl_ms: float  # 0 = no target: the token budget alone sizes prefill chunks
+    enable_prefix_caching: bool
+    preemption_mode: str
+    max_num_queued_requests: int
+    description: str
+
+
+PROFILE_SETTINGS: dict[str, Profile] = {
+    "chat-solo": Profile(2, 2048, 30.0, True, "swap", 8, "one user chatting: latency first"),
+    "multi-agent": Profile(64, 1024, 100.0, True, "recompute", 512,
+                           "many clients sharing prefixes: throughput first"),
+    "bursty": Profile(32, 1024, 50.0, True, "swap", 128, "uneven team traffic: the middle ground"),
+}
+DEFAULT_PROFILE = "bursty"  # what `auto` means for a server; `tessera chat` picks chat-solo
+PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "enable_prefix_caching",
+                  "preemption_mode")
 
 
 @dataclass
 class EngineConfig:
-    """Every serving knob; the CLI maps flags 1:1 onto these fields."""
+    """Every serving knob; the CLI maps flags 1:1 onto these fields.
+
+    Fields left None take their value from the profile; an explicit value overrides it.
+    """
 
     model: str = "smollm2-135m"
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -64,17 +100,32 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size
     max_model_len: Optional[int] = None  # None = min(model max positions, 4096)
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
-    enable_prefix_caching: bool = True
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    profile: Literal["auto", "chat-solo", "multi-agent", "bursty"] = "auto"
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    # Step time aimed at while decodes run; prefill chunks are sized to it. 0 = no target.
+    target_itl_ms: Optional[float] = None
+    enable_prefix_caching: Optional[bool] = None
+    preemption_mode: Optional[Literal["recompute", "swap"]] = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     scheduler_policy: Literal["continuous", "static"] = "continuous"
     attention_backend: Literal["auto", "paged", "sdpa", "reference"] = "auto"
     num_threads: Optional[int] = None
     seed: int = 0
+    # Profile fields given explicitly (they beat the profile); filled in when the profile is applied.
+    profile_overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.profile, str) or self.profile not in PROFILES:
+            raise ConfigError(f"--profile must be one of {', '.join(PROFILES)}, not {self.profile!r}")
+        if self.profile == "auto":
+            self.profile = DEFAULT_PROFILE
+        unset = [name for name in PROFILE_FIELDS if getattr(self, name) is None]
+        if unset:
+            self.profile_overrides = tuple(n for n in PROFILE_FIELDS if n not in unset)
+            preset = PROFILE_SETTINGS[self.profile]
+            for name in unset:
+                setattr(self, name, getattr(preset, name))
         choices = [("quantization", QUANTIZATIONS), ("dense_weight_copy", DENSE_WEIGHT_COPIES),
                    ("preemption_mode", PREEMPTION_MODES), ("scheduler_policy", SCHEDULER_POLICIES),
                    ("attention_backend", ATTENTION_BACKENDS)]
@@ -87,7 +138,23 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        target = self.target_itl_ms
+        if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
+            raise ConfigError(f"--target-itl-ms must be a number of milliseconds >= 0 (0 = no target), "
+                              f"not {target!r}")
 
     @property
     def dense_copy(self) -> Optional[bool]:
         return {"auto": None, "on": True, "off": False}[self.dense_weight_copy]
+
+    def profile_summary(self) -> str:
+        """One line for the start-up log: the profile and the values it set or the flags beat."""
+        def show(name: str) -> str:
+            value = getattr(self, name)
+            if name == "enable_prefix_caching":
+                value = "on" if value else "off"
+            elif name == "target_itl_ms":
+                value = f"{value:g} ms" if value else "none"
+            mark = " (flag)" if name in self.profile_overrides else ""
+            return f"{name}={value}{mark}"
+        return f"profile {self.profile}: " + ", ".join(show(n) for n in PROFILE_FIELDS)

@@ -17,7 +17,7 @@ observed in the per-request histograms, so `request_prompt_tokens_sum` and
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -97,7 +97,11 @@ class PrometheusStatLogger:
             "prefix_cache_queries", "Prefix cache queries, in tokens (prompt tokens looked up).")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (prompt tokens reused).")
         self.admission_rejections = counter(
-            "admission_rejections", "Requests refused at admission because the waiting queue was full (HTTP 429).")
+            "admission_rejections", "Requests refused at admission (HTTP 429): the waiting queue was full, or "
+                                    "the forecast wait for the prompt was past the request's deadline.")
+        self.predicted_queue_wait = gauge(
+            "predicted_queue_wait_seconds", "Forecast (step-cost model) of how long a request arriving now "
+                                            "would wait for its prompt to be computed, in seconds.")
         self.request_aborts = counter("request_aborts", "Requests aborted before finishing (client gone or cancelled).")
 
         self.time_to_first_token = histogram(
@@ -125,6 +129,9 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Number of generation tokens processed per request.",
             token_buckets)
+        self.step_time = histogram(
+            "step_time_seconds", "Histogram of engine step time (schedule to outputs), in seconds.",
+            TOKEN_LATENCY_BUCKETS)
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Histogram of the number of tokens per engine step.",
             buckets_pow2(max_num_batched_tokens))
@@ -147,6 +154,8 @@ class PrometheusStatLogger:
         self.prefix_cache_queries.inc(it.prefix_cache_queries)
         self.prefix_cache_hits.inc(it.prefix_cache_hits)
         self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        if it.step_time > 0:
+            self.step_time.observe(it.step_time)
         for ttft in it.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in it.inter_token_latencies:
@@ -183,6 +192,10 @@ class PrometheusStatLogger:
     def record_rejection(self) -> None:
         """A request refused at admission (queue full, HTTP 429); thread-safe, call from anywhere."""
         self.admission_rejections.inc()
+
+    def watch_predicted_wait(self, forecast: Callable[[], Optional[float]]) -> None:
+        """Read the predicted queue wait from `forecast` at each scrape (it is not a step event)."""
+        self.predicted_queue_wait.set_function(lambda: forecast() or 0.0)
 
     # -- exposition ----------------------------------------------------------------------------
 

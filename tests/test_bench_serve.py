@@ -244,9 +244,20 @@ def test_open_loop_follows_seeded_poisson_arrivals(server):
 def test_open_loop_time_limit_counts_unfinished_as_failed(server):
     server.reset(ttft=2.0, itl=0.01)
     run = asyncio.run(run_open_loop(target(server), fixed_sessions(3, 2), float("inf"), seed=0,
-                                    progress=False, time_limit=0.3))
+                                    progress=False, drain_timeout=0.3))
     assert len(run.results) == 3 and not any(r.ok for r in run.results)
-    assert "time limit" in run.results[0].error and run.duration < 1.5
+    assert "after the last arrival" in run.results[0].error and run.duration < 1.5
+
+
+def test_open_loop_time_limit_follows_the_arrival_span(server):
+    # A slow rate spreads arrivals past the drain timeout; requests that the server answers
+    # promptly must not be cut because the client's clock started with the first arrival.
+    server.reset(ttft=0.05, itl=0.005)
+    sessions = fixed_sessions(4, 2)
+    span = poisson_arrivals(4, 4.0, seed=2)[-1]
+    assert span > 1.0
+    run = asyncio.run(run_open_loop(target(server), sessions, 4.0, seed=2, progress=False, drain_timeout=0.4))
+    assert len(run.results) == 4 and all(r.ok for r in run.results), [r.error for r in run.results]
 
 
 def test_summary_percentiles_are_exact_on_known_values():

@@ -200,7 +200,7 @@ class _ScriptedEngine:
 
 def test_chat_keeps_the_conversation_and_streams(monkeypatch, capsys):
     engine = _ScriptedEngine()
-    monkeypatch.setattr(cli, "_build_llm", lambda args: type("L", (), {"engine": engine})())
+    monkeypatch.setattr(cli, "_build_llm", lambda args, **_: type("L", (), {"engine": engine})())
     lines = iter(["hello", "", "again", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert cli.main(["chat", "smollm2-135m", "--system", "be brief"]) == 0
@@ -212,7 +212,7 @@ def test_chat_keeps_the_conversation_and_streams(monkeypatch, capsys):
 
 def test_chat_quits_on_ctrl_d(monkeypatch):
     engine = _ScriptedEngine()
-    monkeypatch.setattr(cli, "_build_llm", lambda args: type("L", (), {"engine": engine})())
+    monkeypatch.setattr(cli, "_build_llm", lambda args, **_: type("L", (), {"engine": engine})())
 
     def eof(prompt=""):
         raise EOFError

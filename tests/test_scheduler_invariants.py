@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from tessera.config import EngineConfig
+from tessera.engine.cost_model import StepShape
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.scheduler import Scheduler
@@ -35,7 +38,26 @@ workload = st.fixed_dictionaries({
     "policy": st.sampled_from(["continuous", "static"]),
     "caching": st.booleans(),
     "n_reqs": st.integers(1, 12),
+    # A fake step-cost model (fixed, per token, per sampled row, per 1k attended pairs, in ms) and
+    # a target in ms, or None for the plain token budget.
+    "latency": st.one_of(st.none(), st.tuples(st.floats(0, 20), st.floats(0, 5), st.floats(0, 5),
+                                              st.floats(0, 50), st.floats(1, 80))),
 })
+
+
+@dataclass
+class FakeCostModel:
+    """Linear step costs in milliseconds: what StepCostModel looks like to the scheduler."""
+
+    fixed: float
+    per_token: float
+    per_sampled: float
+    per_1k_attended: float
+
+    def predict(self, shape: StepShape) -> float:
+        ms = (self.fixed + self.per_token * shape.num_tokens + self.per_sampled * shape.num_sampled
+              + self.per_1k_attended * shape.num_attended / 1000) if shape.num_tokens else 0.0
+        return ms / 1000
 
 
 @settings(max_examples=150, deadline=None)
@@ -43,13 +65,17 @@ workload = st.fixed_dictionaries({
 def test_scheduler_invariants(w: dict) -> None:
     rng = random.Random(w["seed"])
     bs = w["block_size"]
+    cost, target_ms = None, 0.0
+    if w["latency"] is not None:
+        *coeffs, target_ms = w["latency"]
+        cost = FakeCostModel(*coeffs)
     cfg = EngineConfig(max_num_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
                        preemption_mode=w["mode"], scheduler_policy=w["policy"], block_size=bs,
-                       enable_prefix_caching=w["caching"])
+                       enable_prefix_caching=w["caching"], target_itl_ms=target_ms)
     kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]))
     capacity = w["num_blocks"] * bs
     max_model_len = max(2, min(capacity, 60))
-    sched = Scheduler(cfg, kv, max_model_len)
+    sched = Scheduler(cfg, kv, max_model_len, cost)
     shared_head = [rng.randrange(1, 50) for _ in range(20)]
     live: list[Request] = []
     pending = []
@@ -84,6 +110,8 @@ def test_scheduler_invariants(w: dict) -> None:
             # Never write into a block another request also holds.
             for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
                 assert kv.pool.blocks[r.block_ids[pos // bs]].ref_cnt == 1
+        if cost is not None and w["policy"] == "continuous":
+            check_latency_target(out, cost, target_ms / 1000)
         sampled = {s.request.request_id: (EOS if rng.random() < 0.05 else rng.randrange(1, 50))
                    for s in out.scheduled if s.produces_token}
         sched.update_after_step(out, sampled)
@@ -97,6 +125,61 @@ def test_scheduler_invariants(w: dict) -> None:
     assert kv.num_free_blocks == w["num_blocks"]
     assert len(kv.host_free) == kv.num_host_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def check_latency_target(out, cost: FakeCostModel, target_s: float) -> None:
+    """With decodes in the step, prefill may push the predicted time past the target only by
+    the one-token minimum that keeps a prompt moving."""
+    decodes = [s for s in out.scheduled
+               if s.num_new_tokens == 1 and s.request.output_token_ids
+               and s.request.num_computed_tokens == s.request.num_tokens - 1]
+    prefills = [s for s in out.scheduled if s not in decodes]
+    if not out.scheduled:
+        return
+    assert out.predicted_s == pytest.approx(cost.predict(out.shape))
+    if not decodes or not prefills:
+        return
+    if len(prefills) == 1 and prefills[0].num_new_tokens == 1:
+        return  # the minimum: one prompt token, whatever the decodes cost
+    assert out.predicted_s <= target_s + 1e-9, (out.shape, [s.num_new_tokens for s in out.scheduled])
+
+
+def test_prefill_chunk_shrinks_to_the_latency_target() -> None:
+    cost = FakeCostModel(fixed=5, per_token=1, per_sampled=0, per_1k_attended=0)  # ms
+    kv = KVCacheManager(64, 16, False)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=25), kv, 1024, cost)
+    decoding = Request("d", [1] * 8, SamplingParams(max_tokens=50), 50, [0])
+    sched.add_request(decoding)
+    sched.update_after_step(sched.schedule(), {"d": 5})  # prompt done, first token out
+    long = Request("p", [2] * 300, SamplingParams(max_tokens=5), 5, [0])
+    sched.add_request(long)
+    out = sched.schedule()
+    chunks = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    # 5 ms fixed + 1 decode row + 19 prompt tokens = 25 ms.
+    assert chunks == {"d": 1, "p": 19}
+    assert out.predicted_s == pytest.approx(0.025)
+    sched.finish_request(decoding, RequestStatus.FINISHED_ABORTED)
+    sched.update_after_step(out, {"d": 7})
+    out = sched.schedule()  # no decode left: the prompt goes at the full budget
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"p": 281}
+
+
+def test_a_prompt_progresses_behind_decodes_over_the_target() -> None:
+    cost = FakeCostModel(fixed=40, per_token=1, per_sampled=0, per_1k_attended=0)
+    kv = KVCacheManager(64, 16, False)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=30), kv, 1024, cost)
+    d = Request("d", [1] * 4, SamplingParams(max_tokens=100), 100, [0])
+    sched.add_request(d)
+    sched.update_after_step(sched.schedule(), {"d": 5})
+    p = Request("p", [2] * 3, SamplingParams(max_tokens=1), 1, [0])
+    q = Request("q", [3] * 3, SamplingParams(max_tokens=1), 1, [0])
+    sched.add_request(p)
+    sched.add_request(q)
+    for _ in range(3):  # one token of the oldest prompt per step; the next one waits its turn
+        out = sched.schedule()
+        assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 1}
+        sched.update_after_step(out, {s.request.request_id: 5 for s in out.scheduled if s.produces_token})
+    assert p.is_finished and not q.is_finished
 
 
 def test_prefix_hit_shares_full_blocks_only() -> None:

@@ -27,8 +27,9 @@ NAME = "tiny"
 
 
 class TinyServer:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, engine: AsyncLLMEngine) -> None:
         self.url = url
+        self.engine = engine
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def stats(self) -> dict:
@@ -46,7 +47,7 @@ def tiny(tmp_path_factory) -> Iterator[TinyServer]:
     engine = AsyncLLMEngine(config, engine=LLMEngine(config, loaded=loaded), max_num_queued_requests=24)
     try:
         with serve_in_thread(create_app(engine, [NAME])) as url:
-            yield TinyServer(url)
+            yield TinyServer(url, engine)
     finally:
         engine.shutdown()
 
@@ -110,3 +111,30 @@ def test_too_long_is_400_not_a_crash(tiny):
     r = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": "x", "max_tokens": 10_000})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
     assert httpx.get(f"{tiny.url}/health").status_code == 200
+
+
+def test_refused_by_forecast_wait_leaks_nothing(tiny):
+    """A request whose forecast wait is past its deadline never reaches the scheduler."""
+    from tessera.engine.async_engine import PredictedWaitError
+    from tessera.sampling_params import SamplingParams
+
+    wait_idle(tiny)
+    forecast = tiny.engine.predicted_wait(40)
+    assert forecast is not None and forecast > 0
+
+    async def attempt() -> None:
+        stream = tiny.engine.generate("hello there, general", SamplingParams(max_tokens=4), "forecast-1",
+                                      deadline_s=forecast / 1000)
+        async for _ in stream:
+            pass
+
+    with pytest.raises(PredictedWaitError) as info:
+        asyncio.run(attempt())
+    assert info.value.retry_after > 0
+    stats = wait_idle(tiny)
+    s = stats["scheduler"]
+    assert s["num_blocks_free"] == s["num_blocks_total"]
+    assert stats["predicted_queue_wait_s"] >= 0
+    model = stats["step_cost_model"]
+    assert model["observed_steps"] >= 0 and model["calibration_points"] >= 2
+    assert stats["profile"]["name"] == "bursty" and "max_num_seqs" in stats["profile"]["overrides"]

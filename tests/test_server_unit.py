@@ -28,6 +28,7 @@ from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server import app as app_module
@@ -100,6 +101,7 @@ class FakeCore:
     num_blocks: int = 64
     max_num_seqs: int = 4
     fail_after_steps: Optional[int] = None  # the loop dies on this step (EngineDeadError)
+    forecast_wait_s: Optional[float] = None  # what predict_wait answers (None: no cost model)
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     waiting: list[_Req] = field(default_factory=list)
     running: list[_Req] = field(default_factory=list)
@@ -158,6 +160,15 @@ class FakeCore:
 
     def num_waiting_requests(self) -> int:
         return len(self.waiting)
+
+    def load_snapshot(self) -> LoadSnapshot:
+        return LoadSnapshot(num_waiting=len(self.waiting))
+
+    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int) -> Optional[float]:
+        return self.forecast_wait_s
+
+    def cost_model_stats(self) -> dict:
+        return {}
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
@@ -682,6 +693,23 @@ def test_queue_full_is_429_then_recovers():
         s.wait_idle()
         ok = [post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code for _ in range(3)]
         assert ok == [200, 200, 200]
+
+
+def test_forecast_wait_past_the_deadline_is_429_at_once():
+    core = FakeCore(step_s=0.02, forecast_wait_s=32.4)
+    with live_server(core, request_timeout=10) as s:
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": stream},
+                           timeout=30)
+            assert time.monotonic() - t0 < 2  # refused now, not after the 10 s timeout
+            err = assert_error(r, 429, "forecast wait")
+            assert err["code"] == "queue_wait_exceeds_deadline"
+            assert r.headers["retry-after"] == "23"  # 32.4 s forecast - 10 s deadline, rounded up
+        assert s.metrics.rejections == 2
+        assert not core.waiting and not core.running and core.free_blocks == core.num_blocks
+        core.forecast_wait_s = 3.0  # under the deadline: served
+        assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_request_timeout_non_stream_and_stream():

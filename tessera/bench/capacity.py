@@ -133,8 +133,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--probe-duration", type=options.positive_float, default=30.0,
                    help="seconds of arrivals per probe: requests = rate × duration (default: %(default)s)")
     g.add_argument("--probe-timeout", type=options.positive_float, default=None,
-                   help="cancel a probe's unfinished requests after this many seconds; they count as "
-                        "failed (default: 4 × probe duration + 60)")
+                   help="cancel a probe's requests still unfinished this many seconds after its last "
+                        "arrival; they count as failed (default: probe duration + 60)")
     g.add_argument("--min-requests", type=int, default=16, help="fewest requests per probe (default: %(default)s)")
     g.add_argument("--max-requests", type=int, default=400, help="most requests per probe (default: %(default)s)")
     g.add_argument("--max-failure-share", type=float, default=0.0,
@@ -163,10 +163,10 @@ def make_probe(args: argparse.Namespace, console: Console) -> Callable[[float], 
         seed = args.seed + 1000 * i  # fresh prompts per probe: no help from the prefix cache
         n = probes_for(args, rate)
         sessions = options.workload_from_args(args, n, seed)
-        limit = args.probe_timeout or 4 * args.probe_duration + 60
+        grace = args.probe_timeout or args.probe_duration + 60
         run = asyncio.run(run_open_loop(target, sessions, rate, seed, max_concurrency=args.max_concurrency,
                                         progress=not args.no_progress, desc=f"probe {i + 1}: {rate:.3g}/s",
-                                        time_limit=limit))
+                                        drain_timeout=grace))
         summary = summarize(run.results, run.duration, slo)
         passed, reason = check_slo(summary, slo, args.max_failure_share)
         console.print(f"probe {i + 1}: {rate:.3g} req/s, {n} requests → "

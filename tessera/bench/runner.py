@@ -134,13 +134,16 @@ async def run_closed_loop(target: Target, sessions: Sequence[Session], concurren
 
 async def run_open_loop(target: Target, sessions: Sequence[Session], rate: float, seed: int,
                         max_concurrency: Optional[int] = None, progress: bool = True,
-                        desc: str = "", time_limit: Optional[float] = None) -> RunOutput:
+                        desc: str = "", drain_timeout: Optional[float] = None) -> RunOutput:
     """Sessions start at seeded Poisson arrival times, whether or not earlier ones finished.
 
-    With `time_limit` (seconds), requests still unfinished then are cancelled and counted
-    as failed: an overloaded server cannot stretch a capacity probe without bound.
+    With `drain_timeout` (seconds), requests still unfinished that long after the last
+    arrival are cancelled and counted as failed: an overloaded server cannot stretch a
+    capacity probe without bound, and a slow arrival process (low rates spread the same
+    number of requests over a longer span) never eats into the time its requests have.
     """
     arrivals = poisson_arrivals(len(sessions), rate, seed)
+    time_limit = None if drain_timeout is None else (arrivals[-1] if arrivals else 0.0) + drain_timeout
     results: list[RequestResult] = []
     bar = _bar(sum(s.num_requests for s in sessions), desc or f"rate {rate:g}/s", progress)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -169,7 +172,8 @@ async def run_open_loop(target: Target, sessions: Sequence[Session], rate: float
     for s in sessions:
         for i, turn in enumerate(s.turns):
             if (s.session_id, i) not in done:
-                results.append(RequestResult(error=f"unfinished after the {time_limit:g} s time limit",
+                results.append(RequestResult(error=f"unfinished {drain_timeout:g} s after the last arrival "
+                                                   f"(time limit {time_limit:.0f} s)",
                                              start=start + duration, max_tokens=turn.max_tokens,
                                              session_id=s.session_id, turn=i))
     return RunOutput(results, duration, start)

@@ -5,8 +5,8 @@ import argparse
 import re
 from dataclasses import fields
 
-from tessera.config import (ATTENTION_BACKENDS, DENSE_WEIGHT_COPIES, DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
-                            SCHEDULER_POLICIES, EngineConfig)
+from tessera.config import (ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, PREEMPTION_MODES,
+                            PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig)
 
 
 def parse_size(text: str) -> int:
@@ -35,14 +35,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="memory for the KV cache, e.g. 2GiB (default: from model size and free RAM)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt+output in tokens (default: min(model limit, 4096))")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget of one engine step (default: %(default)s)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help="most requests in one step (default: %(default)s)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt heads (default: on)")
-    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=d.preemption_mode,
-                   help="what to do with a preempted request's KV (default: %(default)s)")
+    g.add_argument("--profile", choices=PROFILES, default=d.profile,
+                   help="deployment preset setting the flags below marked (profile): "
+                        + "; ".join(f"{name}: {p.description} (max-num-seqs {p.max_num_seqs}, "
+                                    f"target-itl-ms {p.target_itl_ms:g})" for name, p in PROFILE_SETTINGS.items())
+                        + f"; auto: {DEFAULT_PROFILE} (chat uses chat-solo). Explicit flags override it "
+                          "(default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step, a hard limit (default: profile)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step (default: profile)")
+    g.add_argument("--target-itl-ms", type=float, default=None,
+                   help="step time aimed at while requests are decoding: prefill chunks are sized by the "
+                        "measured step-cost model to stay under it; 0 = no target, the token budget alone "
+                        "(default: profile)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse KV blocks of shared prompt heads (default: profile)")
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
+                   help="what to do with a preempted request's KV (default: profile)")
     g.add_argument("--swap-space", type=parse_size, default=d.swap_space,
                    help="host memory for swapped-out KV blocks (default: 1GiB)")
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
@@ -53,7 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
 
 
-def config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+def config_from_args(args: argparse.Namespace, model: str, auto_profile: str = DEFAULT_PROFILE) -> EngineConfig:
+    """`auto_profile` is what `--profile auto` means for this command (chat-solo for `tessera chat`)."""
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     values["model"] = model
+    if values.get("profile") == "auto":
+        values["profile"] = auto_profile
     return EngineConfig(**values)

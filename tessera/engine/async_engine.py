@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union
 from tessera.config import EngineConfig
 from tessera.engine.llm_engine import LLMEngine, PreparedRequest
 from tessera.engine.outputs import RequestOutput
+from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import SamplingParams
 
@@ -25,9 +26,46 @@ logger = logging.getLogger("tessera")
 class QueueFullError(Exception):
     """The waiting queue is at --max-num-queued-requests; try again later (HTTP 429)."""
 
+    def __init__(self, message: str, retry_after: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds the client should wait, when known
+
+
+class PredictedWaitError(QueueFullError):
+    """The step-cost model says the request would wait past its deadline: refused now (HTTP 429)
+    rather than timed out later, with the blocks and time it would have taken left to others."""
+
 
 class EngineDeadError(Exception):
     """The engine loop stopped after an internal error (HTTP 503)."""
+
+
+class EngineCore(Protocol):
+    """What the async front end needs of the synchronous engine (LLMEngine, or a fake in tests)."""
+
+    config: EngineConfig
+
+    def prepare_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
+                        arrival_time: Optional[float] = None,
+                        add_special_tokens: bool = True) -> PreparedRequest: ...
+
+    def add_prepared(self, prepared: PreparedRequest) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def num_waiting_requests(self) -> int: ...
+
+    def get_scheduler_stats(self) -> SchedulerStats: ...
+
+    def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]: ...
+
+    def load_snapshot(self) -> LoadSnapshot: ...
+
+    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int) -> Optional[float]: ...
+
+    def cost_model_stats(self) -> dict: ...
 
 
 class StatLogger(Protocol):
@@ -42,13 +80,13 @@ class AsyncLLMEngine:
         max_num_queued_requests: Optional[int] = None,
         stat_loggers: Iterable[StatLogger] = (),
         stats_sink=None,
-        engine: Optional[LLMEngine] = None,
+        engine: Optional[EngineCore] = None,
         start_thread: bool = True,
     ) -> None:
         """`start_thread=False` leaves the loop to the caller's `run_until()`: `tessera serve`
         runs it on the main thread, where torch's OpenMP threads measured about 1.4x faster
         per step than from a secondary thread on this 2-core machine."""
-        self.engine = engine or LLMEngine(config)
+        self.engine: EngineCore = engine or LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
@@ -62,6 +100,7 @@ class AsyncLLMEngine:
         self._pending_adds = 0
         self._num_waiting = 0
         self._stats = self.engine.get_scheduler_stats()
+        self._snapshot = self.engine.load_snapshot()
         self._dead: Optional[BaseException] = None
         self._stop = False
         self._loop_exited = False
@@ -84,17 +123,34 @@ class AsyncLLMEngine:
         with self._lock:
             return self._pending_adds + self._num_waiting
 
+    def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]:
+        """Forecast of the seconds a request of `prompt_tokens` arriving now waits for its prompt."""
+        return self.engine.predict_wait(self._snapshot, prompt_tokens)
+
+    def cost_model_stats(self) -> dict:
+        return self.engine.cost_model_stats()
+
     async def generate(
         self,
         prompt: Union[str, list[int]],
         params: SamplingParams,
         request_id: str,
         add_special_tokens: bool = True,
+        deadline_s: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the iterator early aborts the request."""
+        """Stream a request's outputs; leaving the iterator early aborts the request.
+
+        `deadline_s`: seconds the request may take in all; if the step-cost model forecasts a
+        longer wait for its prompt alone, it is refused at once with PredictedWaitError.
+        """
         self.check_health()
         prepared = self.engine.prepare_request(request_id, prompt, params,
                                                add_special_tokens=add_special_tokens)
+        wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n)
+        if deadline_s is not None and wait is not None and wait > deadline_s:
+            raise PredictedWaitError(
+                f"the forecast wait for this request's prompt is {wait:.1f} s, past its {deadline_s:.0f} s "
+                "deadline; retry later", retry_after=wait - deadline_s)
         with self._lock:
             limit = self.max_num_queued_requests
             if limit is not None and self._pending_adds + self._num_waiting >= limit:
@@ -173,6 +229,7 @@ class AsyncLLMEngine:
                     self._num_waiting = self.engine.num_waiting_requests()
                 if not self.engine.has_unfinished_requests():
                     self._stats = self.engine.get_scheduler_stats()
+                    self._snapshot = self.engine.load_snapshot()
                     self._wakeup.wait(timeout=0.2)
                     self._wakeup.clear()
                     continue
@@ -180,6 +237,7 @@ class AsyncLLMEngine:
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 self._stats = self.engine.get_scheduler_stats()
+                self._snapshot = self.engine.load_snapshot()
                 with self._lock:
                     self._num_waiting = self.engine.num_waiting_requests()
                 if self.stats_sink is not None:

@@ -15,11 +15,12 @@ import torch
 
 from tessera.attention import get_backend
 from tessera.config import EngineConfig
+from tessera.engine.cost_model import StepCostModel, calibrate
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.runner import ModelRunner
-from tessera.engine.scheduler import Scheduler
+from tessera.engine.scheduler import LoadSnapshot, ScheduledRequest, Scheduler, SchedulerOutput
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tessera.hostinfo import available_memory
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -28,6 +29,7 @@ logger = logging.getLogger("tessera")
 
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
+CALIBRATION_BUDGET_S = 3.0  # start-up time the step-cost calibration may take; online refinement does the rest
 
 
 @dataclass
@@ -98,9 +100,12 @@ class LLMEngine:
 
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks, hash_extra=str(config.model))
-        self.scheduler = Scheduler(self.config, self.kv, max_model_len)
         self.runner = ModelRunner(loaded.model, mc, self.config, self.attn_backend, num_blocks, num_host_blocks,
                                   self.dtype)
+        logger.info("%s", self.config.profile_summary())
+        self.cost_model = self._calibrate_cost_model()
+        logger.info("step-cost model: %s", self.cost_model.summary())
+        self.scheduler = Scheduler(self.config, self.kv, max_model_len, self.cost_model)
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._aborted: list[str] = []  # parents aborted since the last step, to report
@@ -110,6 +115,49 @@ class LLMEngine:
             "max_model_len %d: %.1f", num_blocks, config.block_size, capacity,
             num_blocks * bytes_per_block / 2**20, str(self.dtype).replace("torch.", ""),
             max_model_len, capacity / max_model_len)
+
+    # -- step-cost model --------------------------------------------------------
+    def _calibrate_cost_model(self) -> StepCostModel:
+        """Time synthetic steps on free KV blocks (nothing is cached or running yet) and fit the model."""
+        c = self.config
+        state = self.runner.sampler.generator.get_state()  # calibration must not shift seeded output
+        try:
+            return calibrate(self._synthetic_step, max_tokens=c.max_num_batched_tokens, max_rows=c.max_num_seqs,
+                             max_context=c.max_model_len, budget_s=CALIBRATION_BUDGET_S)
+        finally:
+            self.runner.sampler.generator.set_state(state)
+
+    def _synthetic_step(self, chunks: list[tuple[int, int, bool]]) -> bool:
+        """Run one step of (start, tokens, samples) chunks on scratch blocks; False if they do not fit."""
+        vocab = self.model_config.vocab_size
+        params = SamplingParams(max_tokens=1, temperature=1.0)
+        sched = SchedulerOutput()
+        reqs: list[Request] = []
+        try:
+            for i, (start, n, samples) in enumerate(chunks):
+                length = start + n + (0 if samples else 1)
+                ids = [(7919 * (i + 1) + 104729 * t) % vocab for t in range(length)]
+                req = Request(f"calibration-{i}", ids, params, 1, [], generator=torch.Generator().manual_seed(i))
+                if not self.kv.allocate_slots(req, start + n):
+                    return False
+                req.num_computed_tokens = start
+                reqs.append(req)
+                sched.scheduled.append(ScheduledRequest(req, n))
+            self.runner.execute(sched)
+            return True
+        finally:
+            for req in reqs:
+                self.kv.free(req)
+
+    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int) -> Optional[float]:
+        """Forecast, for a newcomer, of the time until its prompt is computed (thread-safe)."""
+        return self.scheduler.predict_wait(snapshot, prompt_tokens)
+
+    def load_snapshot(self) -> LoadSnapshot:
+        return self.scheduler.load_snapshot()
+
+    def cost_model_stats(self) -> dict:
+        return self.cost_model.describe()
 
     # -- admission ------------------------------------------------------------
     def prepare_request(
@@ -202,6 +250,7 @@ class LLMEngine:
         return outputs
 
     def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched, result.sampled)
@@ -229,6 +278,11 @@ class LLMEngine:
             if parent is None:
                 continue
             outputs.append(self._make_output(parent, stats))
+        elapsed = time.perf_counter() - t0
+        if sched.scheduled and not (sched.swap_in or sched.swap_out):  # block copies are not in the model
+            self.cost_model.observe(sched.shape, elapsed)
+        stats.step_time = elapsed
+        stats.predicted_step_time = sched.predicted_s
         return outputs, stats
 
     def _find_child(self, parent_id: str, child_id: str) -> _Child:

@@ -2,17 +2,23 @@
 
 There are no separate prefill and decode phases: each running request is
 granted `num_new_tokens` (1 when decoding, a chunk when prefilling) within one
-token budget and a sequence cap. Waiting requests are admitted first-come
-first-served while blocks and budget allow. When a running request cannot get
-a block, the most recently admitted request is preempted.
+token budget and a sequence cap. Decodes are scheduled first, so they are never
+starved. With a latency target (`target_itl_ms`) and a step-cost model, prefill
+chunks are then sized so the predicted step time stays under the target while
+decodes are running (one token at least, so every prompt progresses); with no
+decode running, prefill uses the whole budget. Waiting requests are admitted
+first-come first-served while blocks, budget and the target allow. When a
+running request cannot get a block, the most recently admitted request is preempted.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from tessera.config import EngineConfig
+from tessera.engine.cost_model import StepCostPredictor, StepShape
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.stats import SchedulerStats
@@ -38,6 +44,8 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
+    shape: StepShape = field(default_factory=StepShape)  # the step's work, for the cost model
+    predicted_s: Optional[float] = None  # the cost model's prediction for it, if there is a model
 
     @property
     def total_tokens(self) -> int:
@@ -49,10 +57,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 cost_model: Optional[StepCostPredictor] = None) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.cost_model = cost_model
+        # Latency targeting needs both a target and a model to predict against.
+        self.target_s: Optional[float] = config.target_itl_ms / 1000 \
+            if config.target_itl_ms and cost_model is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,6 +112,49 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
         )
 
+    # -- admission forecast ----------------------------------------------------
+    def load_snapshot(self) -> "LoadSnapshot":
+        """Plain numbers describing the queue, published each step for predict_wait()."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                      if r.num_tokens - r.num_computed_tokens > 1)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        context = sum(r.num_tokens for r in decoding) // len(decoding) if decoding else 0
+        remaining = sorted(max(0, r.max_tokens - r.num_output_tokens) for r in self.running)
+        return LoadSnapshot(queued_prefill_tokens=queued, num_waiting=len(self.waiting),
+                            num_decoding=len(decoding), mean_context=context,
+                            free_seq_slots=max(0, self.config.max_num_seqs - len(self.running)),
+                            remaining_output_tokens=tuple(remaining))
+
+    def predict_wait(self, snap: "LoadSnapshot", prompt_tokens: int) -> Optional[float]:
+        """Seconds until a request of `prompt_tokens` arriving now would have its prompt computed.
+
+        From the cost model: the prompts queued ahead and its own go at the prefill rate the
+        latency target leaves next to the current decodes, after a sequence slot frees up
+        (running requests assumed to run to max_tokens, an upper bound). None without a model.
+        Safe to call from another thread: it reads only the snapshot, config and model.
+        """
+        model = self.cost_model
+        if model is None:
+            return None
+        budget = self.config.max_num_batched_tokens
+        rows = snap.num_decoding
+        decode = StepShape(rows, rows, rows * snap.mean_context)
+        if rows and self.target_s is not None:
+            chunk = max(1, _max_fitting(model, decode, self.target_s, budget,
+                                        lambda k: StepShape.chunk(0, k, False)))
+        else:
+            chunk = budget
+        step_s = model.predict(decode.plus(StepShape.chunk(0, chunk, False)))
+        prefill_s = (snap.queued_prefill_tokens + prompt_tokens) / chunk * step_s
+        short = snap.num_waiting + 1 - snap.free_seq_slots  # slots that must free up first
+        slot_s = 0.0
+        if short > 0 and snap.remaining_output_tokens:
+            k = min(short, len(snap.remaining_output_tokens)) - 1
+            full = self.config.max_num_seqs
+            slot_s = snap.remaining_output_tokens[k] * model.predict(StepShape(full, full, full * snap.mean_context))
+        return slot_s + prefill_s
+
     # -- the decision -------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -121,40 +177,72 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         return max(0, min(remaining, budget, self.max_model_len - req.num_computed_tokens))
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        static = self.config.scheduler_policy == "static"
-        scheduled_ids: set[str] = set()
+    def _prefill_chunk(self, req: Request, start: int, cap: int, step: "_StepState") -> int:
+        """Tokens of `req`'s prompt (from position `start`) to compute this step, at most `cap`.
 
-        # 1. Running requests first, in admission order.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._chunk(req, budget)
+        Under a latency target with decodes in the step: the most that keeps the predicted
+        step time under the target, and one token for the step's first prefill if nothing
+        fits, so no prompt waits forever behind a full decode batch.
+        """
+        if cap <= 0 or self.target_s is None or not step.has_decodes:
+            return max(cap, 0)
+        assert self.cost_model is not None
+        total = req.num_tokens
+        n = _max_fitting(self.cost_model, step.shape, self.target_s, cap,
+                         lambda k: StepShape.chunk(start, k, start + k == total))
+        if n == 0 and not step.has_prefill:
+            n = 1
+        return n
+
+    def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState") -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(req, n))
+        step.ids.add(req.request_id)
+        step.budget -= n
+        step.shape = step.shape.plus(StepShape.chunk(start, n, start + n == req.num_tokens))
+        if req.num_tokens - start == 1 and req.output_token_ids:
+            step.has_decodes = True
+        else:
+            step.has_prefill = True
+
+    def _schedule_running(self, out: SchedulerOutput, step: "_StepState", decodes: bool) -> None:
+        """Grant running requests their next tokens; `decodes` selects the one-token rows."""
+        for req in list(self.running):
+            if step.budget <= 0:
+                return
+            if req.status != RequestStatus.RUNNING or req.request_id in step.ids:
+                continue  # preempted earlier in this step, or already granted
+            is_decode = req.num_tokens - req.num_computed_tokens == 1
+            if is_decode != decodes:
+                continue
+            cap = self._chunk(req, step.budget)
+            n = cap if decodes else self._prefill_chunk(req, req.num_computed_tokens, cap, step)
             if n == 0:
-                i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
-                if victim.request_id in scheduled_ids:
+                if victim.request_id in step.ids:
                     victim = req  # never undo work already granted this step
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n))
-                scheduled_ids.add(req.request_id)
-                budget -= n
-                i += 1
-                continue
-            # req itself was preempted; the list shifted, do not advance i
+                self._grant(req, n, out, step)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        static = self.config.scheduler_policy == "static"
+        step = _StepState(budget=self.config.max_num_batched_tokens)
+
+        # 1. Running requests: decodes first (never starved), then prompts in progress.
+        self._schedule_running(out, step, decodes=True)
+        self._schedule_running(out, step, decodes=False)
 
         # 2. Then waiting requests, first come first served.
         # Static batching admits a whole batch at once (its prompts are then computed
         # over the next steps within the budget) and nothing more until it has finished.
         admit = not out.preempted and (not static or not self.running)
-        while admit and self.waiting and (budget > 0 or static) and \
+        while admit and self.waiting and (step.budget > 0 or static) and \
                 len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.wait_for is not None and not req.wait_for.is_finished and \
@@ -165,14 +253,17 @@ class Scheduler:
                 if pairs is None:
                     break
                 out.swap_in.extend(pairs)
-                n = self._chunk(req, budget)
+                n = self._prefill_chunk(req, req.num_computed_tokens, self._chunk(req, step.budget), step)
                 if n and not self.kv.allocate_slots(req, n):
                     # Could not grow after swap-in: run nothing new for it this step.
                     n = 0
             else:
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
                 hit_tokens = len(cached) * self.kv.block_size
-                n = min(req.num_tokens - hit_tokens, budget)
+                start = req.num_computed_tokens + hit_tokens
+                n = self._prefill_chunk(req, start, min(req.num_tokens - start, step.budget), step)
+                if n == 0 and not static:
+                    break  # the step is full under the latency target; admit next step
                 if not self.kv.allocate_slots(req, n, cached):
                     break
                 if req.status == RequestStatus.WAITING:
@@ -186,8 +277,10 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.time()
             self.running.append(req)
             if n > 0:
-                out.scheduled.append(ScheduledRequest(req, n))
-                budget -= n
+                self._grant(req, n, out, step)
+        out.shape = step.shape
+        if self.cost_model is not None and out.scheduled:
+            out.predicted_s = self.cost_model.predict(step.shape)
         return out
 
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -213,3 +306,42 @@ class Scheduler:
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 self.finish_request(req, RequestStatus.FINISHED_LENGTH)
         return got_token
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The scheduler's queue in plain numbers, for forecasting a newcomer's wait off the engine thread."""
+
+    queued_prefill_tokens: int = 0  # prompt tokens still to compute, waiting and running
+    num_waiting: int = 0
+    num_decoding: int = 0
+    mean_context: int = 0  # of the decoding requests
+    free_seq_slots: int = 0
+    remaining_output_tokens: tuple[int, ...] = ()  # of running requests, ascending (max_tokens bounds)
+
+
+@dataclass
+class _StepState:
+    """What one schedule() call has granted so far."""
+
+    budget: int
+    shape: StepShape = field(default_factory=StepShape)
+    ids: set[str] = field(default_factory=set)
+    has_decodes: bool = False
+    has_prefill: bool = False
+
+
+def _max_fitting(model: StepCostPredictor, base: StepShape, limit_s: float, upper: int,
+                 extra: Callable[[int], StepShape]) -> int:
+    """Largest k in [0, upper] with predict(base + extra(k)) <= limit_s; predictions grow with k,
+    so a binary search is exact."""
+    if upper <= 0 or model.predict(base.plus(extra(1))) > limit_s:
+        return 0
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.predict(base.plus(extra(mid))) <= limit_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

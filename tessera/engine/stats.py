@@ -6,6 +6,7 @@ built on another thread (see tessera.metrics), so observability never slows a st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from tessera.engine.outputs import RequestMetrics
 from tessera.sampling_params import SamplingParams
@@ -46,3 +47,5 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    step_time: float = 0.0  # seconds from schedule to outputs
+    predicted_step_time: Optional[float] = None  # the step-cost model's forecast for this step

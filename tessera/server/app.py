@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tessera.config import PROFILE_FIELDS, PROFILE_SETTINGS
 from tessera.errors import TesseraError
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
@@ -193,8 +194,16 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeou
     @app.get("/v1/engine/stats")
     async def engine_stats(request: Request) -> Response:
         state = _state(request)
-        stats = state.engine.get_scheduler_stats()
+        engine = state.engine
+        stats = engine.get_scheduler_stats()
+        config = engine.config
+        wait = engine.predicted_wait()
         return JSONResponse({"scheduler": dataclasses.asdict(stats),
+                             "profile": {"name": config.profile, "overrides": list(config.profile_overrides),
+                                         **{name: getattr(config, name) for name in PROFILE_FIELDS},
+                                         "max_num_queued_requests": engine.max_num_queued_requests},
+                             "step_cost_model": engine.cost_model_stats(),
+                             "predicted_queue_wait_s": None if wait is None else round(wait, 4),
                              "server": {"active_requests": state.active_requests,
                                         "uptime_s": round(time.time() - state.started, 3)}})
 
@@ -263,8 +272,14 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # The engine loop runs on this (main) thread and HTTP on its own thread: torch's
         # OpenMP threads run a step markedly faster when driven from the main thread.
-        engine = AsyncLLMEngine(config, max_num_queued_requests=args.max_num_queued_requests,
-                                stats_sink=consumer, start_thread=False)
+        queue = args.max_num_queued_requests
+        if queue is None:
+            queue = PROFILE_SETTINGS[config.profile].max_num_queued_requests
+        logger.info("queue: up to %d waiting requests (%s), then HTTP 429", queue,
+                    "flag" if args.max_num_queued_requests is not None else f"profile {config.profile}")
+        engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer, start_thread=False)
+        if loggers.prometheus is not None:
+            loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
         try:
             app = create_app(engine, [name], request_timeout=args.request_timeout, metrics=loggers.prometheus)
             # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from http import HTTPStatus
 from typing import Any, Optional, Sequence, Union
@@ -24,6 +25,7 @@ logger = logging.getLogger("tessera.server")
 
 # Seconds a client told "queue full" should wait before trying again.
 RETRY_AFTER_SECONDS = 1
+MAX_RETRY_AFTER_SECONDS = 600
 
 
 class APIError(Exception):
@@ -69,7 +71,7 @@ def shutting_down() -> APIError:
 def api_error_from(exc: BaseException) -> APIError:
     """Map any exception from parsing, admission or generation to the error the client sees."""
     # Imported here: the engine module pulls in torch, which the error paths never need first.
-    from tessera.engine.async_engine import EngineDeadError, QueueFullError
+    from tessera.engine.async_engine import EngineDeadError, PredictedWaitError, QueueFullError
 
     if isinstance(exc, APIError):
         return exc
@@ -78,9 +80,14 @@ def api_error_from(exc: BaseException) -> APIError:
         first_word = message.split()[0]
         return APIError(400, message, param=first_word if first_word in REQUEST_FIELDS else None)
     if isinstance(exc, QueueFullError):
+        retry = RETRY_AFTER_SECONDS if exc.retry_after is None else \
+            min(MAX_RETRY_AFTER_SECONDS, max(1, math.ceil(exc.retry_after)))
+        if isinstance(exc, PredictedWaitError):
+            return APIError(429, f"Server overloaded: {exc}", type="rate_limit_error",
+                            code="queue_wait_exceeds_deadline", headers={"Retry-After": str(retry)})
         return APIError(429, f"Request queue full: {exc}",
                         type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                        headers={"Retry-After": str(retry)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine has stopped and cannot serve requests: {exc}",
                         type="server_error", code="engine_dead")

@@ -119,8 +119,10 @@ class Generation:
 
     async def _drain(self, index: int, prompt: Union[str, list[int]]) -> None:
         try:
+            deadline_s = None if self.deadline is None else self.deadline - time.monotonic()
             async with contextlib.aclosing(
-                    self.engine.generate(prompt, self.params, self.engine_request_id(index))) as stream:
+                    self.engine.generate(prompt, self.params, self.engine_request_id(index),
+                                         deadline_s=deadline_s)) as stream:
                 async for output in stream:
                     self._queue.put_nowait((index, output))
             self._queue.put_nowait((index, _ENDED))

@@ -1,0 +1,256 @@
+"""How long an engine step takes, as a function of what it carries.
+
+The scheduler needs to know, before running a step, what it will cost: a
+prefill chunk next to running decodes stalls every stream for the whole step,
+and the right chunk size depends on the model, the machine and how many rows
+are decoding. A fixed token budget cannot know that; a measured model can.
+
+The model: step time = g(tokens) + a * sampled rows + b * attended pairs, where
+- g is piecewise linear over token-count knots (the layers' matmuls: nearly flat
+  while memory-bound, then linear once compute-bound, with oneDNN's small-M
+  inefficiency in between, which no single slope captures);
+- sampled rows pay the LM head and the sampler;
+- attended pairs (query token x context token, summed) pay attention.
+It is fitted by least squares on synthetic steps measured at start-up, then
+refined online: every real step's time updates a correction factor for its
+token-count bucket (an exponentially weighted mean of observed / predicted),
+so load from elsewhere on the machine, or shapes the calibration extrapolated,
+are learned within a few steps.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+logger = logging.getLogger("tessera")
+
+CORRECTION_ALPHA = 0.05  # weight of one observed step in its bucket's correction factor
+CORRECTION_CLAMP = (0.25, 4.0)  # an observation further off than this (a GC pause, a swap) is clipped
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The work of one step in plain numbers: what the cost model predicts from."""
+
+    num_tokens: int = 0  # tokens through the layers (prefill chunks + decode rows)
+    num_sampled: int = 0  # rows through the LM head and sampler
+    num_attended: int = 0  # sum over query tokens of the context length each attends to
+
+    def plus(self, other: "StepShape") -> "StepShape":
+        return StepShape(self.num_tokens + other.num_tokens, self.num_sampled + other.num_sampled,
+                         self.num_attended + other.num_attended)
+
+    @staticmethod
+    def chunk(start: int, n: int, samples: bool) -> "StepShape":
+        """`n` tokens computed from position `start` (a decode is n=1 at start=context-1)."""
+        return StepShape(n, 1 if samples else 0, n * start + n * (n + 1) // 2)
+
+
+class StepCostPredictor(Protocol):
+    """What the scheduler asks of a cost model (a fake one in tests)."""
+
+    def predict(self, shape: StepShape) -> float:
+        """Predicted seconds for a step of this shape."""
+        ...
+
+
+@dataclass
+class CalibrationPoint:
+    shape: StepShape
+    seconds: float
+
+
+class StepCostModel:
+    """Piecewise-linear step-cost model with online per-bucket correction."""
+
+    def __init__(self, knots: Sequence[int], knot_seconds: Sequence[float], per_sampled: float,
+                 per_attended: float, calibration: Sequence[CalibrationPoint] = (),
+                 calibration_seconds: float = 0.0) -> None:
+        if len(knots) < 2 or list(knots) != sorted(set(knots)) or knots[0] < 0:
+            raise ValueError("knots must be at least two increasing token counts")
+        self.knots = list(knots)
+        self.knot_seconds = list(knot_seconds)
+        self.per_sampled = max(0.0, per_sampled)
+        self.per_attended = max(0.0, per_attended)
+        self.calibration = list(calibration)
+        self.calibration_seconds = calibration_seconds
+        self.corrections = [1.0] * len(self.knots)
+        self.observations = 0
+        self._abs_rel_error = 0.0  # exponentially weighted, of the corrected prediction
+
+    # -- prediction -------------------------------------------------------------
+    def _tokens_time(self, tokens: int) -> float:
+        k, s = self.knots, self.knot_seconds
+        if tokens <= k[0]:
+            return s[0]
+        i = bisect.bisect_right(k, tokens) - 1
+        if i >= len(k) - 1:  # beyond the last knot: extend the last segment's slope
+            i = len(k) - 2
+        slope = (s[i + 1] - s[i]) / (k[i + 1] - k[i])
+        return s[i] + slope * (tokens - k[i])
+
+    def _bucket(self, tokens: int) -> int:
+        """Index of the knot nearest `tokens` on a log scale."""
+        if tokens <= 0:
+            return 0
+        lt = math.log(tokens)
+        return min(range(len(self.knots)), key=lambda i: abs(math.log(max(self.knots[i], 1)) - lt))
+
+    def predict_raw(self, shape: StepShape) -> float:
+        return (self._tokens_time(shape.num_tokens) + self.per_sampled * shape.num_sampled
+                + self.per_attended * shape.num_attended)
+
+    def predict(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:
+            return 0.0
+        return self.predict_raw(shape) * self.corrections[self._bucket(shape.num_tokens)]
+
+    # -- online refinement --------------------------------------------------------
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Fold one executed step's measured time into its bucket's correction factor."""
+        if shape.num_tokens == 0 or seconds <= 0:
+            return
+        raw = self.predict_raw(shape)
+        if raw <= 0:
+            return
+        b = self._bucket(shape.num_tokens)
+        predicted = raw * self.corrections[b]
+        ratio = min(max(seconds / raw, CORRECTION_CLAMP[0]), CORRECTION_CLAMP[1])
+        self.corrections[b] += CORRECTION_ALPHA * (ratio - self.corrections[b])
+        err = abs(predicted - seconds) / seconds
+        self._abs_rel_error = err if self.observations == 0 else \
+            self._abs_rel_error + CORRECTION_ALPHA * (min(err, 10.0) - self._abs_rel_error)
+        self.observations += 1
+
+    # -- reporting ---------------------------------------------------------------------
+    def describe(self) -> dict:
+        """A JSON-able view for /v1/engine/stats and the start-up log."""
+        return {
+            "form": "g(tokens) + per_sampled_row * sampled + per_attended_pair * attended, x online correction",
+            "tokens_ms": {str(k): round(s * 1000, 3) for k, s in zip(self.knots, self.knot_seconds)},
+            "per_sampled_row_ms": round(self.per_sampled * 1000, 4),
+            "per_1k_attended_pairs_ms": round(self.per_attended * 1e6, 4),
+            "corrections": {str(k): round(c, 3) for k, c in zip(self.knots, self.corrections)},
+            "observed_steps": self.observations,
+            "mean_abs_rel_error": round(self._abs_rel_error, 4) if self.observations else None,
+            "calibration_points": len(self.calibration),
+            "calibration_s": round(self.calibration_seconds, 3),
+        }
+
+    def summary(self) -> str:
+        k = self.knots
+        picks = sorted({k[0], k[min(len(k) - 1, 3)], k[-1]})
+        parts = ", ".join(f"{n} tok {self._tokens_time(n) * 1000:.1f} ms" for n in picks)
+        return (f"{parts}; +{self.per_sampled * 1000:.3f} ms per sampled row, "
+                f"+{self.per_attended * 1e6:.3f} ms per 1k attended pairs "
+                f"(fitted on {len(self.calibration)} steps in {self.calibration_seconds:.1f} s)")
+
+    # -- fitting ----------------------------------------------------------------------
+    @classmethod
+    def fit(cls, knots: Sequence[int], points: Sequence[CalibrationPoint],
+            calibration_seconds: float = 0.0) -> "StepCostModel":
+        """Least squares over hat functions at the knots plus the two per-unit terms.
+
+        Knot values are then made non-decreasing (a bigger step never costs less) and
+        the per-unit terms kept non-negative, so the model stays monotone in every input.
+        """
+        knots = list(knots)
+        rows, ys = [], []
+        for p in points:
+            hat = [0.0] * len(knots)
+            t = min(max(p.shape.num_tokens, knots[0]), knots[-1])
+            i = min(bisect.bisect_right(knots, t) - 1, len(knots) - 2)
+            w = (t - knots[i]) / (knots[i + 1] - knots[i])
+            hat[i], hat[i + 1] = 1 - w, w
+            rows.append(hat + [float(p.shape.num_sampled), p.shape.num_attended / 1000.0])
+            ys.append(p.seconds)
+        a = torch.tensor(rows, dtype=torch.float64)
+        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+        # A little ridge keeps knots no point touched from going wild; scaled to the data.
+        lam = 1e-6 * float(a.pow(2).sum())
+        sol = torch.linalg.solve(a.T @ a + lam * torch.eye(a.shape[1], dtype=torch.float64), a.T @ y)
+        coef = sol.squeeze(1).tolist()
+        knot_s = [max(0.0, c) for c in coef[:len(knots)]]
+        for i in range(1, len(knot_s)):
+            knot_s[i] = max(knot_s[i], knot_s[i - 1])
+        # Knots past the largest measured step carry no data: extend the last measured slope.
+        measured = max((p.shape.num_tokens for p in points), default=knots[-1])
+        last = max(1, max((i for i, k in enumerate(knots) if k <= measured), default=1))
+        slope = (knot_s[last] - knot_s[last - 1]) / (knots[last] - knots[last - 1])
+        for i in range(last + 1, len(knots)):
+            knot_s[i] = knot_s[last] + slope * (knots[i] - knots[last])
+        return cls(knots, knot_s, coef[len(knots)], coef[len(knots) + 1] / 1000.0, points, calibration_seconds)
+
+
+def default_knots(max_tokens: int) -> list[int]:
+    """Powers of two from 1 up to the token budget (the budget itself the last knot)."""
+    knots = [1]
+    while knots[-1] * 2 < max_tokens:
+        knots.append(knots[-1] * 2)
+    if knots[-1] != max_tokens:
+        knots.append(max_tokens)
+    if len(knots) < 2:
+        knots.append(2)
+    return knots
+
+
+def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_tokens: int, max_rows: int,
+              max_context: int, budget_s: float = 3.0) -> StepCostModel:
+    """Measure synthetic steps and fit a model.
+
+    `run_step(chunks)` executes one step made of chunks (start, num_tokens, samples) on
+    scratch KV blocks and returns False when the KV cache cannot hold it (skipped). Prefill-only steps cover the knots (smallest first), decode-only
+    steps cover rows x context; each shape is measured twice after a warm-up, keeping the
+    faster (the slower one caught a hiccup). When `budget_s` runs out the larger shapes
+    are skipped and the model extrapolates them until real steps correct it.
+    """
+    knots = default_knots(max_tokens)
+    shapes: list[list[tuple[int, int, bool]]] = []
+    rows = sorted({1, min(4, max_rows), min(16, max_rows), max_rows})
+    contexts = sorted({min(64, max_context - 1), min(1024, max_context - 1)})
+    for r in rows:  # decodes first: they are cheap and anchor the small-token end
+        for c in contexts:
+            if c >= 1:
+                shapes.append([(c, 1, True)] * r)
+    for k in knots:
+        shapes.append([(0, k, False)])
+    for r in rows[1:]:  # a few mixed steps: decodes next to a chunk
+        k = max(1, min(max_tokens - r, 64))
+        shapes.append([(min(64, max_context - 1), 1, True)] * r + [(0, k, False)])
+    shapes.sort(key=lambda chunks: sum(n for _, n, _ in chunks))
+
+    def shape_of(chunks: list[tuple[int, int, bool]]) -> StepShape:
+        total = StepShape()
+        for start, n, samples in chunks:
+            total = total.plus(StepShape.chunk(start, n, samples))
+        return total
+
+    t_start = time.perf_counter()
+    run_step(shapes[len(shapes) // 3])  # warm-up: first-call allocations, thread pool start
+    points: list[CalibrationPoint] = []
+    for chunks in shapes:
+        spent = time.perf_counter() - t_start
+        if points and spent + 2 * points[-1].seconds > budget_s:
+            break
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            if not run_step(chunks):
+                break
+            times.append(time.perf_counter() - t0)
+        if times:
+            points.append(CalibrationPoint(shape_of(chunks), min(times)))
+    if len(points) < 2:
+        raise ValueError("step-cost calibration could not run two steps (KV cache too small?)")
+    model = StepCostModel.fit(knots, points, time.perf_counter() - t_start)
+    measured = max(p.shape.num_tokens for p in points)
+    if measured < max_tokens:
+        logger.info("step-cost calibration stopped at %d tokens (budget %.1f s); larger steps are "
+                    "extrapolated and corrected online", measured, budget_s)
+    return model
