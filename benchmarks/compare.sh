@@ -32,8 +32,8 @@ LOCK=${LOCK:-/tmp/tessera-bench.lock}
 DATASET=${DATASET:-random}
 SEED=${SEED:-0}
 THREADS=${THREADS:-2}
-CONCURRENCY=${CONCURRENCY:-"1 4 16 32"}
-NUM_PROMPTS=${NUM_PROMPTS:-"8 16 48 96"}   # requests per concurrency level, same order
+CONCURRENCY=${CONCURRENCY-"1 4 16 32"}
+NUM_PROMPTS=${NUM_PROMPTS-"8 16 48 96"}   # requests per concurrency level, same order ("" with CONCURRENCY="": capacity only)
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-"--prompt-words 50:400 --max-tokens 16:256"}
 CAPACITY_ARGS=${CAPACITY_ARGS:-"--start-rate 0.25 --growth 2 --max-probes 7 --rel-tol 0.15 --probe-duration 20 --min-requests 10 --max-requests 60 --probe-timeout 90"}
 SLO_ARGS=${SLO_ARGS:-"--slo-ttft 1 --slo-itl 0.05"}

@@ -67,6 +67,7 @@ class Profile:
     max_num_seqs: int
     max_num_batched_tokens: int
     target_itl_ms: float  # 0 = no target: the token budget alone sizes prefill chunks
+    min_prefill_chunk: int  # prompt tokens a step always carries, past the target if need be
     enable_prefix_caching: bool
     preemption_mode: str
     max_num_queued_requests: int
@@ -74,14 +75,14 @@ class Profile:
 
 
 PROFILE_SETTINGS: dict[str, Profile] = {
-    "chat-solo": Profile(2, 2048, 30.0, True, "swap", 8, "one user chatting: latency first"),
-    "multi-agent": Profile(64, 1024, 100.0, True, "recompute", 512,
+    "chat-solo": Profile(2, 2048, 30.0, 32, True, "swap", 8, "one user chatting: latency first"),
+    "multi-agent": Profile(64, 1024, 100.0, 64, True, "recompute", 512,
                            "many clients sharing prefixes: throughput first"),
-    "bursty": Profile(32, 1024, 50.0, True, "swap", 128, "uneven team traffic: the middle ground"),
+    "bursty": Profile(32, 1024, 50.0, 64, True, "swap", 128, "uneven team traffic: the middle ground"),
 }
 DEFAULT_PROFILE = "bursty"  # what `auto` means for a server; `tessera chat` picks chat-solo
-PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "enable_prefix_caching",
-                  "preemption_mode")
+PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "min_prefill_chunk",
+                  "enable_prefix_caching", "preemption_mode")
 
 
 @dataclass
@@ -105,6 +106,9 @@ class EngineConfig:
     max_num_seqs: Optional[int] = None
     # Step time aimed at while decodes run; prefill chunks are sized to it. 0 = no target.
     target_itl_ms: Optional[float] = None
+    # Prompt tokens a step under the target always carries (its first prefill), so prompts keep
+    # moving when the decodes alone take longer than the target.
+    min_prefill_chunk: Optional[int] = None
     enable_prefix_caching: Optional[bool] = None
     preemption_mode: Optional[Literal["recompute", "swap"]] = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
@@ -135,7 +139,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or value not in allowed:
                 raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, not {value!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "min_prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         target = self.target_itl_ms

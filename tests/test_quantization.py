@@ -264,3 +264,22 @@ def test_int4_gemv_kernel_matches_pytorchs():
     assert got.shape == want.shape == (1, w.shape[0])
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
     torch.testing.assert_close(got.float(), x.float() @ method.dequantize(layer).float().T, atol=0.03, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 17, 64])  # 3, 5, 17: row blocks of 4 left incomplete
+def test_int4_gemm_kernel_matches_pytorchs(rows):
+    from tessera import kernels
+    from tessera.layers.quantization import INT4_GEMM_MAX_ROWS
+
+    if kernels.available() is not None:
+        pytest.skip("C kernels unavailable")
+    torch.manual_seed(rows)
+    w = torch.randn(200, 96) * 0.05  # 200 rows: the last 64-row tile is partly padding
+    method, layer = _layer(Int4Method, w, dtype=torch.bfloat16)
+    assert layer.use_gemm_kernel and rows <= INT4_GEMM_MAX_ROWS
+    x = torch.randn(rows, 96).bfloat16()
+    got = kernels.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+    want = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_zeros)[:, :layer.out_rows]
+    assert got.shape == want.shape == (rows, 200)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
+    torch.testing.assert_close(method.apply(layer, x).float(), got.float(), atol=0, rtol=0)  # the route taken

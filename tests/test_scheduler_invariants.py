@@ -42,6 +42,7 @@ workload = st.fixed_dictionaries({
     # a target in ms, or None for the plain token budget.
     "latency": st.one_of(st.none(), st.tuples(st.floats(0, 20), st.floats(0, 5), st.floats(0, 5),
                                               st.floats(0, 50), st.floats(1, 80))),
+    "min_chunk": st.integers(1, 8),
 })
 
 
@@ -71,7 +72,8 @@ def test_scheduler_invariants(w: dict) -> None:
         cost = FakeCostModel(*coeffs)
     cfg = EngineConfig(max_num_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
                        preemption_mode=w["mode"], scheduler_policy=w["policy"], block_size=bs,
-                       enable_prefix_caching=w["caching"], target_itl_ms=target_ms)
+                       enable_prefix_caching=w["caching"], target_itl_ms=target_ms,
+                       min_prefill_chunk=w["min_chunk"])
     kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]))
     capacity = w["num_blocks"] * bs
     max_model_len = max(2, min(capacity, 60))
@@ -111,7 +113,7 @@ def test_scheduler_invariants(w: dict) -> None:
             for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
                 assert kv.pool.blocks[r.block_ids[pos // bs]].ref_cnt == 1
         if cost is not None and w["policy"] == "continuous":
-            check_latency_target(out, cost, target_ms / 1000)
+            check_latency_target(out, cost, target_ms / 1000, w["min_chunk"])
         sampled = {s.request.request_id: (EOS if rng.random() < 0.05 else rng.randrange(1, 50))
                    for s in out.scheduled if s.produces_token}
         sched.update_after_step(out, sampled)
@@ -127,9 +129,9 @@ def test_scheduler_invariants(w: dict) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
 
 
-def check_latency_target(out, cost: FakeCostModel, target_s: float) -> None:
+def check_latency_target(out, cost: FakeCostModel, target_s: float, min_chunk: int) -> None:
     """With decodes in the step, prefill may push the predicted time past the target only by
-    the one-token minimum that keeps a prompt moving."""
+    the minimum chunk (--min-prefill-chunk) of one prompt that keeps prompts moving."""
     decodes = [s for s in out.scheduled
                if s.num_new_tokens == 1 and s.request.output_token_ids
                and s.request.num_computed_tokens == s.request.num_tokens - 1]
@@ -139,15 +141,16 @@ def check_latency_target(out, cost: FakeCostModel, target_s: float) -> None:
     assert out.predicted_s == pytest.approx(cost.predict(out.shape))
     if not decodes or not prefills:
         return
-    if len(prefills) == 1 and prefills[0].num_new_tokens == 1:
-        return  # the minimum: one prompt token, whatever the decodes cost
+    if len(prefills) == 1 and prefills[0].num_new_tokens <= min_chunk:
+        return  # the minimum chunk of one prompt, whatever the decodes cost
     assert out.predicted_s <= target_s + 1e-9, (out.shape, [s.num_new_tokens for s in out.scheduled])
 
 
 def test_prefill_chunk_shrinks_to_the_latency_target() -> None:
     cost = FakeCostModel(fixed=5, per_token=1, per_sampled=0, per_1k_attended=0)  # ms
     kv = KVCacheManager(64, 16, False)
-    sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=25), kv, 1024, cost)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=25, min_prefill_chunk=4), kv, 1024,
+                      cost)
     decoding = Request("d", [1] * 8, SamplingParams(max_tokens=50), 50, [0])
     sched.add_request(decoding)
     sched.update_after_step(sched.schedule(), {"d": 5})  # prompt done, first token out
@@ -164,13 +167,19 @@ def test_prefill_chunk_shrinks_to_the_latency_target() -> None:
     assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"p": 281}
 
 
-def test_a_prompt_progresses_behind_decodes_over_the_target() -> None:
+def _decoding_over_target(min_chunk: int) -> Scheduler:
+    """A scheduler whose one running decode alone (40 ms) is past its 30 ms target."""
     cost = FakeCostModel(fixed=40, per_token=1, per_sampled=0, per_1k_attended=0)
     kv = KVCacheManager(64, 16, False)
-    sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=30), kv, 1024, cost)
-    d = Request("d", [1] * 4, SamplingParams(max_tokens=100), 100, [0])
-    sched.add_request(d)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=30, min_prefill_chunk=min_chunk), kv,
+                      1024, cost)
+    sched.add_request(Request("d", [1] * 4, SamplingParams(max_tokens=100), 100, [0]))
     sched.update_after_step(sched.schedule(), {"d": 5})
+    return sched
+
+
+def test_a_prompt_progresses_behind_decodes_over_the_target() -> None:
+    sched = _decoding_over_target(min_chunk=1)
     p = Request("p", [2] * 3, SamplingParams(max_tokens=1), 1, [0])
     q = Request("q", [3] * 3, SamplingParams(max_tokens=1), 1, [0])
     sched.add_request(p)
@@ -180,6 +189,13 @@ def test_a_prompt_progresses_behind_decodes_over_the_target() -> None:
         assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 1}
         sched.update_after_step(out, {s.request.request_id: 5 for s in out.scheduled if s.produces_token})
     assert p.is_finished and not q.is_finished
+
+
+def test_min_prefill_chunk_keeps_prompts_flowing_past_the_target() -> None:
+    sched = _decoding_over_target(min_chunk=24)
+    sched.add_request(Request("p", [2] * 40, SamplingParams(max_tokens=1), 1, [0]))
+    out = sched.schedule()
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
 
 
 def test_prefix_hit_shares_full_blocks_only() -> None:

@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="step time aimed at while requests are decoding: prefill chunks are sized by the "
                         "measured step-cost model to stay under it; 0 = no target, the token budget alone "
                         "(default: profile)")
+    g.add_argument("--min-prefill-chunk", type=int, default=None,
+                   help="prompt tokens a step always carries under the latency target, past it if the "
+                        "decodes alone take longer, so prompts never crawl (default: profile)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse KV blocks of shared prompt heads (default: profile)")
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,

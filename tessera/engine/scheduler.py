@@ -5,8 +5,11 @@ granted `num_new_tokens` (1 when decoding, a chunk when prefilling) within one
 token budget and a sequence cap. Decodes are scheduled first, so they are never
 starved. With a latency target (`target_itl_ms`) and a step-cost model, prefill
 chunks are then sized so the predicted step time stays under the target while
-decodes are running (one token at least, so every prompt progresses); with no
-decode running, prefill uses the whole budget. Waiting requests are admitted
+decodes are running; with no decode running, prefill uses the whole budget. The
+step's first prompt always gets at least `min_prefill_chunk` tokens, even past the
+target: when the decodes alone take longer than the target (a batch too large for
+it), prompts still flow at a useful rate instead of a token per step, which starved
+the batch and halved throughput at 32 streams (benchmarks/README.md, Wave 3). Waiting requests are admitted
 first-come first-served while blocks, budget and the target allow. When a
 running request cannot get a block, the most recently admitted request is preempted.
 """
@@ -181,8 +184,8 @@ class Scheduler:
         """Tokens of `req`'s prompt (from position `start`) to compute this step, at most `cap`.
 
         Under a latency target with decodes in the step: the most that keeps the predicted
-        step time under the target, and one token for the step's first prefill if nothing
-        fits, so no prompt waits forever behind a full decode batch.
+        step time under the target, and at least `min_prefill_chunk` for the step's first
+        prefill, so no prompt waits forever (or crawls) behind a full decode batch.
         """
         if cap <= 0 or self.target_s is None or not step.has_decodes:
             return max(cap, 0)
@@ -190,8 +193,8 @@ class Scheduler:
         total = req.num_tokens
         n = _max_fitting(self.cost_model, step.shape, self.target_s, cap,
                          lambda k: StepShape.chunk(start, k, start + k == total))
-        if n == 0 and not step.has_prefill:
-            n = 1
+        if not step.has_prefill:
+            n = max(n, min(cap, self.config.min_prefill_chunk))
         return n
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState") -> None:

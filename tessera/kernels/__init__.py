@@ -96,6 +96,9 @@ def load() -> ctypes.CDLL:
     f4 = lib.int4_gemv_bf16
     f4.argtypes = [p, p, p, p, i64, i64, i64, p]
     f4.restype = ctypes.c_int
+    m4 = lib.int4_gemm_bf16
+    m4.argtypes = [p, p, p, p, i64, i64, i64, i64, p]
+    m4.restype = ctypes.c_int
     return lib
 
 
@@ -184,6 +187,19 @@ def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Te
     if lib.int4_gemv_bf16(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(),
                           scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
         raise KernelUnavailable("int4_gemv_bf16 needs AVX-512 BF16 on the build machine")
+    return out
+
+
+def int4_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """A few bfloat16 rows [M, K] times an int4pack weight (see int4_gemv.c) -> [M, out_rows] bfloat16."""
+    lib = load()
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty(m, out_rows, dtype=torch.bfloat16)
+    scratch = torch.empty(m * (k // 32), dtype=torch.float32)
+    if lib.int4_gemm_bf16(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
+                          scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
+        raise KernelUnavailable("int4_gemm_bf16 needs AVX-512 BF16 on the build machine")
     return out
 
 

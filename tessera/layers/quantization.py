@@ -45,6 +45,10 @@ GEMV_KERNEL_MIN_WEIGHTS = 1 << 22
 GEMV_KERNEL_MAX_ROWS = 2
 # The int4 C kernel (one row) streams at ~28 GB/s against PyTorch's ~23 on big matrices, ties on small.
 INT4_GEMV_MIN_WEIGHTS = 1 << 20
+# The few-row int4 C kernel (int4_gemm_bf16) against the dense bf16 copy, over a whole model's
+# weights as a step reads them (from memory, not cache): 2.2-2.7x faster at 2-16 rows, 1.3x at
+# 32, even at 64 (benchmarks/results/wave2/int4_gemm.json). Above this, the dense copy.
+INT4_GEMM_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -248,8 +252,9 @@ class Int4Method(_WeightOnlyMethod):
         layer.register_buffer("scales_zeros", sz, persistent=False)  # [K/32, N_padded, 2]
         layer.out_rows = n
         layer.int4_exact = exact
-        layer.use_gemv_kernel = (self.config.dtype == torch.bfloat16 and n * k >= INT4_GEMV_MIN_WEIGHTS
-                                 and kernels.available() is None)
+        native = self.config.dtype == torch.bfloat16 and kernels.available() is None
+        layer.use_gemv_kernel = native and n * k >= INT4_GEMV_MIN_WEIGHTS
+        layer.use_gemm_kernel = native
         self._finish(layer)
 
     @staticmethod
@@ -291,6 +296,15 @@ class Int4Method(_WeightOnlyMethod):
     def embedding(self, layer, ids):
         flat = ids.reshape(-1)
         return self._rows(layer, flat).view(*ids.shape, -1)
+
+    def apply(self, layer, x):
+        rows = x.shape[0]
+        if 1 < rows <= INT4_GEMM_MAX_ROWS and layer.use_gemm_kernel:
+            try:
+                return kernels.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+            except kernels.KernelUnavailable:  # built without AVX512-BF16: PyTorch's kernels from now on
+                layer.use_gemm_kernel = False
+        return super().apply(layer, x)
 
     def _small(self, layer, x):
         if layer.use_gemv_kernel and x.shape[0] == 1:
