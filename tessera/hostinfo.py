@@ -29,6 +29,36 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+@lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A hash of Tessera's own source (Python and C): measurements cached by it expire with any change."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".c") and path.is_file():
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 

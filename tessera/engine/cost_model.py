@@ -20,11 +20,14 @@ are learned within a few steps.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from pathlib import Path
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -32,6 +35,7 @@ logger = logging.getLogger("tessera")
 
 CORRECTION_ALPHA = 0.05  # weight of one observed step in its bucket's correction factor
 CORRECTION_CLAMP = (0.25, 4.0)  # an observation further off than this (a GC pause, a swap) is clipped
+MAX_CACHED_CALIBRATIONS = 64
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,19 @@ class StepCostModel:
                 f"+{self.per_attended * 1e6:.3f} ms per 1k attended pairs "
                 f"(fitted on {len(self.calibration)} steps in {self.calibration_seconds:.1f} s)")
 
+    # -- persistence ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"knots": self.knots, "knot_seconds": self.knot_seconds, "per_sampled": self.per_sampled,
+                "per_attended": self.per_attended, "calibration_seconds": self.calibration_seconds,
+                "calibration": [[p.shape.num_tokens, p.shape.num_sampled, p.shape.num_attended, p.seconds]
+                                for p in self.calibration]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepCostModel":
+        points = [CalibrationPoint(StepShape(int(t), int(s), int(a)), float(sec)) for t, s, a, sec in d["calibration"]]
+        return cls([int(k) for k in d["knots"]], [float(x) for x in d["knot_seconds"]], float(d["per_sampled"]),
+                   float(d["per_attended"]), points, float(d["calibration_seconds"]))
+
     # -- fitting ----------------------------------------------------------------------
     @classmethod
     def fit(cls, knots: Sequence[int], points: Sequence[CalibrationPoint],
@@ -254,3 +271,25 @@ def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_to
         logger.info("step-cost calibration stopped at %d tokens (budget %.1f s); larger steps are "
                     "extrapolated and corrected online", measured, budget_s)
     return model
+
+
+def load_cached(path: Path) -> Optional[StepCostModel]:
+    """A calibration saved by save_cached(), or None if absent or unreadable (then recalibrate)."""
+    try:
+        return StepCostModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached(path: Path, model: StepCostModel) -> None:
+    """Write atomically; a cache that cannot be written only costs the next start-up a calibration."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.partial")
+        tmp.write_text(json.dumps(model.to_dict()))
+        os.replace(tmp, path)
+        saved = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        for old in saved[:-MAX_CACHED_CALIBRATIONS]:  # the oldest go: models and settings no longer used
+            old.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("could not save the step-cost calibration to %s: %s", path, exc)

@@ -6,6 +6,9 @@ fan-out) lives here too, so the server and the offline `LLM` share it.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -15,14 +18,14 @@ import torch
 
 from tessera.attention import get_backend
 from tessera.config import EngineConfig
-from tessera.engine.cost_model import StepCostModel, calibrate
+from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, save_cached
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.runner import ModelRunner
 from tessera.engine.scheduler import LoadSnapshot, ScheduledRequest, Scheduler, SchedulerOutput
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
-from tessera.hostinfo import available_memory
+from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("tessera")
@@ -118,14 +121,38 @@ class LLMEngine:
 
     # -- step-cost model --------------------------------------------------------
     def _calibrate_cost_model(self) -> StepCostModel:
-        """Time synthetic steps on free KV blocks (nothing is cached or running yet) and fit the model."""
+        """Time synthetic steps on free KV blocks (nothing is cached or running yet) and fit the model.
+
+        The fit is kept in $TESSERA_HOME/cost_models under a key of everything that changes step
+        times (model, dtype, weights' storage, step limits, threads, CPU, Tessera's source), so a
+        restart skips the ~3 s; online correction absorbs what differs today.
+        """
+        from tessera.models.registry import tessera_home
+
         c = self.config
+        path = tessera_home() / "cost_models" / f"{self._cost_model_key()}.json"
+        cached = load_cached(path)
+        if cached is not None:
+            logger.info("step-cost model: calibration reused from %s", path)
+            return cached
         state = self.runner.sampler.generator.get_state()  # calibration must not shift seeded output
         try:
-            return calibrate(self._synthetic_step, max_tokens=c.max_num_batched_tokens, max_rows=c.max_num_seqs,
-                             max_context=c.max_model_len, budget_s=CALIBRATION_BUDGET_S)
+            model = calibrate(self._synthetic_step, max_tokens=c.max_num_batched_tokens, max_rows=c.max_num_seqs,
+                              max_context=c.max_model_len, budget_s=CALIBRATION_BUDGET_S)
         finally:
             self.runner.sampler.generator.set_state(state)
+        save_cached(path, model)
+        return model
+
+    def _cost_model_key(self) -> str:
+        c = self.config
+        parts = {
+            "model": dataclasses.asdict(self.model_config), "path": str(self.loaded.path),
+            "dtype": str(self.dtype), "quant": repr(self.loaded.quant), "backend": type(self.attn_backend).__name__,
+            "limits": [c.block_size, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len],
+            "threads": torch.get_num_threads(), "cpu": cpu_model_name(), "source": source_digest(),
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
     def _synthetic_step(self, chunks: list[tuple[int, int, bool]]) -> bool:
         """Run one step of (start, tokens, samples) chunks on scratch blocks; False if they do not fit."""

@@ -1,0 +1,67 @@
+"""The step-cost model: fitting, monotonicity, online correction, persistence. No model needed."""
+from __future__ import annotations
+
+import pytest
+
+from tessera.engine import cost_model as cm
+from tessera.engine.cost_model import CalibrationPoint, StepCostModel, StepShape, calibrate, default_knots
+
+
+def synthetic_step_time(shape: StepShape) -> float:
+    """A machine whose steps cost 5 ms + 0.5 ms per token up to 32 tokens, 0.8 ms beyond,
+    0.2 ms per sampled row and 1 ms per 1000 attended pairs."""
+    t = shape.num_tokens
+    layers = 0.5 * min(t, 32) + 0.8 * max(0, t - 32)
+    return (5 + layers + 0.2 * shape.num_sampled + shape.num_attended / 1000) / 1000
+
+
+def test_calibration_recovers_a_known_machine(monkeypatch):
+    now = [0.0]  # a fake clock that each synthetic step advances by the machine's step time
+
+    def run_step(chunks):
+        shape = StepShape()
+        for start, n, samples in chunks:
+            shape = shape.plus(StepShape.chunk(start, n, samples))
+        now[0] += synthetic_step_time(shape)
+        return True
+
+    monkeypatch.setattr(cm.time, "perf_counter", lambda: now[0])
+    model = calibrate(run_step, max_tokens=256, max_rows=32, max_context=2048, budget_s=100)
+    for shape in (StepShape(1, 1, 300), StepShape(16, 16, 16 * 500), StepShape(100, 4, 3000), StepShape(256, 0, 33000)):
+        assert model.predict(shape) == pytest.approx(synthetic_step_time(shape), rel=0.05), shape
+    assert model.knots == default_knots(256)
+
+
+def test_fit_is_monotone_and_extrapolates_past_the_measured_steps():
+    points = [CalibrationPoint(StepShape(t, 0, 0), 0.001 * (4 + t)) for t in (1, 2, 4, 8, 16)]
+    model = StepCostModel.fit(default_knots(64), points)
+    times = [model.predict(StepShape(t, 0, 0)) for t in range(1, 200)]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    assert model.predict(StepShape(64, 0, 0)) == pytest.approx(0.068, rel=0.05)  # the 8-16 slope, carried on
+
+
+def test_online_correction_learns_a_slower_machine():
+    points = [CalibrationPoint(StepShape(t, 0, 0), 0.001 * (4 + t)) for t in (1, 2, 4, 8, 16, 32)]
+    model = StepCostModel.fit(default_knots(32), points)
+    shape = StepShape(8, 8, 800)
+    before = model.predict(shape)
+    for _ in range(200):
+        model.observe(shape, 2 * model.predict_raw(shape))
+    assert model.predict(shape) == pytest.approx(2 * before, rel=0.02)
+    assert model.predict(StepShape(1, 0, 0)) == pytest.approx(0.005, rel=0.05)  # other buckets untouched
+    assert model.describe()["observed_steps"] == 200
+
+
+def test_cache_round_trip_and_pruning(tmp_path, monkeypatch):
+    points = [CalibrationPoint(StepShape(t, t % 3, 7 * t), 0.001 * (4 + t)) for t in (1, 2, 4, 8)]
+    model = StepCostModel.fit(default_knots(8), points, 1.5)
+    path = tmp_path / "a.json"
+    cm.save_cached(path, model)
+    again = cm.load_cached(path)
+    assert again is not None and again.to_dict() == model.to_dict()
+    path.write_text("{not json")
+    assert cm.load_cached(path) is None
+    monkeypatch.setattr(cm, "MAX_CACHED_CALIBRATIONS", 3)
+    for i in range(5):
+        cm.save_cached(tmp_path / f"m{i}.json", model)
+    assert len(list(tmp_path.glob("*.json"))) == 3
