@@ -6,6 +6,8 @@ are plain dataclasses so they can be logged, compared and copied freely.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -85,6 +87,54 @@ PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "mi
                   "enable_prefix_caching", "preemption_mode")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's --speculative-config, as JSON: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4}. `disable_by_batch_size`: no speculation above this many running
+    requests (k also shrinks toward 1 as the batch grows to it)."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)} "
+                              f"(draft models are not supported yet), not {self.method!r}")
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
+                          ("disable_by_batch_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"--speculative-config: {name} must be an integer >= {low}, not {value!r}")
+        if self.num_speculative_tokens > 16:
+            raise ConfigError("--speculative-config: num_speculative_tokens must be at most 16")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError(f"--speculative-config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """Every serving knob; the CLI maps flags 1:1 onto these fields.
@@ -116,6 +166,8 @@ class EngineConfig:
     attention_backend: Literal["auto", "paged", "sdpa", "reference"] = "auto"
     num_threads: Optional[int] = None
     seed: int = 0
+    # Speculative decoding (vLLM's --speculative-config); None = off.
+    speculative_config: Optional[SpeculativeConfig] = None
     # Profile fields given explicitly (they beat the profile); filled in when the profile is applied.
     profile_overrides: tuple[str, ...] = ()
 
@@ -142,6 +194,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "min_prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         target = self.target_itl_ms
         if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
             raise ConfigError(f"--target-itl-ms must be a number of milliseconds >= 0 (0 = no target), "

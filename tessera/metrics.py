@@ -129,6 +129,16 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Number of generation tokens processed per request.",
             token_buckets)
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Runs of proposed tokens verified (speculative decoding).")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified by the target model.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
+        self._spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in their run (0 = first proposal).",
+            labels + ["position"], registry=reg)
         self.step_time = histogram(
             "step_time_seconds", "Histogram of engine step time (schedule to outputs), in seconds.",
             TOKEN_LATENCY_BUCKETS)
@@ -156,6 +166,12 @@ class PrometheusStatLogger:
         self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
         if it.step_time > 0:
             self.step_time.observe(it.step_time)
+        for proposed, accepted in it.spec_results:
+            self.spec_decode_num_drafts.inc()
+            self.spec_decode_num_draft_tokens.inc(proposed)
+            self.spec_decode_num_accepted_tokens.inc(accepted)
+            for pos in range(accepted):
+                self._spec_accepted_per_pos.labels(self.model_name, str(pos)).inc()
         for ttft in it.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in it.inter_token_latencies:

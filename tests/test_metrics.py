@@ -20,7 +20,8 @@ MODEL = "tiny-test"
 
 COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "request_success_total", "num_preemptions_total",
             "prefix_cache_queries_total", "prefix_cache_hits_total", "admission_rejections_total",
-            "request_aborts_total"]
+            "request_aborts_total", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total"]
 GAUGES = ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"]
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
               "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
@@ -423,3 +424,16 @@ def test_real_server_metrics_count_exactly_the_requests_sent():
     assert got[("tessera:num_requests_running", lbl)] == 0
     assert got[("tessera:num_requests_waiting", lbl)] == 0
     assert got[("tessera:kv_cache_usage_perc", lbl)] == 0
+
+
+def test_speculative_counts_by_position():
+    prom = PrometheusStatLogger(MODEL)
+    prom.record(None, IterationStats(timestamp=0.0, spec_results=[(4, 2), (3, 0), (4, 4)]))
+    got = scrape(prom)
+    lbl = (("model_name", MODEL),)
+    assert got[("tessera:spec_decode_num_drafts_total", lbl)] == 3
+    assert got[("tessera:spec_decode_num_draft_tokens_total", lbl)] == 11
+    assert got[("tessera:spec_decode_num_accepted_tokens_total", lbl)] == 6
+    per_pos = {dict(k[1])["position"]: v for k, v in got.items()
+               if k[0] == "tessera:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 2, "1": 2, "2": 1, "3": 1}

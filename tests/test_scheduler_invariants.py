@@ -43,6 +43,7 @@ workload = st.fixed_dictionaries({
     "latency": st.one_of(st.none(), st.tuples(st.floats(0, 20), st.floats(0, 5), st.floats(0, 5),
                                               st.floats(0, 50), st.floats(1, 80))),
     "min_chunk": st.integers(1, 8),
+    "spec": st.integers(0, 4),  # tokens proposed to decoding requests (speculative decoding)
 })
 
 
@@ -98,6 +99,9 @@ def test_scheduler_invariants(w: dict) -> None:
         if live and rng.random() < 0.05:  # abort one at random
             victim = rng.choice(live)
             sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+        for r in sched.running:  # proposals, as a proposer would set them
+            if w["spec"] and r.num_computed_tokens == r.num_tokens - 1:
+                r.spec_token_ids = [rng.randrange(1, 50) for _ in range(w["spec"])]
         out = sched.schedule()
         assert out.total_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs
@@ -114,8 +118,11 @@ def test_scheduler_invariants(w: dict) -> None:
                 assert kv.pool.blocks[r.block_ids[pos // bs]].ref_cnt == 1
         if cost is not None and w["policy"] == "continuous":
             check_latency_target(out, cost, target_ms / 1000, w["min_chunk"])
-        sampled = {s.request.request_id: (EOS if rng.random() < 0.05 else rng.randrange(1, 50))
+        sampled = {s.request.request_id: [EOS if rng.random() < 0.05 else rng.randrange(1, 50)
+                                          for _ in range(1 + rng.randint(0, s.num_spec_tokens))]
                    for s in out.scheduled if s.produces_token}
+        for s in out.scheduled:
+            assert s.num_spec_tokens <= min(w["spec"], s.request.max_tokens - s.request.num_output_tokens - 1)
         sched.update_after_step(out, sampled)
         live = [r for r in live if not r.is_finished]
         check_pool(kv, live)
@@ -153,7 +160,7 @@ def test_prefill_chunk_shrinks_to_the_latency_target() -> None:
                       cost)
     decoding = Request("d", [1] * 8, SamplingParams(max_tokens=50), 50, [0])
     sched.add_request(decoding)
-    sched.update_after_step(sched.schedule(), {"d": 5})  # prompt done, first token out
+    sched.update_after_step(sched.schedule(), {"d": [5]})  # prompt done, first token out
     long = Request("p", [2] * 300, SamplingParams(max_tokens=5), 5, [0])
     sched.add_request(long)
     out = sched.schedule()
@@ -162,7 +169,7 @@ def test_prefill_chunk_shrinks_to_the_latency_target() -> None:
     assert chunks == {"d": 1, "p": 19}
     assert out.predicted_s == pytest.approx(0.025)
     sched.finish_request(decoding, RequestStatus.FINISHED_ABORTED)
-    sched.update_after_step(out, {"d": 7})
+    sched.update_after_step(out, {"d": [7]})
     out = sched.schedule()  # no decode left: the prompt goes at the full budget
     assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"p": 281}
 
@@ -174,7 +181,7 @@ def _decoding_over_target(min_chunk: int) -> Scheduler:
     sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=30, min_prefill_chunk=min_chunk), kv,
                       1024, cost)
     sched.add_request(Request("d", [1] * 4, SamplingParams(max_tokens=100), 100, [0]))
-    sched.update_after_step(sched.schedule(), {"d": 5})
+    sched.update_after_step(sched.schedule(), {"d": [5]})
     return sched
 
 
@@ -187,7 +194,7 @@ def test_a_prompt_progresses_behind_decodes_over_the_target() -> None:
     for _ in range(3):  # one token of the oldest prompt per step; the next one waits its turn
         out = sched.schedule()
         assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 1}
-        sched.update_after_step(out, {s.request.request_id: 5 for s in out.scheduled if s.produces_token})
+        sched.update_after_step(out, {s.request.request_id: [5] for s in out.scheduled if s.produces_token})
     assert p.is_finished and not q.is_finished
 
 
@@ -205,7 +212,7 @@ def test_prefix_hit_shares_full_blocks_only() -> None:
     a = Request("a", prompt, SamplingParams(max_tokens=2), 2, [0])
     sched.add_request(a)
     out = sched.schedule()
-    sched.update_after_step(out, {"a": 42})
+    sched.update_after_step(out, {"a": [42]})
     b = Request("b", prompt, SamplingParams(max_tokens=2), 2, [0])
     sched.add_request(b)
     out = sched.schedule()
@@ -220,7 +227,7 @@ def test_lru_eviction_of_cached_blocks() -> None:
     sched = Scheduler(EngineConfig(max_num_batched_tokens=64, block_size=2), kv, 8)
     a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), 1, [0])
     sched.add_request(a)
-    sched.update_after_step(sched.schedule(), {"a": 9})
+    sched.update_after_step(sched.schedule(), {"a": [9]})
     assert a.is_finished and len(kv.pool.cached) == 2  # [1,2] and [3,4] stay cached
     assert kv.num_free_blocks == 4
     c = Request("c", [7, 7, 7, 7, 7], SamplingParams(max_tokens=1), 1, [0])

@@ -141,7 +141,63 @@ def multi_turn_workload(num_conversations: int, seed: int, turns: int = 4,
     return sessions
 
 
-DATASETS = ("random", "shared-prefix", "multi-turn")
+# Pieces of the code-edit workload's snippets: plain Python an instruction-tuned coder can rewrite.
+_NAMES = ("total", "count", "items", "values", "result", "buffer", "index", "limit", "score", "weight",
+          "offset", "record", "entry", "window", "batch", "size", "key", "name", "price", "amount")
+_EDITS = (
+    "Rename the variable `{a}` to `{b}` everywhere.",
+    "Add type hints to every function.",
+    "Add a one-line docstring to every function.",
+    "Replace every `for` loop that builds a list with a list comprehension where possible.",
+    "Rename the function `{f}` to `{g}` and update its callers.",
+)
+
+
+def _snippet(rng: random.Random, functions: int) -> tuple[str, list[str], list[str]]:
+    """A seeded Python module of small functions; returns it with its function and variable names."""
+    lines, fnames, used = [], [], []
+    for i in range(functions):
+        a, b, c = rng.sample(_NAMES, 3)
+        used += [a, b, c]
+        fname = f"{rng.choice(('compute', 'update', 'load', 'merge', 'filter', 'scale'))}_{a}_{i}"
+        fnames.append(fname)
+        k = rng.randint(2, 9)
+        lines += [f"def {fname}({a}, {b}):",
+                  f"    {c} = []",
+                  f"    for {'x' if i % 2 else 'item'} in {a}:",
+                  f"        if {'x' if i % 2 else 'item'} > {b}:",
+                  f"            {c}.append({'x' if i % 2 else 'item'} * {k})",
+                  f"    return {c}",
+                  ""]
+    lines += ["", "def main():"]
+    for fname in fnames:
+        lines.append(f"    print({fname}([{', '.join(str(rng.randint(0, 20)) for _ in range(4))}], "
+                     f"{rng.randint(1, 10)}))")
+    return "\n".join(lines) + "\n", fnames, used
+
+
+def code_edit_workload(num_prompts: int, seed: int, functions: tuple[int, int] = (3, 8),
+                       output_tokens: tuple[int, int] = (256, 512)) -> list[Session]:
+    """Requests to rewrite a given code snippet with a small edit (chat): the answer copies most of
+    its input, the case prompt-lookup (n-gram) and draft-model speculation are measured on."""
+    _check_range("functions", *functions)
+    _check_range("output tokens", *output_tokens)
+    rng = random.Random(seed)
+    sessions = []
+    for i in range(num_prompts):
+        code, fnames, used = _snippet(rng, rng.randint(*functions))
+        a = rng.choice(used)
+        b = rng.choice([n for n in _NAMES if n not in used] or ["renamed"])
+        f = rng.choice(fnames)
+        edit = rng.choice(_EDITS).format(a=a, b=b, f=f, g=f + "_v2")
+        prompt = f"{edit} Reply with the complete rewritten code only.\n\n```python\n{code}```"
+        sessions.append(Session(i, [Turn(prompt, rng.randint(*output_tokens))], chat=True,
+                                system="You are a careful coding assistant.", meta={"edit": edit}))
+    return sessions
+
+
+DATASETS = ("random", "shared-prefix", "multi-turn", "code-edit")
+CHAT_DATASETS = ("multi-turn", "code-edit")  # sent to the chat API whatever --endpoint says
 
 
 def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple[int, int] = (50, 400),
@@ -160,4 +216,6 @@ def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple
             raise ValueError("multi-turn: need at least one turn per conversation")
         conversations = max(1, -(-num_prompts // turns))
         return multi_turn_workload(conversations, seed, turns, output_tokens=output_tokens)
+    if name == "code-edit":
+        return code_edit_workload(num_prompts, seed, output_tokens=output_tokens)
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

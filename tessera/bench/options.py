@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any
 
-from tessera.bench.datasets import DATASETS, Session, build_workload
+from tessera.bench.datasets import CHAT_DATASETS, DATASETS, Session, build_workload
 from tessera.bench.metrics import SLO
 from tessera.bench.runner import Target
 from tessera.errors import TesseraError
@@ -91,6 +91,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=1,
                    help="requests sent (with other prompts) before measuring, not counted (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def uses_chat(args: argparse.Namespace) -> bool:
+    """Whether the workload's requests go to the chat API (chat datasets always do)."""
+    return args.endpoint == "chat" or args.dataset in CHAT_DATASETS
 
 
 def target_from_args(args: argparse.Namespace) -> Target:

@@ -83,11 +83,15 @@ def request_records(run: RunOutput) -> list[dict[str, Any]]:
     return out
 
 
-async def warm_up(target: Target, n: int, seed: int) -> Optional[RequestResult]:
-    """Send `n` short unrelated requests; returns a failed result if none succeeded."""
+async def warm_up(target: Target, n: int, seed: int, chat: bool = False) -> Optional[RequestResult]:
+    """Send `n` short unrelated requests, through the chat API when the workload uses it (a
+    server's first chat request may pay for its template, which must not land in a measurement);
+    returns a failed result if none succeeded."""
     if n <= 0:
         return None
     sessions = random_workload(n, seed + 7_777_777, input_words=(16, 32), output_tokens=(8, 8))
+    for s in sessions:
+        s.chat = chat
     run = await run_closed_loop(target, sessions, 1, progress=False)
     if any(r.ok for r in run.results):
         return None
@@ -169,7 +173,7 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> dict[str, Any
     counts = args.num_prompts
     if len(counts) not in (1, len(levels)):
         raise TesseraError(f"--num-prompts: give one value or one per level ({len(levels)}), not {len(counts)}")
-    failed = await warm_up(target, args.warmup, args.seed)
+    failed = await warm_up(target, args.warmup, args.seed, chat=options.uses_chat(args))
     if failed is not None:
         raise TesseraError(f"cannot get a completion from {target.url(args.endpoint == 'chat')}: {failed.error}")
     runs = []

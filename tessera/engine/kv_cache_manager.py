@@ -110,6 +110,18 @@ class KVCacheManager:
             self.pool.register(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
         req.num_registered_blocks = max(req.num_registered_blocks, full)
 
+    def release_tail(self, req: Request, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens (slots of rejected proposals).
+
+        They were allocated as lookahead and never entered the prefix cache, which only
+        takes blocks of computed (so accepted) tokens.
+        """
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_ids) > keep:
+            tail = req.block_ids[keep:]
+            req.block_ids = req.block_ids[:keep]
+            self.pool.free(self.pool.blocks[b] for b in reversed(tail))
+
     def free(self, req: Request) -> None:
         self.pool.free(self.pool.blocks[b] for b in reversed(req.block_ids))
         req.block_ids = []

@@ -24,6 +24,7 @@ from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.runner import ModelRunner
 from tessera.engine.scheduler import LoadSnapshot, ScheduledRequest, Scheduler, SchedulerOutput
+from tessera.engine.spec_decode import SpeculationPolicy, build_proposer, propose_all
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -109,6 +110,13 @@ class LLMEngine:
         self.cost_model = self._calibrate_cost_model()
         logger.info("step-cost model: %s", self.cost_model.summary())
         self.scheduler = Scheduler(self.config, self.kv, max_model_len, self.cost_model)
+        spec = self.config.speculative_config
+        self.proposer = build_proposer(spec) if spec is not None else None
+        self.spec_policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size) \
+            if spec is not None else None
+        if spec is not None:
+            logger.info("speculative decoding: %s, %d tokens, off above %d running requests or with a queue",
+                        spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size)
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._aborted: list[str] = []  # parents aborted since the last step, to report
@@ -278,27 +286,36 @@ class LLMEngine:
 
     def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
         t0 = time.perf_counter()
+        if self.proposer is not None and self.spec_policy is not None:
+            propose_all(self.proposer, self.spec_policy, self.scheduler.running, len(self.scheduler.waiting),
+                        self.config.max_model_len)
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched, result.sampled)
+        appended = self.scheduler.update_after_step(sched, result.sampled)
         now = time.time()
         stats = IterationStats(
             timestamp=now,
             num_prompt_tokens=result.num_prompt_tokens,
-            num_generation_tokens=len(result.sampled),
+            num_generation_tokens=sum(len(t) for t in appended.values()),
             num_preemptions=len(sched.preempted),
             prefix_cache_queries=sched.num_prefix_queries,
             prefix_cache_hits=sched.num_prefix_hits,
+            spec_results=result.spec_results,
         )
         touched: set[str] = set(self._aborted)
         self._aborted.clear()
-        for child_id, token in result.sampled.items():
+        for child_id, tokens in appended.items():
             parent_id = self._child_parent.get(child_id)
             if parent_id is None:
                 continue
             touched.add(parent_id)
             child = self._find_child(parent_id, child_id)
-            self._on_token(child, token, result.logprobs.get(child_id), now, stats)
+            logprobs = result.logprobs.get(child_id)
+            for i, token in enumerate(tokens):
+                if child.out.finished:  # a stop string ended it inside a run of accepted tokens
+                    break
+                self._on_token(child, token, logprobs[i] if logprobs else None, now, stats,
+                               first_of_step=i == 0, last_of_step=i == len(tokens) - 1)
         outputs = []
         for parent_id in touched:
             parent = self.parents.get(parent_id)
@@ -318,17 +335,22 @@ class LLMEngine:
                 return c
         raise KeyError(child_id)
 
-    def _on_token(self, child: _Child, token: int, logprob, now: float, stats: IterationStats) -> None:
+    def _on_token(self, child: _Child, token: int, logprob, now: float, stats: IterationStats,
+                  first_of_step: bool = True, last_of_step: bool = True) -> None:
+        """One emitted token; a step may emit several for a request (verified proposals), and
+        latency is recorded once per step, the request's state (stop, length) at its last one."""
         req, out = child.req, child.out
         m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            stats.time_to_first_tokens.append(now - m.arrival_time)
-        else:
-            stats.inter_token_latencies.append(now - m.last_token_time)
-        m.last_token_time = now
+        if first_of_step:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                stats.time_to_first_tokens.append(now - m.arrival_time)
+            else:
+                stats.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
         out.token_ids.append(token)
-        is_eos_stop = req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == token
+        status = req.status if last_of_step else RequestStatus.RUNNING
+        is_eos_stop = status == RequestStatus.FINISHED_STOPPED and req.stop_reason == token
         prev_len = len(out.text)
         if not is_eos_stop or not req.params.skip_special_tokens:
             out.text += child.detok.add(token)
@@ -336,10 +358,10 @@ class LLMEngine:
             lp, top = logprob
             text = self.tokenizer.token_text
             out.logprobs.append(TokenLogprob(token, text(token), lp, [(t, text(t), v) for t, v in top]))
-        if req.status == RequestStatus.FINISHED_STOPPED:
+        if status == RequestStatus.FINISHED_STOPPED:
             out.finish_reason = "stop"
             out.stop_reason = req.stop_reason
-        elif req.status == RequestStatus.FINISHED_LENGTH:
+        elif status == RequestStatus.FINISHED_LENGTH:
             out.finish_reason = "length"
             out.text += child.detok.flush()  # a last incomplete character, if any
         stops = req.params.stop

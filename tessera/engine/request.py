@@ -58,6 +58,9 @@ class Request:
         self.swapped_blocks: list[int] = []  # host block ids while SWAPPED
         self.generator = generator
         self.wait_for = wait_for  # sibling whose prompt prefill should land in the cache first
+        # Tokens a proposer guessed for the coming step (speculative decoding); verified by the
+        # target in that step, never part of all_token_ids unless accepted.
+        self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 

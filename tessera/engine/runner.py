@@ -5,7 +5,7 @@ without padding; attention alone looks at request boundaries (AttentionMetadata)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,9 +18,12 @@ from tessera.engine.scheduler import SchedulerOutput
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int]  # request id -> new token, for requests that reached their end
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # request id -> tokens emitted this step: one, or a verified run of proposals plus one
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]  # aligned with `sampled`
     num_prompt_tokens: int  # tokens computed that were not a decode of the last sampled token
+    # (proposed, accepted) per request that verified proposals this step
+    spec_results: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -58,31 +61,54 @@ class ModelRunner:
         qlens, seqlens, tables = [], [], []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
+        proposals: list[list[int]] = []
         num_prompt = 0
         for s in order:
             r = s.request
-            start, n = r.num_computed_tokens, s.num_new_tokens
-            input_ids.extend(r.all_token_ids[start:start + n])
+            start, n, k = r.num_computed_tokens, s.num_new_tokens, s.num_spec_tokens
+            if k:
+                proposal = r.spec_token_ids[:k]
+                input_ids.extend(r.all_token_ids[start:start + 1])
+                input_ids.extend(proposal)
+                spec_rows.extend(range(len(input_ids) - n, len(input_ids)))
+                spec_reqs.append(r)
+                proposals.append(proposal)
+            else:
+                input_ids.extend(r.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
             qlens.append(n)
             seqlens.append(start + n)
             tables.append(r.block_ids)
-            if not (n == 1 and r.output_token_ids and start == r.num_tokens - 1):
+            if not (n - k == 1 and r.output_token_ids and start == r.num_tokens - 1):
                 num_prompt += n  # prefill (or recompute) rather than a decode step
-            if s.produces_token:
+            if s.produces_token and not k:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(r)
         meta = self.backend.build_metadata(qlens, seqlens, tables, self.block_size)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
-        if not sample_reqs:
+        rows = sample_rows + spec_rows
+        if not rows:
             return RunnerOutput({}, {}, num_prompt)
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(sample_rows))
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(rows))
         logits = self.model.compute_logits(hidden)
-        result = self.sampler(logits, sample_reqs)
-        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
-        logprobs = {}
-        if result.logprobs is not None:
-            logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if lp is not None}
-        return RunnerOutput(sampled, logprobs, num_prompt)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
+        if sample_reqs:
+            result = self.sampler(logits[:len(sample_rows)], sample_reqs)
+            for r, t in zip(sample_reqs, result.token_ids):
+                sampled[r.request_id] = [t]
+            if result.logprobs is not None:
+                logprobs.update({r.request_id: [lp] for r, lp in zip(sample_reqs, result.logprobs) if lp is not None})
+        spec_results = []
+        if spec_reqs:
+            spec = self.sampler.speculative(logits[len(sample_rows):], spec_reqs, proposals)
+            for r, tokens, proposal, accepted in zip(spec_reqs, spec.token_ids, proposals, spec.num_accepted):
+                sampled[r.request_id] = tokens
+                spec_results.append((len(proposal), accepted))
+            if spec.logprobs is not None:
+                logprobs.update({r.request_id: lp for r, lp in zip(spec_reqs, spec.logprobs) if lp is not None})
+        return RunnerOutput(sampled, logprobs, num_prompt, spec_results)

@@ -67,9 +67,105 @@ def _truncate(logits: torch.Tensor, reqs: list[Request]) -> None:
     logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+@dataclass
+class SpeculativeOutput:
+    """Per request: the tokens emitted this step (accepted proposals, then one token of the
+    target's own), and their logprobs when asked for."""
+
+    token_ids: list[list[int]]
+    logprobs: Optional[list[Optional[list[tuple[float, list[tuple[int, float]]]]]]]
+    num_accepted: list[int]
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+
+    def _uniform(self, req: Request) -> float:
+        gen = req.generator if req.generator is not None else self.generator
+        return float(torch.rand(1, generator=gen))
+
+    def speculative(self, logits: torch.Tensor, reqs: list[Request], proposals: list[list[int]],
+                    draft_probs: Optional[list[Optional[torch.Tensor]]] = None) -> SpeculativeOutput:
+        """Verify proposed tokens against the target model, keeping its distribution exactly.
+
+        `logits` holds len(proposals[i]) + 1 rows per request, in order: the target's
+        distribution after the request's last token and after each proposal. Greedy requests
+        accept proposals while they equal the target's argmax. Sampled requests use rejection
+        sampling (Leviathan et al. 2023; Chen et al. 2023): proposal x from draft q is kept with
+        probability min(1, p(x) / q(x)); at the first rejection a token is drawn from
+        normalize(max(0, p - q)), and if all are kept one more is drawn from the last row's p.
+        `draft_probs[i]` is q as [k, V]; None means the proposals were fixed (n-gram lookup), so
+        q is a point mass on each. Penalties are not applied (the engine does not speculate
+        for requests that use them).
+        """
+        logits = logits.float()
+        row_reqs = [r for r, prop in zip(reqs, proposals) for _ in range(len(prop) + 1)]
+        want_logprobs = any(r.params.logprobs is not None for r in reqs)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        greedy = [r.params.temperature == 0.0 for r in row_reqs]
+        probs = None
+        if not all(greedy):
+            temps = torch.tensor([r.params.temperature or 1.0 for r in row_reqs]).unsqueeze(1)
+            scaled = logits / temps
+            _truncate(scaled, row_reqs)
+            probs = scaled.softmax(dim=-1)
+        argmax = logits.argmax(dim=-1).tolist()
+        out_tokens: list[list[int]] = []
+        accepted_counts: list[int] = []
+        rows_used: list[list[int]] = []
+        row = 0
+        for i, (req, prop) in enumerate(zip(reqs, proposals)):
+            k = len(prop)
+            tokens: list[int] = []
+            if req.params.temperature == 0.0:
+                for j in range(k + 1):
+                    tokens.append(argmax[row + j])
+                    if j == k or prop[j] != argmax[row + j]:
+                        break
+            else:
+                assert probs is not None
+                q = draft_probs[i] if draft_probs is not None else None
+                for j in range(k + 1):
+                    p = probs[row + j]
+                    if j == k:  # every proposal kept: one more token from the target
+                        tokens.append(_invert(p, self._uniform(req)))
+                        break
+                    x = prop[j]
+                    qx = 1.0 if q is None else float(q[j, x])
+                    if qx > 0 and self._uniform(req) < min(1.0, float(p[x]) / qx):
+                        tokens.append(x)
+                        continue
+                    residual = p.clone()
+                    if q is None:
+                        residual[x] = 0.0
+                    else:
+                        residual = (residual - q[j]).clamp_min_(0.0)
+                    if float(residual.sum()) <= 0.0:  # p == q: nothing to correct, draw from p
+                        residual = p
+                    tokens.append(_invert(residual, self._uniform(req)))
+                    break
+            out_tokens.append(tokens)
+            accepted_counts.append(len(tokens) - 1)
+            rows_used.append(list(range(row, row + len(tokens))))
+            row += k + 1
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = []
+            for req, tokens, rows in zip(reqs, out_tokens, rows_used):
+                if req.params.logprobs is None:
+                    logprobs.append(None)
+                    continue
+                top_k = req.params.logprobs
+                entries = []
+                for t, r in zip(tokens, rows):
+                    top = []
+                    if top_k:
+                        vals, ids = raw_logprobs[r].topk(top_k)
+                        top = list(zip(ids.tolist(), vals.tolist()))
+                    entries.append((float(raw_logprobs[r, t]), top))
+                logprobs.append(entries)
+        return SpeculativeOutput(out_tokens, logprobs, accepted_counts)
 
     def _draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """One token per row by inverting the row's CDF at a uniform draw.
@@ -120,3 +216,10 @@ class Sampler:
                 top = (list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist())) if k else [])
                 logprobs.append((chosen[i], top))
         return SamplerOutput(token_list, logprobs)
+
+
+def _invert(probs: torch.Tensor, u: float) -> int:
+    """The token whose CDF interval holds u (of the row's total mass), for one row."""
+    cdf = probs.cumsum(dim=-1)
+    target = min(u * float(cdf[-1]), float(cdf[-1]) * (1 - 1e-6))
+    return min(int(torch.searchsorted(cdf, torch.tensor([target]), right=True)), probs.shape[0] - 1)

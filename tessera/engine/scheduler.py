@@ -30,13 +30,14 @@ from tessera.engine.stats import SchedulerStats
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # tokens fed through the model, proposals included
+    num_spec_tokens: int = 0  # of which proposals to verify (request.spec_token_ids[:num_spec_tokens])
 
     @property
     def produces_token(self) -> bool:
         """True when this step reaches the end of the known tokens, so a token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == r.num_tokens
 
 
 @dataclass
@@ -197,16 +198,29 @@ class Scheduler:
             n = max(n, min(cap, self.config.min_prefill_chunk))
         return n
 
-    def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState") -> None:
+    def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
         start = req.num_computed_tokens
-        out.scheduled.append(ScheduledRequest(req, n))
+        out.scheduled.append(ScheduledRequest(req, n, num_spec))
         step.ids.add(req.request_id)
         step.budget -= n
-        step.shape = step.shape.plus(StepShape.chunk(start, n, start + n == req.num_tokens))
+        samples = start + n - num_spec == req.num_tokens
+        shape = StepShape.chunk(start, n, samples)
+        if num_spec:  # every position of a verified run is sampled
+            shape = StepShape(shape.num_tokens, n, shape.num_attended)
+        step.shape = step.shape.plus(shape)
         if req.num_tokens - start == 1 and req.output_token_ids:
             step.has_decodes = True
         else:
             step.has_prefill = True
+
+    def _num_spec(self, req: Request, budget: int) -> int:
+        """How many of the request's proposals this step can verify: budget, context and
+        max_tokens bound them (a proposal past max_tokens could never be emitted)."""
+        if not req.spec_token_ids:
+            return 0
+        room = min(budget - 1, self.max_model_len - req.num_tokens,
+                   req.max_tokens - req.num_output_tokens - 1)
+        return max(0, min(len(req.spec_token_ids), room))
 
     def _schedule_running(self, out: SchedulerOutput, step: "_StepState", decodes: bool) -> None:
         """Grant running requests their next tokens; `decodes` selects the one-token rows."""
@@ -222,6 +236,8 @@ class Scheduler:
             n = cap if decodes else self._prefill_chunk(req, req.num_computed_tokens, cap, step)
             if n == 0:
                 continue
+            num_spec = self._num_spec(req, step.budget) if decodes else 0
+            n += num_spec
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
                 if victim.request_id in step.ids:
@@ -230,7 +246,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._grant(req, n, out, step)
+                self._grant(req, n, out, step, num_spec)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -286,29 +302,43 @@ class Scheduler:
             out.predicted_s = self.cost_model.predict(step.shape)
         return out
 
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Advance progress, append sampled tokens, and finish requests that hit a limit.
 
-        Returns the requests that received a token this step.
+        `sampled` maps a request to the tokens the step emitted for it: one, or, for a verified
+        run of proposals, the accepted ones and the target's next. Returns the tokens actually
+        appended (a run stops at a stop token or a length limit).
         """
-        got_token = []
+        appended: dict[str, list[int]] = {}
         for s in out.scheduled:
             req = s.request
+            req.spec_token_ids = []
             if req.is_finished:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.append_token(token)
-            got_token.append(req)
-            if token in req.stop_token_ids:
-                req.stop_reason = token
-                self.finish_request(req, RequestStatus.FINISHED_STOPPED)
-            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                self.finish_request(req, RequestStatus.FINISHED_LENGTH)
-        return got_token
+            tokens = sampled.get(req.request_id) or []
+            kept, reason = tokens, None
+            for i, token in enumerate(tokens):  # a run ends at its first stop token or length limit
+                if token in req.stop_token_ids:
+                    kept, reason = tokens[:i + 1], RequestStatus.FINISHED_STOPPED
+                    break
+                if req.num_output_tokens + i + 1 >= req.max_tokens or req.num_tokens + i + 1 >= self.max_model_len:
+                    kept, reason = tokens[:i + 1], RequestStatus.FINISHED_LENGTH
+                    break
+            # A verified run leaves valid K/V up to its last kept proposal: as many positions as
+            # tokens kept (the run's first input was already-known); rejected slots are past it.
+            req.num_computed_tokens += len(kept) if s.num_spec_tokens else s.num_new_tokens - s.num_spec_tokens
+            for token in kept:
+                req.append_token(token)
+            if s.num_spec_tokens:
+                self.kv.release_tail(req, req.num_tokens)
+            self.kv.cache_full_blocks(req)  # before finishing, so a finished request's blocks stay findable
+            if kept:
+                appended[req.request_id] = kept
+            if reason == RequestStatus.FINISHED_STOPPED:
+                req.stop_reason = kept[-1]
+            if reason is not None:
+                self.finish_request(req, reason)
+        return appended
 
 
 @dataclass(frozen=True)

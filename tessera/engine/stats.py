@@ -47,5 +47,6 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec_results: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted) per request
     step_time: float = 0.0  # seconds from schedule to outputs
     predicted_step_time: Optional[float] = None  # the step-cost model's forecast for this step
