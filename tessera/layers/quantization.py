@@ -13,8 +13,8 @@ the memory is cheap) or a copy dequantized for that call (large models, where
 keeping two copies would double the weights' memory). For int4 in bfloat16,
 Tessera's own few-row kernel (tessera/kernels/int4_gemv.c) takes 2-64 rows:
 it computes from the codes, so it reads a quarter of the bytes and, on a
-model's weights streamed from memory, beats the dense matmul by 2.2-2.7x at
-2-16 rows and still wins at 32-64.
+model's weights streamed from memory, beats the dense matmul by 1.7-4x at
+2-16 rows and 1.3x at 32-64 (PyTorch's int4 kernel by 1.6-1.8x at 32-64).
 
 The int4 format is PyTorch's CPU int4pack: codes in 0..15 and per-group
 (scale, zero) with `w = (code - 8) * scale + zero`, groups of 32 along the
@@ -50,8 +50,8 @@ GEMV_KERNEL_MAX_ROWS = 2
 # The int4 C kernel (one row) streams at ~28 GB/s against PyTorch's ~23 on big matrices, ties on small.
 INT4_GEMV_MIN_WEIGHTS = 1 << 20
 # The few-row int4 C kernel (int4_gemm_bf16) against the dense bf16 copy, over a whole model's
-# weights as a step reads them (from memory, not cache): 2.2-2.7x faster at 2-16 rows, 1.3x at
-# 32, even at 64 (benchmarks/kernels.py, results/wave3/int4_gemm.json). Above this, the dense copy.
+# weights as a step reads them (from memory, not cache): 1.7-4x faster at 2-16 rows, 1.3x at
+# 32-64, break-even at 128 (benchmarks/kernels.py, results/wave3/int4_gemm.json). Above 64, the dense copy.
 INT4_GEMM_MAX_ROWS = 64
 
 
