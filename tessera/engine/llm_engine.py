@@ -326,7 +326,6 @@ class LLMEngine:
         if sched.scheduled and not (sched.swap_in or sched.swap_out):  # block copies are not in the model
             self.cost_model.observe(sched.shape, elapsed)
         stats.step_time = elapsed
-        stats.predicted_step_time = sched.predicted_s
         return outputs, stats
 
     def _find_child(self, parent_id: str, child_id: str) -> _Child:

@@ -6,7 +6,6 @@ built on another thread (see tessera.metrics), so observability never slows a st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from tessera.engine.outputs import RequestMetrics
 from tessera.sampling_params import SamplingParams
@@ -49,4 +48,3 @@ class IterationStats:
     finished: list[FinishedRequestStats] = field(default_factory=list)
     spec_results: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted) per request
     step_time: float = 0.0  # seconds from schedule to outputs
-    predicted_step_time: Optional[float] = None  # the step-cost model's forecast for this step
