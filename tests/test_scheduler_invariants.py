@@ -100,7 +100,7 @@ def test_scheduler_invariants(w: dict) -> None:
             victim = rng.choice(live)
             sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
         for r in sched.running:  # proposals, as a proposer would set them
-            if w["spec"] and r.num_computed_tokens == r.num_tokens - 1:
+            if w["spec"] and r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids:
                 r.spec_token_ids = [rng.randrange(1, 50) for _ in range(w["spec"])]
         out = sched.schedule()
         assert out.total_tokens <= cfg.max_num_batched_tokens
@@ -139,8 +139,8 @@ def test_scheduler_invariants(w: dict) -> None:
 def check_latency_target(out, cost: FakeCostModel, target_s: float, min_chunk: int) -> None:
     """With decodes in the step, prefill may push the predicted time past the target only by
     the minimum chunk (--min-prefill-chunk) of one prompt that keeps prompts moving."""
-    decodes = [s for s in out.scheduled
-               if s.num_new_tokens == 1 and s.request.output_token_ids
+    decodes = [s for s in out.scheduled  # a decode, with or without a run of proposals to verify
+               if s.num_new_tokens - s.num_spec_tokens == 1 and s.request.output_token_ids
                and s.request.num_computed_tokens == s.request.num_tokens - 1]
     prefills = [s for s in out.scheduled if s not in decodes]
     if not out.scheduled:

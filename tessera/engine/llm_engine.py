@@ -115,7 +115,7 @@ class LLMEngine:
         self.spec_policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size) \
             if spec is not None else None
         if spec is not None:
-            logger.info("speculative decoding: %s, %d tokens, off above %d running requests or with a queue",
+            logger.info("speculative decoding: %s, %d tokens, off above %d running request(s) or with a queue",
                         spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size)
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}

@@ -55,7 +55,9 @@ class ModelRunner:
         self._copy_blocks(out.swap_in, to_host=False)
         if out.is_empty:
             return RunnerOutput({}, {}, 0)
-        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decode rows first, as the attention metadata wants; a verified run of proposals joins
+        # them as one decode row per position (below).
+        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens - s.num_spec_tokens != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         qlens, seqlens, tables = [], [], []
@@ -78,9 +80,17 @@ class ModelRunner:
             else:
                 input_ids.extend(r.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            qlens.append(n)
-            seqlens.append(start + n)
-            tables.append(r.block_ids)
+            if k:
+                # Position i of the run attends to the first start + i + 1 tokens: as decode rows of
+                # growing length over the same blocks, causal by construction, it goes through the
+                # paged decode kernel instead of the gathered-context prefill path (2x cheaper here).
+                qlens.extend([1] * n)
+                seqlens.extend(range(start + 1, start + n + 1))
+                tables.extend([r.block_ids] * n)
+            else:
+                qlens.append(n)
+                seqlens.append(start + n)
+                tables.append(r.block_ids)
             if not (n - k == 1 and r.output_token_ids and start == r.num_tokens - 1):
                 num_prompt += n  # prefill (or recompute) rather than a decode step
             if s.produces_token and not k:
@@ -92,7 +102,7 @@ class ModelRunner:
         rows = sample_rows + spec_rows
         if not rows:
             return RunnerOutput({}, {}, num_prompt)
-        if len(rows) < hidden.shape[0]:
+        if rows != list(range(hidden.shape[0])):  # a subset, or plain rows not all ahead of the runs
             hidden = hidden.index_select(0, torch.tensor(rows))
         logits = self.model.compute_logits(hidden)
         sampled: dict[str, list[int]] = {}

@@ -216,7 +216,7 @@ class Scheduler:
     def _num_spec(self, req: Request, budget: int) -> int:
         """How many of the request's proposals this step can verify: budget, context and
         max_tokens bound them (a proposal past max_tokens could never be emitted)."""
-        if not req.spec_token_ids:
+        if not req.spec_token_ids or not req.output_token_ids:  # proposals verify decodes only
             return 0
         room = min(budget - 1, self.max_model_len - req.num_tokens,
                    req.max_tokens - req.num_output_tokens - 1)

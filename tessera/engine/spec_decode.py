@@ -93,7 +93,10 @@ def propose_all(proposer: Proposer, policy: SpeculationPolicy, running: Sequence
     k = policy.tokens_for(len(running), num_waiting)
     for req in running:
         req.spec_token_ids = []
-        if k == 0 or req.num_computed_tokens != req.num_tokens - 1 or not speculates(req):
+        # Decoding requests only: a prompt's last token (after a chunk or a prefix hit) is prefill
+        # work, which the latency target sizes; its first token comes from the target alone.
+        if k == 0 or req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids \
+                or not speculates(req):
             continue
         room = min(k, max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
         req.spec_token_ids = proposer.propose(req, room) if room > 0 else []
