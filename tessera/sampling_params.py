@@ -40,6 +40,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether repetition, presence or frequency penalties change the logits."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def validate(self) -> None:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)

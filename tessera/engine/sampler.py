@@ -21,11 +21,11 @@ class SamplerOutput:
 
 
 def _penalize(logits: torch.Tensor, reqs: list[Request]) -> None:
+    if not any(r.params.has_penalties for r in reqs):
+        return
     rep = [r.params.repetition_penalty for r in reqs]
     pres = [r.params.presence_penalty for r in reqs]
     freq = [r.params.frequency_penalty for r in reqs]
-    if all(x == 1.0 for x in rep) and not any(pres) and not any(freq):
-        return
     n, vocab = logits.shape
     out_counts = torch.zeros((n, vocab), dtype=torch.float32)
     seen = torch.zeros((n, vocab), dtype=torch.bool)

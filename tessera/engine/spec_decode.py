@@ -83,8 +83,7 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
 def speculates(req: Request) -> bool:
     """Whether a request may verify proposals: penalties depend on every earlier token, which
     the batched verification does not replay, so those requests decode one token at a time."""
-    p = req.params
-    return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+    return not req.params.has_penalties
 
 
 def propose_all(proposer: Proposer, policy: SpeculationPolicy, running: Sequence[Request], num_waiting: int,
