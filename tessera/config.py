@@ -87,25 +87,49 @@ PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "mi
                   "enable_prefix_caching", "preemption_mode")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
 
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's --speculative-config, as JSON: {"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4}. `disable_by_batch_size`: no speculation above this many running
-    requests (k also shrinks toward 1 as the batch grows to it)."""
+    """vLLM's --speculative-config, as JSON.
 
-    method: Literal["ngram"] = "ngram"
+    - `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`: prompt lookup.
+    - `{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`: a smaller model with the
+      same tokenizer drafts (method `draft_model`, implied by `model` as in vLLM).
+    - `{"method": "layer_skip", "draft_layers": [0, 1, ...]}`: self-speculation, the target's own
+      layers listed (default: the first half and every other one after) draft through its own
+      head; no second model.
+    `disable_by_batch_size`: no speculation above this many running requests (k also shrinks
+    toward 1 as the batch grows to it).
+    """
+
+    method: Optional[Literal["ngram", "draft_model", "layer_skip"]] = None
+    model: Optional[str] = None  # the draft model (name, alias or path), for draft_model
+    # The draft's weight storage (vLLM's key); None = the target's --quantization. A draft is
+    # read k times a step, so int4 everywhere (LM head included) is worth its small loss of agreement.
+    quantization: Optional[Literal["auto", "none", "int8", "int4"]] = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    draft_layers: Optional[list[int]] = None  # layer_skip: target layers the draft runs
     disable_by_batch_size: int = 1  # measured: at 4 running requests (k=1) random traffic ran at 0.83x
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in SPECULATIVE_METHODS:
-            raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)} "
-                              f"(draft models are not supported yet), not {self.method!r}")
+            raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"not {self.method!r}")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError('--speculative-config: method "draft_model" needs "model": the draft model\'s '
+                              "name or path")
+        if self.quantization is not None and (self.method != "draft_model" or self.quantization not in QUANTIZATIONS):
+            raise ConfigError(f'--speculative-config: "quantization" applies to a draft model and is one of '
+                              f"{', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError(f'--speculative-config: "model" only applies to method "draft_model", '
+                              f"not {self.method!r}")
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
                           ("disable_by_batch_size", 1)):
             value = getattr(self, name)
@@ -115,6 +139,15 @@ class SpeculativeConfig:
             raise ConfigError("--speculative-config: num_speculative_tokens must be at most 16")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.draft_layers is not None:
+            if self.method != "layer_skip":
+                raise ConfigError('--speculative-config: "draft_layers" only applies to method "layer_skip"')
+            layers = self.draft_layers
+            if (not isinstance(layers, list) or not layers
+                    or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers)
+                    or sorted(set(layers)) != layers):
+                raise ConfigError("--speculative-config: draft_layers must be a non-empty ascending list of "
+                                  f"distinct layer indices, not {layers!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":

@@ -139,6 +139,10 @@ class PrometheusStatLogger:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Accepted proposed tokens by position in their run (0 = first proposal).",
             labels + ["position"], registry=reg)
+        self.spec_decode_request_acceptance_rate = histogram(
+            "spec_decode_request_acceptance_rate",
+            "Per finished request that verified proposals: accepted / proposed tokens.",
+            [0.1 * i for i in range(1, 11)])
         self.step_time = histogram(
             "step_time_seconds", "Histogram of engine step time (schedule to outputs), in seconds.",
             TOKEN_LATENCY_BUCKETS)
@@ -202,6 +206,8 @@ class PrometheusStatLogger:
             self.request_decode_time.observe(decode)
             if f.num_generation_tokens > 1:
                 self.request_time_per_output_token.observe(decode / (f.num_generation_tokens - 1))
+        if m.spec_draft_tokens:
+            self.spec_decode_request_acceptance_rate.observe(m.spec_accepted_tokens / m.spec_draft_tokens)
 
     # -- events that happen outside an engine step ---------------------------------------------
 

@@ -26,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-N logprobs per generated token (0 = only the sampled one)
     skip_special_tokens: bool = True
+    # False opts this request out of speculative decoding (when the server has it configured).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -239,13 +239,32 @@ def test_int8_gemv_kernel_for_large_matrices(dtype, atol):
     method, layer = _layer(Int8Method, w, dtype=dtype)
     assert layer.use_gemv_kernel
     deq = method.dequantize(layer).float()
-    for rows in (1, 2, 3):  # 1-2 rows: the C kernel; 3: PyTorch's
+    for rows in (1, 2, 3, 5, 8, 9):  # 1-2 rows: the streaming kernel; 3-8 in bf16: the BF16 one; then PyTorch's
         x = torch.randn(rows, 512).to(dtype)
         got = method.apply(layer, x)
         assert got.dtype == dtype and got.shape == (rows, w.shape[0])
         torch.testing.assert_close(got.float(), x.float() @ deq.T, atol=atol, rtol=0.02)
     small_method, small = _layer(Int8Method, w[:64], dtype=dtype)
     assert not small.use_gemv_kernel
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+def test_int8_gemm_kernel_matches_pytorchs(rows):
+    from tessera import kernels
+
+    if kernels.available() is not None:
+        pytest.skip("C kernels unavailable")
+    torch.manual_seed(rows)
+    w = torch.randn(37, 96) * 0.05  # a small matrix: 37 rows, not a whole block of 4
+    method, layer = _layer(Int8Method, w, dtype=torch.bfloat16)
+    assert layer.use_gemm_kernel and not layer.use_gemv_kernel
+    x = torch.randn(rows, 96).bfloat16()
+    got = kernels.int8_gemm_bf16(x, layer.qweight, layer.scales_f32)
+    want = torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
+    assert got.shape == want.shape == (rows, 37)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.01, rtol=0.02)
+    torch.testing.assert_close(got.float(), x.float() @ method.dequantize(layer).float().T, atol=0.01, rtol=0.02)
+    torch.testing.assert_close(method.apply(layer, x).float(), got.float(), atol=0, rtol=0)  # the route taken
 
 
 def test_int4_gemv_kernel_matches_pytorchs():

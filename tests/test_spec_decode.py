@@ -1,6 +1,7 @@
 """Speculative decoding: proposals, the load policy, lossless verification, engine invariance."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -8,11 +9,12 @@ import torch
 
 from tessera.config import EngineConfig, SpeculativeConfig
 from tessera.engine.sampler import Sampler
-from tessera.engine.spec_decode import NgramProposer, SpeculationPolicy
+from tessera.engine.spec_decode import NgramProposer, SpeculationPolicy, default_draft_layers
 from tessera.errors import ConfigError
 from tessera.sampling_params import SamplingParams
 
 from test_engine import GREEDY, alone, loaded, make_llm, prompts, texts  # noqa: F401 (fixtures)
+from tiny_model import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "disable_by_batch_size": 64}  # on at any batch here: the invariance tests want it working
@@ -28,10 +30,12 @@ def _req(tokens: list[int], generator=None, **params):
 def test_ngram_proposes_what_followed_the_latest_match():
     proposer = NgramProposer(min_n=1, max_n=3)
     tokens = [5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7]
-    assert proposer.propose(_req(tokens), 3) == [9, 2, 5]  # latest earlier "5 6 7" is followed by 9 2 5
-    assert proposer.propose(_req([1, 2, 3, 4]), 3) == []  # nothing repeats
-    assert proposer.propose(_req([4, 1, 2, 4]), 5) == [1, 2, 4]  # a 1-gram, cut at the end of the context
-    assert NgramProposer(min_n=2, max_n=3).propose(_req([4, 1, 2, 4]), 5) == []
+    assert proposer.lookup(tokens, 3) == [9, 2, 5]  # latest earlier "5 6 7" is followed by 9 2 5
+    assert proposer.lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert proposer.lookup([4, 1, 2, 4], 5) == [1, 2, 4]  # a 1-gram, cut at the end of the context
+    assert NgramProposer(min_n=2, max_n=3).lookup([4, 1, 2, 4], 5) == []
+    out = proposer.propose([_req(tokens), _req([4, 1, 2, 4])], [2, 1])
+    assert [p.token_ids for p in out] == [[9, 2], [1]] and all(p.draft_probs is None for p in out)
 
 
 def test_policy_shrinks_k_with_the_batch_and_stops_under_load():
@@ -43,8 +47,15 @@ def test_policy_shrinks_k_with_the_batch_and_stops_under_load():
 def test_speculative_config_is_validated():
     cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    draft = EngineConfig(speculative_config={"model": "qwen2.5-coder-0.5b"}).speculative_config
+    assert draft.method == "draft_model" and draft.model == "qwen2.5-coder-0.5b"  # implied by "model", as vLLM
+    skip = EngineConfig(speculative_config={"method": "layer_skip", "draft_layers": [0, 1]}).speculative_config
+    assert skip.draft_layers == [0, 1]
+    assert default_draft_layers(28) == [*range(14), 15, 17, 19, 21, 23, 25, 27] and default_draft_layers(1) == [0]
     for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', "not json", '{"k": 3}',
-                '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}'):
+                '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', '{"method": "draft_model"}',
+                '{"method": "ngram", "model": "x"}', '{"method": "layer_skip", "draft_layers": [2, 1]}',
+                '{"method": "layer_skip", "draft_layers": []}', '{"method": "ngram", "draft_layers": [0]}'):
         with pytest.raises(ConfigError, match="speculative-config"):
             EngineConfig(speculative_config=bad)
 
@@ -93,13 +104,27 @@ def test_rejection_sampling_keeps_the_target_distribution(fixed):
 
 # ----------------------------------------------------------------------------- the engine
 
-def _spec_llm(loaded, **opts):
-    return make_llm(loaded, speculative_config=NGRAM, **opts)
+METHODS = ["ngram", "draft_model", "layer_skip"]
 
 
-def test_greedy_batch_of_32_identical_with_ngram(loaded, alone):  # noqa: F811
-    llm = _spec_llm(loaded)
-    steps = []
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft with the target's tokenizer and different weights: it guesses wrong often."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft") / "llama", seed=1)
+
+
+def _spec(method: str, loaded, other_draft, **extra) -> dict:  # noqa: F811
+    on_any_batch = {"num_speculative_tokens": 4, "disable_by_batch_size": 64}  # the invariance tests want it on
+    if method == "ngram":
+        return {**NGRAM, **extra}
+    if method == "draft_model":
+        return {"model": str(extra.pop("draft", other_draft)), **on_any_batch, **extra}
+    return {"method": "layer_skip", **on_any_batch, **extra}
+
+
+def _counting(llm) -> list[tuple[int, int]]:
+    """(proposed, accepted) of every verified run the engine reports from now on."""
+    steps: list[tuple[int, int]] = []
     engine = llm.engine
     original = engine.step_with_stats
 
@@ -109,28 +134,54 @@ def test_greedy_batch_of_32_identical_with_ngram(loaded, alone):  # noqa: F811
         return outs, stats
 
     engine.step_with_stats = counting
+    return steps
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_batch_of_32_identical(method, loaded, alone, other_draft):  # noqa: F811
+    llm = make_llm(loaded, speculative_config=_spec(method, loaded, other_draft))
+    steps = _counting(llm)
     assert texts(llm.generate(prompts(32), GREEDY)) == alone
     assert sum(a for _, a in steps) > 0, "no proposal was ever accepted: the test exercises nothing"
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_greedy_identical_with_ngram_under_chunking_prefix_hits_and_preemption(loaded, alone):  # noqa: F811
-    chunked = _spec_llm(loaded, max_num_batched_tokens=7, max_num_seqs=5)
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_under_chunking_prefix_hits_and_preemption(method, loaded, alone, other_draft):  # noqa: F811
+    spec = _spec(method, loaded, other_draft)
+    chunked = make_llm(loaded, speculative_config=spec, max_num_batched_tokens=7, max_num_seqs=5)
     assert texts(chunked.generate(prompts(32), GREEDY)) == alone
-    cached = _spec_llm(loaded)
+    cached = make_llm(loaded, speculative_config=spec)
     cached.generate(prompts(32), GREEDY)
     assert texts(cached.generate(prompts(32), GREEDY)) == alone  # every prompt now a prefix hit
-    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 16
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 16 * (2 if method == "draft_model" else 1)
     for mode in ("recompute", "swap"):
-        small = _spec_llm(loaded, kv_cache_memory=8 * bytes_per_block, preemption_mode=mode, max_model_len=128)
+        small = make_llm(loaded, speculative_config=spec, kv_cache_memory=8 * bytes_per_block,
+                         preemption_mode=mode, max_model_len=128)
         keep = [i for i, p in enumerate(prompts(32)) if len(p) + 24 <= 128]
         got = texts(small.generate([prompts(32)[i] for i in keep], GREEDY))
         assert got == [alone[i] for i in keep]
         assert small.engine.kv.num_free_blocks == small.engine.kv.num_blocks
+        assert small.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small"
 
 
-def test_stop_strings_max_tokens_and_logprobs_with_ngram(loaded):  # noqa: F811
-    plain, spec = make_llm(loaded), _spec_llm(loaded)
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip"])
+def test_a_draft_equal_to_the_target_is_almost_always_right(method, loaded, alone):  # noqa: F811
+    """The target drafting for itself (as a draft model, or with all its layers) must be accepted
+    nearly always: anything less means the drafter's K/V (catch-up, fed-back guesses, the slots
+    the verification rewrites) went out of step with the tokens."""
+    spec = ({"model": str(loaded.path)} if method == "draft_model" else {"method": "layer_skip", "draft_layers": [0, 1]})
+    spec |= {"num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    llm = make_llm(loaded, speculative_config=spec, max_num_batched_tokens=16)  # chunked catch-up too
+    steps = _counting(llm)
+    assert texts(llm.generate(prompts(8), GREEDY)) == alone[:8]
+    proposed, accepted = sum(p for p, _ in steps), sum(a for _, a in steps)
+    assert proposed > 50 and accepted / proposed > 0.95, (accepted, proposed)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stop_strings_max_tokens_and_logprobs(method, loaded, other_draft):  # noqa: F811
+    plain, spec = make_llm(loaded), make_llm(loaded, speculative_config=_spec(method, loaded, other_draft))
     params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True, logprobs=2)
     for p in prompts(6, seed=3):
         a, b = plain.generate([p], params)[0].outputs[0], spec.generate([p], params)[0].outputs[0]
@@ -145,9 +196,116 @@ def test_stop_strings_max_tokens_and_logprobs_with_ngram(loaded):  # noqa: F811
             assert sb[0].outputs[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_with_ngram_is_reproducible(loaded):  # noqa: F811
-    spec = _spec_llm(loaded)
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampling_is_reproducible(method, loaded, other_draft):  # noqa: F811
+    spec = make_llm(loaded, speculative_config=_spec(method, loaded, other_draft))
+    steps = _counting(spec)
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=11, n=2)
     first = [o.token_ids for o in spec.generate([prompts(1)[0]], params)[0].outputs]
     again = [o.token_ids for o in spec.generate([prompts(1)[0]], params)[0].outputs]
     assert first == again and all(len(t) == 20 for t in first)
+    assert steps, "nothing was verified"
+
+
+def test_sampled_drafts_keep_the_target_distribution(loaded, other_draft):  # noqa: F811
+    """End to end through a draft model that disagrees with the target, at temperature 1: the
+    second generated token (the first one drafts can change) follows the target's own
+    distribution (chi-square). Keeping every draft, or resampling from p instead of the
+    residual, gives the draft's distribution or a skewed one and fails."""
+    from tessera.models.loader import forward_single
+
+    prompt = prompts(1, seed=1)[0]
+    first = int(forward_single(loaded, prompt)[-1].argmax())  # p = 0.31: condition on it
+    p = forward_single(loaded, [*prompt, first])[-1].softmax(-1)
+    spec = {"model": str(other_draft), "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    llm = make_llm(loaded, speculative_config=spec, max_num_seqs=64)
+    steps = _counting(llm)
+    counts = torch.zeros_like(p)
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)  # room for one proposal
+    for _ in range(30):  # batches the engine admits at once: speculation is off while requests wait
+        for o in llm.generate([prompt] * 60, params):
+            if o.outputs[0].token_ids[0] == first:
+                counts[o.outputs[0].token_ids[1]] += 1
+    proposed, accepted = sum(x for x, _ in steps), sum(a for _, a in steps)
+    assert proposed > 500 and 0 < accepted < proposed, (proposed, accepted)  # both branches exercised
+    n = counts.sum()
+    top = p.argsort(descending=True)[:5]  # the likely tokens; the tail pooled into one bin
+    obs = torch.cat([counts[top], (n - counts[top].sum()).unsqueeze(0)])
+    exp = torch.cat([p[top], (1 - p[top].sum()).unsqueeze(0)]) * n
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    assert stat < 20.5, (obs, exp)  # 5 degrees of freedom, 0.999 quantile
+
+
+def test_requests_can_opt_out(loaded, other_draft):  # noqa: F811
+    llm = make_llm(loaded, speculative_config=_spec("ngram", loaded, other_draft))
+    steps = _counting(llm)
+    out = llm.generate(prompts(4), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, speculative=False))
+    assert steps == [] and all(len(o.outputs[0].token_ids) == 24 for o in out)
+    llm.generate(prompts(4), GREEDY)
+    assert steps, "without the opt-out the same requests speculate"
+
+
+def test_a_draft_with_another_tokenizer_is_refused(loaded, tmp_path):  # noqa: F811
+    import json as _json
+    import shutil
+
+    other = make_tiny_model(tmp_path / "other", seed=2)
+    vocab = _json.loads((other / "tokenizer.json").read_text())
+    vocab["model"]["vocab"] = {k: (v + 1) % len(vocab["model"]["vocab"]) for k, v in vocab["model"]["vocab"].items()}
+    (other / "tokenizer.json").write_text(_json.dumps(vocab))
+    with pytest.raises(Exception, match="does not share the tokenizer"):
+        make_llm(loaded, speculative_config={"model": str(other)})
+    shutil.rmtree(other)
+
+
+def test_server_with_a_draft_model_through_the_openai_client(loaded, other_draft):  # noqa: F811
+    """The real server with draft-model speculation: streamed and whole greedy replies agree with
+    each other, a request can opt out, a bad value is a 400, and the spec_decode metrics count."""
+    import httpx
+    import openai
+
+    from tessera.config import EngineConfig
+    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.metrics import PrometheusStatLogger
+    from tessera.server.app import create_app
+    from test_server_unit import serve_in_thread
+
+    spec = {"model": str(loaded.path), "num_speculative_tokens": 3}  # the target drafting for itself
+    config = EngineConfig(model=str(loaded.path), dtype="float32", max_model_len=256, speculative_config=spec)
+    prometheus = PrometheusStatLogger("tiny")
+    engine = AsyncLLMEngine(config, engine=LLMEngine(config, loaded=loaded), stat_loggers=[prometheus])
+    try:
+        with serve_in_thread(create_app(engine, ["tiny"], metrics=prometheus)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            args = dict(model="tiny", prompt="hello world, hello", max_tokens=20, temperature=0.0)
+            whole = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                **args, stream=True, extra_body={"ignore_eos": True}) if c.choices)
+            assert whole == streamed and whole
+            drafts = _settled_metric(url, "tessera:spec_decode_num_draft_tokens_total", minimum=1)
+            assert drafts > 0
+            opted_out = client.completions.create(**args, extra_body={"ignore_eos": True, "speculative": False})
+            assert opted_out.choices[0].text == whole
+            assert _settled_metric(url, "tessera:spec_decode_request_acceptance_rate_count", minimum=2) == 2
+            assert _metric(httpx.get(f"{url}/metrics").text, "tessera:spec_decode_num_draft_tokens_total") == drafts
+            with pytest.raises(openai.BadRequestError):
+                client.completions.create(**args, extra_body={"speculative": "sometimes"})
+    finally:
+        engine.shutdown()
+
+
+def _settled_metric(url: str, name: str, minimum: float) -> float:
+    """A metric once the stats thread has recorded at least `minimum` (it runs after the step)."""
+    import httpx
+
+    deadline = time.monotonic() + 10
+    while True:
+        value = _metric(httpx.get(f"{url}/metrics").text, name)
+        if value >= minimum or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))

@@ -63,8 +63,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), reference (a plain loop, for checking); auto: paged where its kernel builds (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4}'; also prompt_lookup_min and disable_by_batch_size (no "
-                        "speculation above that many running requests; default 1: measured here, verification already cost more than it saved at 4) (default: off)")
+                        "\"prompt_lookup_max\": 4}' (prompt lookup), '{\"model\": \"qwen2.5-coder-0.5b\", "
+                        "\"num_speculative_tokens\": 4}' (a draft model with the same tokenizer) or "
+                        "'{\"method\": \"layer_skip\", \"draft_layers\": [0, 1, 2]}' (a subset of the target's own layers "
+                        "draft; default the first half and every other one after); also prompt_lookup_min and disable_by_batch_size (no "
+                        "speculation above that many running requests; default 1: measured here, verification "
+                        "already cost more than it saved at 4). Requests opt out with \"speculative\": false "
+                        "(default: off)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
 

@@ -253,7 +253,7 @@ def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_to
     points: list[CalibrationPoint] = []
     for chunks in shapes:
         spent = time.perf_counter() - t_start
-        if points and spent + 2 * points[-1].seconds > budget_s:
+        if len(points) >= 2 and spent + 2 * points[-1].seconds > budget_s:  # two at least, however slow
             break
         times = []
         for _ in range(2):

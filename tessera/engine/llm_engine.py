@@ -23,8 +23,12 @@ from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.runner import ModelRunner
+from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import LoadSnapshot, ScheduledRequest, Scheduler, SchedulerOutput
-from tessera.engine.spec_decode import SpeculationPolicy, build_proposer, propose_all
+from tessera.engine.spec_decode import (
+    DraftModelProposer, LayerSkipProposer, Proposer, SpeculationPolicy, build_ngram, default_draft_layers,
+    propose_all,
+)
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -91,6 +95,12 @@ class LLMEngine:
                 f"--max-model-len {max_model_len} exceeds the model's limit of {mc.max_position_embeddings}")
         self.attn_backend = get_backend(config.attention_backend)
         bytes_per_token = self.attn_backend.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        spec = config.speculative_config
+        self.draft = self._load_draft(config) if spec is not None and spec.method == "draft_model" else None
+        if self.draft is not None:  # its cache shares the target's block ids, so every block holds both
+            dc = self.draft.config
+            bytes_per_token += self.attn_backend.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim,
+                                                                 self.draft.dtype)
         bytes_per_block = bytes_per_token * config.block_size
         kv_memory = config.kv_cache_memory
         if kv_memory is None:
@@ -110,8 +120,7 @@ class LLMEngine:
         self.cost_model = self._calibrate_cost_model()
         logger.info("step-cost model: %s", self.cost_model.summary())
         self.scheduler = Scheduler(self.config, self.kv, max_model_len, self.cost_model)
-        spec = self.config.speculative_config
-        self.proposer = build_proposer(spec) if spec is not None else None
+        self.proposer = self._build_proposer(num_blocks) if spec is not None else None
         self.spec_policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size) \
             if spec is not None else None
         if spec is not None:
@@ -126,6 +135,50 @@ class LLMEngine:
             "max_model_len %d: %.1f", num_blocks, config.block_size, capacity,
             num_blocks * bytes_per_block / 2**20, str(self.dtype).replace("torch.", ""),
             max_model_len, capacity / max_model_len)
+
+    # -- speculative decoding -----------------------------------------------------
+    def _load_draft(self, config: EngineConfig):
+        """The draft model of `draft_model` speculation, checked against the target's tokenizer."""
+        from tessera.models.loader import load_model
+        from tessera.models.registry import resolve_model
+
+        spec = config.speculative_config
+        assert spec is not None and spec.model is not None
+        draft = load_model(resolve_model(spec.model), self.dtype, quantization=spec.quantization or config.quantization,
+                           dense_copy=config.dense_copy)
+        probe = "def add(a, b):\n    return a + b  # Grüße, 你好 🙂"
+        same = (draft.tokenizer.encode(probe, add_special_tokens=False)
+                == self.tokenizer.encode(probe, add_special_tokens=False)
+                and set(draft.tokenizer.eos_token_ids) <= set(self.tokenizer.eos_token_ids))
+        if not same:
+            raise InvalidRequestError(
+                f"--speculative-config: draft model {spec.model!r} does not share the tokenizer of "
+                f"{config.model!r}; a draft model must tokenize exactly as the target does")
+        return draft
+
+    def _build_proposer(self, num_blocks: int) -> Proposer:
+        spec = self.config.speculative_config
+        assert spec is not None
+        if spec.method == "ngram":
+            return build_ngram(spec)
+        sampler = Sampler(self.config.seed + 1)
+        if spec.method == "layer_skip":
+            n = self.model_config.num_layers
+            layers = spec.draft_layers or default_draft_layers(n)
+            if layers[-1] >= n:
+                raise InvalidRequestError(f"--speculative-config: draft_layers must be below {n}, the number "
+                                          f"of layers of {self.config.model!r}")
+            logger.info("layer-skip drafting with layers %s of %d", _ranges(layers), n)
+            return LayerSkipProposer(self.loaded.model, self.runner.kv_caches, self.attn_backend,
+                                     self.config.block_size, layers, sampler)
+        assert self.draft is not None
+        dc = self.draft.config
+        caches = self.attn_backend.allocate(dc.num_layers, num_blocks, self.config.block_size, dc.num_kv_heads,
+                                            dc.head_dim, self.draft.dtype)
+        logger.info("draft model %s: %d layers, its KV cache in the same %d blocks", self.draft.path.name,
+                    dc.num_layers, num_blocks)
+        return DraftModelProposer(self.draft.model, caches, self.attn_backend, self.config.block_size,
+                                  self.model_config.vocab_size, sampler, self.config.max_num_batched_tokens)
 
     # -- step-cost model --------------------------------------------------------
     def _calibrate_cost_model(self) -> StepCostModel:
@@ -288,7 +341,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.proposer is not None and self.spec_policy is not None:
             propose_all(self.proposer, self.spec_policy, self.scheduler.running, len(self.scheduler.waiting),
-                        self.config.max_model_len)
+                        self.config.max_model_len, self.kv)
+        t_step = time.perf_counter()  # drafting is not part of the step the cost model predicts
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         appended = self.scheduler.update_after_step(sched, result.sampled)
@@ -300,8 +354,13 @@ class LLMEngine:
             num_preemptions=len(sched.preempted),
             prefix_cache_queries=sched.num_prefix_queries,
             prefix_cache_hits=sched.num_prefix_hits,
-            spec_results=result.spec_results,
+            spec_results=list(result.spec_results.values()),
         )
+        for s in sched.scheduled:
+            if s.request.request_id in result.spec_results:
+                proposed, accepted = result.spec_results[s.request.request_id]
+                s.request.metrics.spec_draft_tokens += proposed
+                s.request.metrics.spec_accepted_tokens += accepted
         touched: set[str] = set(self._aborted)
         self._aborted.clear()
         for child_id, tokens in appended.items():
@@ -322,10 +381,10 @@ class LLMEngine:
             if parent is None:
                 continue
             outputs.append(self._make_output(parent, stats))
-        elapsed = time.perf_counter() - t0
+        end = time.perf_counter()
         if sched.scheduled and not (sched.swap_in or sched.swap_out):  # block copies are not in the model
-            self.cost_model.observe(sched.shape, elapsed)
-        stats.step_time = elapsed
+            self.cost_model.observe(sched.shape, end - t_step)
+        stats.step_time = end - t0
         return outputs, stats
 
     def _find_child(self, parent_id: str, child_id: str) -> _Child:
@@ -407,3 +466,15 @@ class LLMEngine:
                              logprobs=list(c.out.logprobs) if c.out.logprobs is not None else None)
                      for c in parent.children],
             finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2,5-6' for logs."""
+    parts, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(parts)

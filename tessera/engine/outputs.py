@@ -42,6 +42,9 @@ class RequestMetrics:
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     preempted_times: list[float] = field(default_factory=list)
+    # Speculative decoding: proposed tokens verified for this request, and how many were accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

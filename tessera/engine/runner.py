@@ -6,6 +6,7 @@ without padding; attention alone looks at request boundaries (AttentionMetadata)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -22,8 +23,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]  # aligned with `sampled`
     num_prompt_tokens: int  # tokens computed that were not a decode of the last sampled token
-    # (proposed, accepted) per request that verified proposals this step
-    spec_results: list[tuple[int, int]] = field(default_factory=list)
+    # request id -> (proposed, accepted), for each request that verified proposals this step
+    spec_results: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -66,6 +67,7 @@ class ModelRunner:
         spec_rows: list[int] = []
         spec_reqs: list[Request] = []
         proposals: list[list[int]] = []
+        draft_probs: list[Optional[torch.Tensor]] = []
         num_prompt = 0
         for s in order:
             r = s.request
@@ -77,6 +79,8 @@ class ModelRunner:
                 spec_rows.extend(range(len(input_ids) - n, len(input_ids)))
                 spec_reqs.append(r)
                 proposals.append(proposal)
+                q = r.spec_draft_probs
+                draft_probs.append(q[:k] if q is not None else None)
             else:
                 input_ids.extend(r.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -113,12 +117,12 @@ class ModelRunner:
                 sampled[r.request_id] = [t]
             if result.logprobs is not None:
                 logprobs.update({r.request_id: [lp] for r, lp in zip(sample_reqs, result.logprobs) if lp is not None})
-        spec_results = []
+        spec_results: dict[str, tuple[int, int]] = {}
         if spec_reqs:
-            spec = self.sampler.speculative(logits[len(sample_rows):], spec_reqs, proposals)
+            spec = self.sampler.speculative(logits[len(sample_rows):], spec_reqs, proposals, draft_probs)
             for r, tokens, proposal, accepted in zip(spec_reqs, spec.token_ids, proposals, spec.num_accepted):
                 sampled[r.request_id] = tokens
-                spec_results.append((len(proposal), accepted))
+                spec_results[r.request_id] = (len(proposal), accepted)
             if spec.logprobs is not None:
                 logprobs.update({r.request_id: lp for r, lp in zip(spec_reqs, spec.logprobs) if lp is not None})
         return RunnerOutput(sampled, logprobs, num_prompt, spec_results)

@@ -167,6 +167,22 @@ class Sampler:
                 logprobs.append(entries)
         return SpeculativeOutput(out_tokens, logprobs, accepted_counts)
 
+    def draft(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], Optional[torch.Tensor]]:
+        """A draft model's next token per request: the argmax for greedy requests, otherwise a
+        draw from the draft's distribution after the request's temperature and truncation,
+        returned as q [n, vocab] for rejection sampling (None when every request is greedy)."""
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        greedy = [r.params.greedy for r in reqs]
+        if all(greedy):
+            return greedy_tokens.tolist(), None
+        temps = torch.tensor([r.params.temperature or 1.0 for r in reqs]).unsqueeze(1)
+        logits /= temps
+        _truncate(logits, reqs)
+        probs = logits.softmax(dim=-1)
+        tokens = torch.where(torch.tensor(greedy), greedy_tokens, self._draw(probs, reqs))
+        return tokens.tolist(), probs
+
     def _draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """One token per row by inverting the row's CDF at a uniform draw.
 

@@ -162,6 +162,8 @@ class Scheduler:
     # -- the decision -------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
+        victim.clear_speculation()
+        victim.forget_draft_kv()
         pairs = None
         if self.config.preemption_mode == "swap" and victim.num_computed_tokens > 0:
             pairs = self.kv.swap_out(victim)
@@ -312,7 +314,7 @@ class Scheduler:
         appended: dict[str, list[int]] = {}
         for s in out.scheduled:
             req = s.request
-            req.spec_token_ids = []
+            req.clear_speculation()
             if req.is_finished:
                 continue
             tokens = sampled.get(req.request_id) or []

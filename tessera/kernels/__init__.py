@@ -93,6 +93,9 @@ def load() -> ctypes.CDLL:
     h = lib.int8_gemv
     h.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int, p]
     h.restype = ctypes.c_int
+    h8 = lib.int8_gemm_bf16
+    h8.argtypes = [p, p, p, p, i64, i64, i64]
+    h8.restype = ctypes.c_int
     f4 = lib.int4_gemv_bf16
     f4.argtypes = [p, p, p, p, i64, i64, i64, p]
     f4.restype = ctypes.c_int
@@ -162,6 +165,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 INT8_GEMV_MAX_ROWS = 4
+INT8_GEMM_MAX_ROWS = 8
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) -> torch.Tensor:
@@ -174,6 +178,20 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) ->
     if lib.int8_gemv(x.data_ptr(), weight.data_ptr(), scale_f32.data_ptr(), out.data_ptr(), m, weight.shape[0], k,
                      int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
         raise KernelUnavailable(f"int8_gemv takes at most {INT8_GEMV_MAX_ROWS} rows, not {m}")
+    return out
+
+
+def int8_gemm_bf16(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) -> torch.Tensor:
+    """A few bfloat16 rows [M, K] (M <= INT8_GEMM_MAX_ROWS, K a multiple of 32) @ (int8 weight [N, K]
+    * scale [N]).T -> [M, N] bfloat16 (see int8_gemv.c)."""
+    lib = load()
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty(m, weight.shape[0], dtype=torch.bfloat16)
+    if lib.int8_gemm_bf16(x.data_ptr(), weight.data_ptr(), scale_f32.data_ptr(), out.data_ptr(), m,
+                          weight.shape[0], k) != 0:
+        raise KernelUnavailable(f"int8_gemm_bf16 needs AVX-512 BF16, at most {INT8_GEMM_MAX_ROWS} rows and K "
+                                f"a multiple of 32 (got {m} x {k})")
     return out
 
 

@@ -8,7 +8,7 @@ choices as tessera.models.llama apply (fused QKV and gate/up, table RoPE).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -111,10 +111,13 @@ class Gemma3ForCausalLM(nn.Module):
                                             c.max_position_embeddings, self.dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                attn_meta: AttentionMetadata) -> Tensor:
+                attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:
+        """Final hidden states of the packed batch; `layers` runs only those decoder layers
+        (self-speculative drafting), each still with its own cache."""
         tables = {False: self.rotary_global(positions), True: self.rotary_local(positions)}
         x = self.model.embed_tokens.embed(input_ids) * self.embed_scale
-        for layer, cache in zip(self.model.layers, kv_caches):
+        for i in (range(len(self.model.layers)) if layers is None else layers):
+            layer, cache = self.model.layers[i], kv_caches[i]
             cos, sin = tables[layer.sliding]
             a = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, attn_meta)
             x = x + layer.post_attention_layernorm(a)

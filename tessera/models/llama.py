@@ -8,7 +8,7 @@ Q and K together from a table gathered once per step.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -81,12 +81,15 @@ class LlamaForCausalLM(nn.Module):
                                           self.dtype, None if freqs is None else as_float_tensor(freqs))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                attn_meta: AttentionMetadata) -> Tensor:
+                attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:
+        """Final hidden states of the packed batch; `layers` runs only those decoder layers
+        (self-speculative drafting), each still with its own cache."""
         cos, sin = self.rotary_emb(positions)
         half = self.rotary_emb.half
         x = self.model.embed_tokens.embed(input_ids)
         residual = None
-        for layer, cache in zip(self.model.layers, kv_caches):
+        for i in (range(len(self.model.layers)) if layers is None else layers):
+            layer, cache = self.model.layers[i], kv_caches[i]
             if residual is None:
                 residual = x
                 h = layer.input_layernorm(x)

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: nn.Module  # CausalLM: forward(input_ids, positions, kv_caches, attn_meta), compute_logits(hidden)
+    model: nn.Module  # a CausalLM (tessera.models.base)
     config: ModelConfig
     tokenizer: Tokenizer
     dtype: torch.dtype

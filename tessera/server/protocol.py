@@ -57,6 +57,9 @@ class SamplingRequest(OpenAIModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: Optional[bool] = False  # vLLM extension
     skip_special_tokens: Optional[bool] = True  # vLLM extension
+    # Tessera extension: false opts this request out of speculative decoding (e.g. a client that
+    # wants the steadiest per-token latency rather than the highest speed).
+    speculative: Optional[bool] = True
     user: Optional[str] = None
 
     @property
@@ -85,6 +88,7 @@ class SamplingRequest(OpenAIModel):
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=logprobs,
                 skip_special_tokens=pick(self.skip_special_tokens, True),
+                speculative=pick(self.speculative, True),
             )
         except (TypeError, ValueError) as exc:  # InvalidRequestError is a ValueError
             raise InvalidRequestError(str(exc)) from exc
