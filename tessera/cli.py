@@ -11,8 +11,8 @@ import sys
 import uuid
 from typing import Optional, Sequence
 
-from tessera.config import DEFAULT_PROFILE
-from tessera.engine.args import add_engine_args, config_from_args
+from tessera.config import DEFAULT_MEMORY_MARGIN, DEFAULT_PROFILE
+from tessera.engine.args import add_engine_args, config_from_args, parse_size
 from tessera.errors import TesseraError
 from tessera.models import registry
 from tessera.sampling_params import InvalidRequestError
@@ -196,9 +196,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args) or 0
 
 
+def cmd_size(args: argparse.Namespace) -> int:
+    import json
+
+    from tessera.sizing import estimate, format_estimate
+
+    if not 0 <= args.margin < 1:
+        raise TesseraError(f"--margin must be a fraction in [0, 1), not {args.margin}")
+    config = config_from_args(args, args.model)
+    e = estimate(config, memory=args.memory, margin=args.margin)
+    print(json.dumps(e.to_dict(), indent=2) if args.json else format_estimate(e, args.memory))
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
-OWN_COMMANDS = ("models", "pull", "generate", "chat", "serve")
+OWN_COMMANDS = ("models", "pull", "generate", "chat", "serve", "size")
 
 
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
@@ -245,6 +258,20 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                                    "/v1/models, /health, /metrics).")
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("size", help="predict the memory a model needs to serve, before loading it",
+                       description="Weights as Tessera stores them, KV cache per token and for the requested "
+                                   "concurrency, swap space, activations and runtime, from the checkpoint's "
+                                   "tensor table and the same engine flags as `serve`; with --memory, how many "
+                                   "sequences of --max-model-len fit (keeping --margin free).")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--memory", type=parse_size, default=None,
+                   help="memory budget, e.g. 8GiB: the KV cache the default takes, and the concurrency that fits")
+    p.add_argument("--margin", type=float, default=DEFAULT_MEMORY_MARGIN,
+                   help="fraction of --memory kept free (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_size)
 
     if with_bench:
         _add_bench(sub)

@@ -87,6 +87,10 @@ PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "mi
                   "enable_prefix_caching", "preemption_mode")
 
 
+# Memory kept free beyond what the sizing calculator predicts (source 000: leave room for length
+# variance; vLLM's default GPU memory utilization of 0.9 keeps the same tenth).
+DEFAULT_MEMORY_MARGIN = 0.10
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
 
 

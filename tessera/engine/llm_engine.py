@@ -31,12 +31,13 @@ from tessera.engine.spec_decode import (
 )
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
+from tessera.models.dtype import layer_linear_shapes
 from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.sizing import activation_bytes, default_kv_cache_memory
 
 logger = logging.getLogger("tessera")
 
 DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_KV_CACHE_MEMORY = 2 << 30
 CALIBRATION_BUDGET_S = 3.0  # start-up time the step-cost calibration may take; online refinement does the rest
 
 
@@ -103,8 +104,12 @@ class LLMEngine:
                                                                  self.draft.dtype)
         bytes_per_block = bytes_per_token * config.block_size
         kv_memory = config.kv_cache_memory
-        if kv_memory is None:
-            kv_memory = min(DEFAULT_KV_CACHE_MEMORY, int(available_memory() * 0.25))
+        if kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
+            largest = max(o * i for o, i in layer_linear_shapes(mc))
+            swap = config.swap_space if config.preemption_mode == "swap" else 0
+            others = swap + activation_bytes(mc, config, self.dtype, loaded.quant.dense_copy, largest)
+            kv_memory = default_kv_cache_memory(config.max_num_seqs * max_model_len * bytes_per_token,
+                                                available_memory(), others)
         num_blocks = kv_memory // bytes_per_block
         if num_blocks < 1:
             raise InvalidRequestError(

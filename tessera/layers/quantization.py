@@ -82,24 +82,30 @@ class QuantConfig:
         its pieces. Weights whose input size is not a multiple of the int4 group
         use int8 instead of int4.
         """
+        types = [None if isinstance(s, FloatWeight) else s.ggml_type for s in sources]
+        return METHODS[self.storage_for(types, sources[0].shape[-1])](self)
+
+    def storage_for(self, ggml_types: list[Optional[int]], in_features: int) -> Literal["dense", "int8", "int4"]:
+        """How a weight made of pieces of these GGUF types (None: a float tensor) is stored; the
+        one rule behind `method_for` and the sizing calculator (tessera/sizing.py)."""
         mode = self.mode
         if mode == "auto":
             kinds = set()
-            for s in sources:
-                if isinstance(s, FloatWeight):
+            for t in ggml_types:
+                if t is None:
                     kinds.add("none")
-                elif s.ggml_type in FOUR_BIT_OR_LESS:
+                elif t in FOUR_BIT_OR_LESS:
                     kinds.add("int4")
-                elif s.ggml_type in FIVE_TO_EIGHT_BIT:
+                elif t in FIVE_TO_EIGHT_BIT:
                     kinds.add("int8")
                 else:
                     kinds.add("none")
             mode = "none" if "none" in kinds else "int8" if "int8" in kinds else "int4"
         if mode == "none":
-            return DenseMethod(self)
-        if mode == "int4" and sources[0].shape[-1] % INT4_GROUP == 0:
-            return Int4Method(self)
-        return Int8Method(self)
+            return "dense"
+        if mode == "int4" and in_features % INT4_GROUP == 0:
+            return "int4"
+        return "int8"
 
 
 class QuantMethod(ABC):
@@ -147,6 +153,11 @@ def _stack(sources: list[AnyWeight], dtype: torch.dtype) -> Tensor:
 class DenseMethod(QuantMethod):
     name = "dense"
 
+    @staticmethod
+    def storage_bytes(rows: int, cols: int, config: QuantConfig) -> int:
+        """Bytes `load` keeps for a [rows, cols] weight (the sizing calculator's figure)."""
+        return rows * cols * config.dtype.itemsize
+
     def load(self, layer, sources):
         layer.register_buffer("weight", _stack(sources, self.config.dtype), persistent=False)
 
@@ -168,7 +179,10 @@ class _WeightOnlyMethod(QuantMethod):
 
     def _finish(self, layer: nn.Module) -> None:
         if self.config.dense_copy:
-            layer.register_buffer("dense_weight", self.dequantize(layer).contiguous(), persistent=False)
+            dense = self.dequantize(layer)
+            if dense.untyped_storage().nbytes() > dense.numel() * dense.element_size():
+                dense = dense.clone()  # a view of int4's row-padded tiles: keep only the real rows
+            layer.register_buffer("dense_weight", dense.contiguous(), persistent=False)
 
     def apply(self, layer, x):
         if x.shape[0] <= self.config.small_batch_max:
@@ -195,6 +209,15 @@ class Int8Method(_WeightOnlyMethod):
     """
 
     name = "int8"
+
+    @staticmethod
+    def storage_bytes(rows: int, cols: int, config: QuantConfig) -> int:
+        """Bytes `load` keeps: codes, scales in the compute dtype, float32 scales for our kernels,
+        and the dense copy when one is kept."""
+        kernel = kernels.available() is None and (
+            rows * cols >= GEMV_KERNEL_MIN_WEIGHTS or (config.dtype == torch.bfloat16 and cols % 32 == 0))
+        dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
+        return rows * cols + rows * config.dtype.itemsize + (rows * 4 if kernel else 0) + dense
 
     def load(self, layer, sources):
         # Row by row chunks (scales are per row), so no float32 copy of a whole large matrix
@@ -243,6 +266,14 @@ class Int4Method(_WeightOnlyMethod):
     """Group-wise asymmetric int4 (groups of 32) in PyTorch's CPU int4pack layout."""
 
     name = "int4"
+
+    @staticmethod
+    def storage_bytes(rows: int, cols: int, config: QuantConfig) -> int:
+        """Bytes `load` keeps: packed codes over rows padded to the int4pack tile, a scale and a
+        zero per group of 32 in the compute dtype, and the dense copy when one is kept."""
+        padded = -(-rows // INT4_ROW_TILE) * INT4_ROW_TILE
+        dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
+        return padded * cols // 2 + (cols // INT4_GROUP) * padded * 2 * config.dtype.itemsize + dense
 
     def load(self, layer, sources):
         # Codes, scales and zeros are gathered (and packed) a few thousand rows at a time: the
@@ -358,3 +389,6 @@ def resolve_dense_copy(choice: Optional[bool], num_linear_params: int, dtype: to
         return choice
     need = dense_bytes(num_linear_params, dtype)
     return need <= min(1 << 30, available_bytes // 8)
+
+
+METHODS: dict[str, type[QuantMethod]] = {"dense": DenseMethod, "int8": Int8Method, "int4": Int4Method}

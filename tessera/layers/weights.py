@@ -20,6 +20,8 @@ from gguf.quants import dequantize as gguf_dequantize
 Q = GGMLQuantizationType
 # Types whose blocks map exactly onto int4 groups of 32 with a scale and a zero point.
 INT4_EXACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+# GGUF types a loader hands over as float tensors.
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # "Precision class" of GGUF types, used by --quantization auto.
 FOUR_BIT_OR_LESS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K})
 FIVE_TO_EIGHT_BIT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})

@@ -29,7 +29,7 @@ from gguf.quants import dequantize
 
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
-from tessera.layers.weights import GGUFWeight
+from tessera.layers.weights import FLOAT_TYPES, GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -419,7 +419,7 @@ def iter_gguf_weights(
         qk_heads = None
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             qk_heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-        if len(info.shape) == 2 and info.ggml_type not in (Q.F32, Q.F16, Q.BF16):
+        if len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES:
             w = gf.raw_weight(name)
             if qk_heads is not None:
                 w = w.permute_rows(_unpermute_qk(np.arange(info.shape[0]), qk_heads))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -120,21 +120,39 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor of the folder's shards."""
+T = TypeVar("T")
+
+
+def _param_name(key: str) -> Optional[str]:
+    """The language model's parameter name of a checkpoint key; None for vision parts."""
+    if key.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                       "model.multi_modal_projector.")):
+        return None
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            rest = key[len(prefix):]
+            return rest if rest.startswith("lm_head.") else "model." + rest.removeprefix("model.")
+    return key
+
+
+def _read_all(folder: Path, read: Callable[[Any, str], T]) -> Iterator[tuple[str, T]]:
+    """(parameter name, read(open shard, key)) for every language-model tensor of the folder."""
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    name = key
-                    for prefix in _PREFIXES:
-                        if key.startswith(prefix):
-                            rest = key[len(prefix):]
-                            name = rest if rest.startswith("lm_head.") else "model." + rest.removeprefix("model.")
-                            break
-                    if key.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                                       "model.multi_modal_projector.")):
-                        continue
-                    yield name, f.get_tensor(key).float()
+                    name = _param_name(key)
+                    if name is not None:
+                        yield name, read(f, key)
         except SafetensorError as exc:
             raise ModelFormatError(f"{path.name} is corrupt or truncated ({exc}); re-download the model") from None
+
+
+def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor of the folder's shards."""
+    return _read_all(folder, lambda f, key: f.get_tensor(key).float())
+
+
+def safetensors_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor, from the shards' headers only (no weight is read)."""
+    return _read_all(folder, lambda f, key: tuple(f.get_slice(key).get_shape()))

@@ -1,0 +1,124 @@
+"""`tessera size` against measured resident memory: each packaged model, two settings.
+
+For each (model, setting) the prediction is computed (the same code as `tessera size`), a real
+`tessera serve` is started with the same flags, a load that reaches the largest step is sent
+(max_num_seqs concurrent requests, prompts long enough to fill the token budget, then decodes),
+and the server's resident memory is read from /proc: VmRSS after the load and VmHWM, the peak
+over its whole life (loading included). Writes a JSON file and prints a Markdown table.
+
+    python benchmarks/sizing.py --out benchmarks/results/wave3/sizing.json
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+SETTINGS = {
+    "short": ["--max-model-len", "1024", "--max-num-seqs", "4", "--preemption-mode", "recompute"],
+    "long": ["--max-model-len", "4096", "--max-num-seqs", "16", "--preemption-mode", "swap"],
+}
+MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            key, value = line.split(":")
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def predict(model: str, flags: list[str]) -> dict:
+    from tessera.cli import build_parser
+    from tessera.engine.args import config_from_args
+    from tessera.sizing import estimate
+
+    args = build_parser(with_bench=False).parse_args(["size", model, *flags])
+    return estimate(config_from_args(args, model)).to_dict()
+
+
+def load(url: str, num: int, prompt_words: int) -> None:
+    """`num` concurrent completions: prompts that fill the step budget, then a few decodes."""
+    def one(i: int) -> None:
+        words = " ".join(f"word{(i * 7919 + j) % 5000}" for j in range(prompt_words))
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": words, "max_tokens": 24, "temperature": 0.0,
+                                                      "ignore_eos": True}, timeout=900)
+        r.raise_for_status()
+    with concurrent.futures.ThreadPoolExecutor(num) as pool:
+        list(pool.map(one, range(num)))
+
+
+def measure(model: str, flags: list[str], port: int, prompt_words: int, log: Path) -> dict:
+    cmd = [sys.executable, "-m", "tessera", "serve", model, "--port", str(port), "--num-threads", "2", *flags]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited, see {log}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > 600:
+                raise RuntimeError(f"server not ready, see {log}")
+            time.sleep(1)
+        started = proc_status(proc.pid)
+        num = int(flags[flags.index("--max-num-seqs") + 1])
+        load(url, num, prompt_words)
+        after = proc_status(proc.pid)
+        return {"rss_started": started["VmRSS"], "rss_after_load": after["VmRSS"], "hwm": after["VmHWM"]}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--prompt-words", type=int, default=150)
+    p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/wave3/sizing.json"))
+    args = p.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in args.models:
+        for name in args.settings:
+            flags = SETTINGS[name]
+            pred = predict(model, flags)
+            got = measure(model, flags, args.port, args.prompt_words, args.out.with_suffix(f".{model}.{name}.log"))
+            row = {"model": model, "setting": name, "flags": " ".join(flags), "predicted": pred, **got,
+                   "error_vs_rss": pred["total_bytes"] / got["rss_after_load"] - 1,
+                   "error_vs_hwm": pred["total_bytes"] / got["hwm"] - 1}
+            rows.append(row)
+            print(f"{model} {name}: predicted {pred['total_bytes'] / 2**20:.0f} MiB, RSS {got['rss_after_load'] / 2**20:.0f}"
+                  f" MiB ({row['error_vs_rss']:+.1%}), peak {got['hwm'] / 2**20:.0f} MiB ({row['error_vs_hwm']:+.1%})",
+                  flush=True)
+    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print("\n| model | setting | predicted MiB | RSS after load MiB | error | peak (VmHWM) MiB | error |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['flags']} | {r['predicted']['total_bytes'] / 2**20:.0f} | "
+              f"{r['rss_after_load'] / 2**20:.0f} | {r['error_vs_rss']:+.1%} | {r['hwm'] / 2**20:.0f} | "
+              f"{r['error_vs_hwm']:+.1%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,221 @@
+"""How much memory a model needs to serve, worked out before loading it (`tessera size`).
+
+Source 000's formula, term by term, with Tessera's own storage rules:
+
+    resident = runtime + weights (as stored: int4 / int8 / dense, dense copies)
+             + KV cache (bytes per token x tokens) + swap space (when preemption swaps)
+             + activations of the largest step
+
+Weights come from the checkpoint's tensor table alone (GGUF header or safetensors headers) run
+through the same rule the loader uses (`QuantConfig.storage_for`) and the bytes each method keeps
+(`storage_bytes`), so the figure follows the code rather than a parameter count. The KV cache is
+whatever `--kv-cache-memory` says, or by default what `max_num_seqs` sequences of `max_model_len`
+tokens need, capped by the memory left after everything else and a safety margin: source 000
+warns that filling memory to the brim turns length variance into cascades of preemption.
+`LLMEngine` decides its default `--kv-cache-memory` with `default_kv_cache_memory` below.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tessera.config import DEFAULT_MEMORY_MARGIN, EngineConfig, ModelConfig
+
+# Resident memory of the server process with no model: the interpreter, torch, tokenizers,
+# FastAPI/uvicorn and the C kernels, measured with `tessera serve` (benchmarks/sizing.py).
+RUNTIME_BYTES = 330 << 20
+# A float32 logits row goes through a few full-vocabulary temporaries in the sampler
+# (log-softmax, scaled copy, probabilities, cumulative sum).
+LOGIT_COPIES = 4
+
+
+@dataclass
+class SizeEstimate:
+    model: str
+    dtype: str
+    weights_bytes: int  # as stored, dense copies included
+    dense_copy_bytes: int  # of which dense copies of quantized weights
+    storage: dict[str, int]  # parameters by storage kind (dense, int8, int4)
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    kv_cache_tokens: int
+    swap_bytes: int
+    activation_bytes: int
+    runtime_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    margin: float
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.runtime_bytes + self.weights_bytes + self.kv_cache_bytes + self.swap_bytes
+                + self.activation_bytes)
+
+    @property
+    def concurrency_at_max_len(self) -> float:
+        """Sequences of max_model_len tokens the KV cache holds at once."""
+        return self.kv_cache_tokens / self.max_model_len
+
+    def fits(self, memory: int) -> int:
+        """Sequences of max_model_len tokens whose KV fits in `memory` beside the rest (with the margin)."""
+        room = memory * (1 - self.margin) - (self.total_bytes - self.kv_cache_bytes)
+        return max(0, int(room // (self.kv_bytes_per_token * self.max_model_len)))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(total_bytes=self.total_bytes, concurrency_at_max_len=self.concurrency_at_max_len)
+        return d
+
+
+def checkpoint_tensors(path: Path) -> tuple[ModelConfig, list[tuple[str, tuple[int, ...], Optional[int]]]]:
+    """The model's config and (parameter name, shape, GGUF type or None for float) of each tensor."""
+    if path.is_dir():
+        from tessera.models.safetensors_loader import config_from_hf, read_hf_config, safetensors_shapes
+
+        config = config_from_hf(read_hf_config(path), name=path.name)
+        return config, [(name, shape, None) for name, shape in safetensors_shapes(path)]
+    from tessera.layers.weights import FLOAT_TYPES
+    from tessera.models.gguf_loader import config_from_gguf, hf_name, read_gguf
+
+    gf = read_gguf(path)
+    try:
+        config = config_from_gguf(gf, name=path.stem)
+        tensors = []
+        for info in gf.tensors.values():
+            name = hf_name(info.name, config.architecture)
+            if name is not None:
+                tensors.append((name, info.shape, None if info.ggml_type in FLOAT_TYPES else int(info.ggml_type)))
+        return config, tensors
+    finally:
+        gf.close()
+
+
+@dataclass
+class WeightStorage:
+    bytes: int  # as the loader stores them, dense copies included
+    dense_copy_bytes: int
+    params: dict[str, int]  # parameters by storage kind
+    largest_layer_linear: int  # weights of the largest (merged) decoder-layer matrix
+
+
+def weight_storage(config: ModelConfig, tensors, quant) -> WeightStorage:
+    """What the loader would store for these checkpoint tensors under `quant`."""
+    from tessera.layers.quantization import METHODS
+    from tessera.models.weights import PACKED_MODULES
+
+    groups: dict[str, list[tuple[tuple[int, ...], Optional[int]]]] = {}
+    small = 0
+    for name, shape, ggml_type in tensors:
+        if config.tie_word_embeddings and name.startswith("lm_head."):
+            continue  # one table serves both
+        if len(shape) != 2:  # norms and biases: kept in the compute dtype
+            small += int(torch.Size(shape).numel()) * quant.dtype.itemsize
+            continue
+        module, _, _ = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in PACKED_MODULES:
+            module = f"{parent}.{PACKED_MODULES[leaf][0]}"
+        groups.setdefault(module, []).append((shape, ggml_type))
+    total, dense_copies, largest = small, 0, 0
+    params = {"dense": 0, "int8": 0, "int4": 0}
+    for module, pieces in groups.items():
+        rows, cols = sum(s[0] for s, _ in pieces), pieces[0][0][1]
+        kind = quant.storage_for([t for _, t in pieces], cols)
+        total += METHODS[kind].storage_bytes(rows, cols, quant)
+        params[kind] += rows * cols
+        if kind != "dense" and quant.dense_copy:
+            dense_copies += rows * cols * quant.dtype.itemsize
+        if module.startswith("model.layers."):
+            largest = max(largest, rows * cols)
+    return WeightStorage(total, dense_copies, params, largest)
+
+
+def activation_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype, dense_copy: bool,
+                     largest_linear: int) -> int:
+    """Transient memory of the largest step: the packed batch's per-layer tensors, a layer's
+    weight dequantized for the call when no dense copy is kept (large steps), and
+    full-vocabulary logits rows."""
+    c = config
+    tokens = int(engine.max_num_batched_tokens)
+    per_token = (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size)
+    sampled = int(engine.max_num_seqs)
+    spec = engine.speculative_config
+    if spec is not None:
+        sampled *= 1 + spec.num_speculative_tokens
+    logits = sampled * c.vocab_size * 4 * LOGIT_COPIES
+    dequantized = 0 if dense_copy else largest_linear * dtype.itemsize
+    return tokens * per_token * dtype.itemsize + logits + dequantized
+
+
+def default_kv_cache_memory(needed: int, available: int, others: int, margin: float = DEFAULT_MEMORY_MARGIN) -> int:
+    """The KV cache a server takes by default: what its sequences need at full length (`needed`),
+    but no more than the memory available once `others` (activations, swap space) and the
+    margin are set aside."""
+    return max(0, min(needed, int(available * (1 - margin)) - others))
+
+
+def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float = DEFAULT_MEMORY_MARGIN) -> SizeEstimate:
+    """Predict resident memory for serving `engine.model` with these settings; `memory` (bytes,
+    default: available now) is what the default KV cache may use."""
+    from tessera.attention import get_backend
+    from tessera.hostinfo import available_memory
+    from tessera.layers.quantization import QuantConfig, resolve_dense_copy
+    from tessera.models.dtype import linear_param_count, resolve_dtype
+    from tessera.models.registry import resolve_model
+
+    path = Path(resolve_model(engine.model))
+    config, tensors = checkpoint_tensors(path)
+    dtype = resolve_dtype(engine.dtype, config)
+    budget = memory if memory is not None else available_memory() + RUNTIME_BYTES
+    dense_copy = resolve_dense_copy(engine.dense_copy, linear_param_count(config), dtype, budget)
+    quant = QuantConfig(engine.quantization, dtype, dense_copy)
+    stored = weight_storage(config, tensors, quant)
+    weights = stored.bytes
+
+    max_model_len = engine.max_model_len or min(config.max_position_embeddings, 4096)
+    backend = get_backend(engine.attention_backend)
+    per_token = backend.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+    per_block = per_token * engine.block_size
+    acts = activation_bytes(config, engine, dtype, dense_copy, stored.largest_layer_linear)
+    swap = engine.swap_space if engine.preemption_mode == "swap" else 0
+    if engine.kv_cache_memory is not None:
+        kv = engine.kv_cache_memory
+    else:
+        needed = int(engine.max_num_seqs) * max_model_len * per_token
+        kv = default_kv_cache_memory(needed, budget - RUNTIME_BYTES - weights, acts + swap, margin)
+    blocks = kv // per_block
+    swap = (swap // per_block) * per_block
+    return SizeEstimate(
+        model=path.name, dtype=str(dtype).removeprefix("torch."), weights_bytes=weights,
+        dense_copy_bytes=stored.dense_copy_bytes, storage=stored.params, kv_bytes_per_token=per_token,
+        kv_cache_bytes=blocks * per_block, kv_cache_tokens=blocks * engine.block_size, swap_bytes=swap,
+        activation_bytes=acts, runtime_bytes=RUNTIME_BYTES, max_model_len=max_model_len,
+        max_num_seqs=int(engine.max_num_seqs), margin=margin)
+
+
+def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+    kinds = ", ".join(f"{k} {v / 1e6:.0f}M" for k, v in e.storage.items() if v)
+    lines = [
+        f"{e.model} ({e.dtype})",
+        f"  weights        {gib(e.weights_bytes):>10}   ({kinds} parameters"
+        + (f"; dense copies {gib(e.dense_copy_bytes)}" if e.dense_copy_bytes else "") + ")",
+        f"  KV cache       {gib(e.kv_cache_bytes):>10}   ({e.kv_bytes_per_token / 1024:.1f} KiB per token x "
+        f"{e.kv_cache_tokens} tokens = {e.concurrency_at_max_len:.1f} sequences of {e.max_model_len})",
+    ]
+    if e.swap_bytes:
+        lines.append(f"  swap space     {gib(e.swap_bytes):>10}   (host copies of preempted sequences)")
+    lines += [
+        f"  activations    {gib(e.activation_bytes):>10}   (largest step)",
+        f"  runtime        {gib(e.runtime_bytes):>10}   (interpreter, torch, server)",
+        f"  total          {gib(e.total_bytes):>10}   resident, predicted",
+    ]
+    if memory is not None:
+        lines.append(f"  in {gib(memory)} (keeping {e.margin:.0%} free): {e.fits(memory)} sequences of "
+                     f"{e.max_model_len} tokens at once (asked for {e.max_num_seqs})")
+    return "\n".join(lines)
