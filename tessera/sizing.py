@@ -98,7 +98,6 @@ class WeightStorage:
     bytes: int  # as the loader stores them, dense copies included
     dense_copy_bytes: int
     params: dict[str, int]  # parameters by storage kind
-    largest_layer_linear: int  # weights of the largest (merged) decoder-layer matrix
 
 
 def weight_storage(config: ModelConfig, tensors, quant) -> WeightStorage:
@@ -119,26 +118,26 @@ def weight_storage(config: ModelConfig, tensors, quant) -> WeightStorage:
         if leaf in PACKED_MODULES:
             module = f"{parent}.{PACKED_MODULES[leaf][0]}"
         groups.setdefault(module, []).append((shape, ggml_type))
-    total, dense_copies, largest = small, 0, 0
+    total, dense_copies = small, 0
     params = {"dense": 0, "int8": 0, "int4": 0}
-    for module, pieces in groups.items():
+    for pieces in groups.values():
         rows, cols = sum(s[0] for s, _ in pieces), pieces[0][0][1]
         kind = quant.storage_for([t for _, t in pieces], cols)
         total += METHODS[kind].storage_bytes(rows, cols, quant)
         params[kind] += rows * cols
         if kind != "dense" and quant.dense_copy:
             dense_copies += rows * cols * quant.dtype.itemsize
-        if module.startswith("model.layers."):
-            largest = max(largest, rows * cols)
-    return WeightStorage(total, dense_copies, params, largest)
+    return WeightStorage(total, dense_copies, params)
 
 
-def activation_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype, dense_copy: bool,
-                     largest_linear: int) -> int:
+def activation_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype, dense_copy: bool) -> int:
     """Transient memory of the largest step: the packed batch's per-layer tensors, a layer's
     weight dequantized for the call when no dense copy is kept (large steps), and
     full-vocabulary logits rows."""
+    from tessera.models.dtype import layer_linear_shapes
+
     c = config
+    largest_linear = max(o * i for o, i in layer_linear_shapes(c))
     tokens = int(engine.max_num_batched_tokens)
     per_token = (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size)
     sampled = int(engine.max_num_seqs)
@@ -179,7 +178,7 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     backend = get_backend(engine.attention_backend)
     per_token = backend.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
     per_block = per_token * engine.block_size
-    acts = activation_bytes(config, engine, dtype, dense_copy, stored.largest_layer_linear)
+    acts = activation_bytes(config, engine, dtype, dense_copy)
     swap = engine.swap_space if engine.preemption_mode == "swap" else 0
     if engine.kv_cache_memory is not None:
         kv = engine.kv_cache_memory

@@ -31,7 +31,6 @@ from tessera.engine.spec_decode import (
 )
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
-from tessera.models.dtype import layer_linear_shapes
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.sizing import activation_bytes, default_kv_cache_memory
 
@@ -105,9 +104,8 @@ class LLMEngine:
         bytes_per_block = bytes_per_token * config.block_size
         kv_memory = config.kv_cache_memory
         if kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
-            largest = max(o * i for o, i in layer_linear_shapes(mc))
             swap = config.swap_space if config.preemption_mode == "swap" else 0
-            others = swap + activation_bytes(mc, config, self.dtype, loaded.quant.dense_copy, largest)
+            others = swap + activation_bytes(mc, config, self.dtype, loaded.quant.dense_copy)
             kv_memory = default_kv_cache_memory(config.max_num_seqs * max_model_len * bytes_per_token,
                                                 available_memory(), others)
         num_blocks = kv_memory // bytes_per_block
