@@ -52,6 +52,8 @@ DENSE_WEIGHT_COPIES = ("auto", "on", "off")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULER_POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
+# KV cache element format (vLLM's --kv-cache-dtype); auto = the compute dtype. int8: per-block scales.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 PROFILES = ("auto", "chat-solo", "multi-agent", "bursty")
 
 
@@ -186,7 +188,11 @@ class EngineConfig:
     # Quantized weights also kept dense for large steps (prefill, big batches): auto = when small.
     dense_weight_copy: Literal["auto", "on", "off"] = "auto"
     block_size: int = 16
+    kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size
+    # Disk tier of the prefix cache (engine/kv_offload.py): a folder, and the most it may hold.
+    kv_offload_dir: Optional[str] = None
+    kv_offload_size: int = 8 << 30
     max_model_len: Optional[int] = None  # None = min(model max positions, 4096)
     profile: Literal["auto", "chat-solo", "multi-agent", "bursty"] = "auto"
     max_num_batched_tokens: Optional[int] = None
@@ -221,7 +227,7 @@ class EngineConfig:
                 setattr(self, name, getattr(preset, name))
         choices = [("quantization", QUANTIZATIONS), ("dense_weight_copy", DENSE_WEIGHT_COPIES),
                    ("preemption_mode", PREEMPTION_MODES), ("scheduler_policy", SCHEDULER_POLICIES),
-                   ("attention_backend", ATTENTION_BACKENDS)]
+                   ("attention_backend", ATTENTION_BACKENDS), ("kv_cache_dtype", KV_CACHE_DTYPES)]
         if isinstance(self.dtype, str):  # a torch.dtype from the Python API is checked when resolved
             choices.append(("dtype", DTYPES))
         for name, allowed in choices:
@@ -233,6 +239,14 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_offload_dir is not None:
+            if not self.enable_prefix_caching:
+                raise ConfigError("--kv-offload-dir is a tier of the prefix cache: it needs --enable-prefix-caching")
+            if int(self.kv_offload_size) < 1:
+                raise ConfigError("--kv-offload-size must be positive")
+            if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+                raise ConfigError("--kv-offload-dir does not store a draft model's KV; use it without "
+                                  "draft_model speculation (ngram and layer_skip are fine)")
         target = self.target_itl_ms
         if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
             raise ConfigError(f"--target-itl-ms must be a number of milliseconds >= 0 (0 = no target), "

@@ -96,6 +96,16 @@ class PrometheusStatLogger:
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in tokens (prompt tokens looked up).")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (prompt tokens reused).")
+        self.external_prefix_cache_hits = counter(
+            "external_prefix_cache_hits", "Prefix cache hits in the disk tier (--kv-offload-dir), in tokens loaded "
+            "instead of recomputed (prefix_cache_hits counts both tiers).")
+        self._kv_offload_bytes = Counter(PREFIX + "kv_offload_bytes", "Bytes moved to and from the disk tier.",
+                                         labels + ["direction"], registry=reg)
+        self.kv_offload_bytes_read = self._kv_offload_bytes.labels(model_name, "read")
+        self.kv_offload_bytes_written = self._kv_offload_bytes.labels(model_name, "write")
+        self.kv_offload_saved_seconds = counter(
+            "kv_offload_saved_seconds", "Prefill time the disk tier's loads saved: the step-cost model's prediction "
+            "for the loaded tokens less the time loading them took.")
         self.admission_rejections = counter(
             "admission_rejections", "Requests refused at admission (HTTP 429): the waiting queue was full, or "
                                     "the forecast wait for the prompt was past the request's deadline.")
@@ -167,6 +177,10 @@ class PrometheusStatLogger:
         self.num_preemptions.inc(it.num_preemptions)
         self.prefix_cache_queries.inc(it.prefix_cache_queries)
         self.prefix_cache_hits.inc(it.prefix_cache_hits)
+        self.external_prefix_cache_hits.inc(it.external_prefix_cache_hits)
+        self.kv_offload_bytes_read.inc(it.kv_offload_bytes_read)
+        self.kv_offload_bytes_written.inc(it.kv_offload_bytes_written)
+        self.kv_offload_saved_seconds.inc(max(0.0, it.kv_offload_saved_seconds))
         self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
         if it.step_time > 0:
             self.step_time.observe(it.step_time)

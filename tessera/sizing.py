@@ -39,7 +39,8 @@ class SizeEstimate:
     weights_bytes: int  # as stored, dense copies included
     dense_copy_bytes: int  # of which dense copies of quantized weights
     storage: dict[str, int]  # parameters by storage kind (dense, int8, int4)
-    kv_bytes_per_token: int
+    kv_bytes_per_token: float  # a block's bytes (scales included) / its tokens
+    kv_cache_dtype: str
     kv_cache_bytes: int
     kv_cache_tokens: int
     swap_bytes: int
@@ -175,21 +176,23 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     weights = stored.bytes
 
     max_model_len = engine.max_model_len or min(config.max_position_embeddings, 4096)
-    backend = get_backend(engine.attention_backend)
-    per_token = backend.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
-    per_block = per_token * engine.block_size
+    backend = get_backend(engine.attention_backend, engine.kv_cache_dtype)
+    per_block = backend.bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim, engine.block_size,
+                                        dtype)
     acts = activation_bytes(config, engine, dtype, dense_copy)
     swap = engine.swap_space if engine.preemption_mode == "swap" else 0
     if engine.kv_cache_memory is not None:
         kv = engine.kv_cache_memory
     else:
-        needed = int(engine.max_num_seqs) * max_model_len * per_token
+        needed = int(engine.max_num_seqs) * -(-max_model_len // engine.block_size) * per_block
         kv = default_kv_cache_memory(needed, budget - RUNTIME_BYTES - weights, acts + swap, margin)
     blocks = kv // per_block
     swap = (swap // per_block) * per_block
     return SizeEstimate(
         model=path.name, dtype=str(dtype).removeprefix("torch."), weights_bytes=weights,
-        dense_copy_bytes=stored.dense_copy_bytes, storage=stored.params, kv_bytes_per_token=per_token,
+        dense_copy_bytes=stored.dense_copy_bytes, storage=stored.params,
+        kv_bytes_per_token=per_block / engine.block_size,
+        kv_cache_dtype=str(backend.kv_cache_dtype(dtype)).removeprefix("torch."),
         kv_cache_bytes=blocks * per_block, kv_cache_tokens=blocks * engine.block_size, swap_bytes=swap,
         activation_bytes=acts, runtime_bytes=RUNTIME_BYTES, max_model_len=max_model_len,
         max_num_seqs=int(engine.max_num_seqs), margin=margin)
@@ -204,7 +207,8 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         f"{e.model} ({e.dtype})",
         f"  weights        {gib(e.weights_bytes):>10}   ({kinds} parameters"
         + (f"; dense copies {gib(e.dense_copy_bytes)}" if e.dense_copy_bytes else "") + ")",
-        f"  KV cache       {gib(e.kv_cache_bytes):>10}   ({e.kv_bytes_per_token / 1024:.1f} KiB per token x "
+        f"  KV cache       {gib(e.kv_cache_bytes):>10}   ({e.kv_cache_dtype}, "
+        f"{e.kv_bytes_per_token / 1024:.2f} KiB per token x "
         f"{e.kv_cache_tokens} tokens = {e.concurrency_at_max_len:.1f} sequences of {e.max_model_len})",
     ]
     if e.swap_bytes:

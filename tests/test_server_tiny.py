@@ -138,3 +138,10 @@ def test_refused_by_forecast_wait_leaks_nothing(tiny):
     model = stats["step_cost_model"]
     assert model["observed_steps"] >= 0 and model["calibration_points"] >= 2
     assert stats["profile"]["name"] == "bursty" and "max_num_seqs" in stats["profile"]["overrides"]
+
+
+def test_engine_stats_report_the_kv_cache(tiny):
+    kv = tiny.stats()["kv_cache"]
+    assert kv["tokens"] == kv["num_blocks"] * kv["block_size"] > 0
+    assert kv["tokens_per_gib"] == pytest.approx(kv["tokens"] * 2**30 / kv["bytes"], rel=1e-3)
+    assert kv["dtype"] in ("float32", "bfloat16", "int8")

@@ -170,6 +170,12 @@ class FakeCore:
     def cost_model_stats(self) -> dict:
         return {}
 
+    def kv_cache_info(self) -> dict:
+        return {"dtype": "float32", "tokens": 0}
+
+    def close(self) -> None:
+        pass
+
     def get_scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_cache_usage=1 - self.free_blocks / self.num_blocks,

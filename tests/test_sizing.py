@@ -52,6 +52,10 @@ def test_kv_terms_and_what_fits(folder):
     fixed = estimate(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=1 << 20,
                                   preemption_mode="swap", swap_space=1 << 20))
     assert fixed.kv_cache_bytes == 1 << 20 and fixed.swap_bytes == 1 << 20
+    int8 = estimate(EngineConfig(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=4,
+                                 preemption_mode="recompute", kv_cache_dtype="int8"), memory=8 << 30)
+    assert int8.kv_cache_dtype == "int8" and int8.kv_cache_tokens == 4 * 256
+    assert int8.kv_bytes_per_token == 2 * 2 * 2 * (16 * 16 + 4) / 16  # int8 rows + a float32 scale per block
 
 
 def test_default_kv_cache_keeps_the_margin():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from tessera.attention.base import AttentionBackend, AttentionMetadata, build_metadata
+from tessera.attention.base import KV_CACHE_DTYPES, AttentionBackend, AttentionMetadata, build_metadata
 from tessera.attention.paged import PagedBackend
 from tessera.attention.reference import ReferenceBackend
 from tessera.attention.sdpa import SdpaBackend
@@ -15,18 +15,18 @@ BACKENDS: dict[str, type[AttentionBackend]] = {"paged": PagedBackend, "sdpa": Sd
                                                "reference": ReferenceBackend}
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """The named backend; "auto" is `paged` where its C kernel builds, else `sdpa`."""
+def get_backend(name: str, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """The named backend with its cache format; "auto" is `paged` where its C kernel builds, else `sdpa`."""
     if name == "auto":
         try:
-            return PagedBackend()
+            return PagedBackend(kv_cache_dtype)
         except KernelUnavailable as exc:
             logger.warning("attention backend auto: the paged C kernel is unavailable (%s); using sdpa", exc)
-            return SdpaBackend()
+            return SdpaBackend(kv_cache_dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-    return BACKENDS[name]()
+    return BACKENDS[name](kv_cache_dtype)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "build_metadata",
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "KV_CACHE_DTYPES", "build_metadata",
            "get_backend"]

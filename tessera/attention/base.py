@@ -7,18 +7,29 @@ reach the backend only through the metadata handed to their Attention layers,
 so a new backend (a C++ kernel, a quantized cache, a GPU kernel) slots in
 without touching models or the engine.
 
-Every backend stores, per layer, one tensor whose first two dimensions are
-`[2, num_kv_heads]` (keys, values; KV heads outermost) followed by
-`[num_blocks, block_size, head_dim]`. A token's slot is
-`block_id * block_size + offset`.
+Every backend stores, per layer, one tensor whose first three dimensions are
+`[2, num_kv_heads, num_blocks]` (keys, values; KV heads outermost), so a block
+is the slice `[:, :, block_id]` whatever its format (swap copies such slices).
+The rest depends on `--kv-cache-dtype`:
+- bfloat16 / float32: `[block_size, head_dim]` in that dtype;
+- int8: `[block_size * head_dim + 4]` bytes, the block's tokens quantized with
+  one float32 scale per (K or V, head, block) kept in the block's last 4 bytes
+  (tessera/kernels/kv_int8.c): half the bytes of bfloat16, plus 4 per block.
+A token's slot is `block_id * block_size + offset`.
 """
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from tessera import kernels
+from tessera.config import KV_CACHE_DTYPES
+
+SCALE_BYTES = 4  # one float32 scale at the end of each quantized block row
 
 
 @dataclass
@@ -81,20 +92,51 @@ def build_metadata(
 
 
 class AttentionBackend(ABC):
-    """One attention implementation and the KV cache layout it reads."""
+    """One attention implementation and the KV cache layout it reads.
+
+    `kv_cache_dtype` (vLLM's --kv-cache-dtype) picks the cache format: "auto" is
+    the model's dtype; "int8" quantizes with per-block scales and needs the C
+    kernels (writes grow a block's scale in place, which PyTorch operators
+    cannot do row by row at any reasonable cost).
+    """
 
     name: str = ""
 
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
+        if kv_cache_dtype == "int8":
+            why = kernels.available()
+            if why is not None:
+                raise kernels.KernelUnavailable(f"--kv-cache-dtype int8 needs Tessera's C kernels: {why}")
+        self.kv_dtype_name = kv_cache_dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype_name == "int8"
+
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """Element type of the cache (the model's dtype unless the backend quantizes)."""
-        return model_dtype
+        """Element type of the cache tensor."""
+        if self.kv_dtype_name == "auto":
+            return model_dtype
+        return getattr(torch, self.kv_dtype_name)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        if self.quantized:
+            if block_size % 2 or head_dim % 2 or head_dim > kernels.MAX_HEAD_DIM:
+                raise ValueError(f"--kv-cache-dtype int8 needs an even --block-size (not {block_size}) and an "
+                                 f"even head dimension up to {kernels.MAX_HEAD_DIM} (not {head_dim})")
+            return (2, num_kv_heads, num_blocks, block_size * head_dim + SCALE_BYTES)
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype) -> int:
-        """Cache bytes one token takes across all layers (keys and values, any scales)."""
-        return 2 * num_layers * num_kv_heads * head_dim * self.kv_cache_dtype(model_dtype).itemsize
+    def bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        model_dtype: torch.dtype) -> int:
+        """Cache bytes one block takes across all layers (keys and values, scales included)."""
+        shape = self.kv_cache_shape(1, block_size, num_kv_heads, head_dim)
+        n = 1
+        for dim in shape:
+            n *= dim
+        return num_layers * n * self.kv_cache_dtype(model_dtype).itemsize
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  model_dtype: torch.dtype) -> list[torch.Tensor]:
@@ -113,12 +155,81 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
-        """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`."""
+                meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
+                smoothing: Optional[Smoothing] = None) -> torch.Tensor:
+        """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`.
+        `smoothing` (quantized caches only): per-channel multipliers of q and k, q.k unchanged."""
+
+
+# (query multipliers [Hq, D], key multipliers [Hkv, D]), float32: see layers/attention.py.
+Smoothing = tuple[torch.Tensor, torch.Tensor]
+
+
+@functools.lru_cache(maxsize=None)
+def key_rotation(head_dim: int) -> torch.Tensor:
+    """The orthogonal [D, D] float32 matrix keys are multiplied by before int8 rounding (and queries
+    before they meet them): q.k = (qR).(kR), so attention is unchanged, while outlier channels are
+    spread over all of them instead of setting every block's scale. A normalized Hadamard matrix for
+    powers of two (QuaRot's choice), else a seeded random orthogonal one. A constant of the format:
+    the same R for every layer and process."""
+    if head_dim & (head_dim - 1) == 0:
+        r = torch.ones(1, 1)
+        while r.shape[0] < head_dim:
+            r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)
+        return (r / head_dim ** 0.5).contiguous()
+    gen = torch.Generator().manual_seed(head_dim)
+    r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
+    return r.float().contiguous()
+
+
+def transform_for_cache(x: torch.Tensor, mul: Optional[torch.Tensor]) -> torch.Tensor:
+    """Queries or keys [T, H, D] as an int8 cache meets them: (x * mul) @ R, in x's dtype."""
+    if mul is not None:
+        x = x * mul.to(x.dtype)
+    return x @ key_rotation(x.shape[-1]).to(x.dtype)
+
+
+def rotate_for_cache(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     smoothing: Optional[Smoothing]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k transformed as an int8 cache stores and reads keys; unchanged for other caches.
+    Every read of an int8 cache goes through the stored keys, so every query is transformed."""
+    if not is_quantized(kv_cache):
+        return q, k
+    qm, km = smoothing if smoothing is not None else (None, None)
+    return transform_for_cache(q, qm), transform_for_cache(k, km)
+
+
+def is_quantized(kv_cache: torch.Tensor) -> bool:
+    """Whether a layer's cache is in the int8 block format (see the module docstring)."""
+    return kv_cache.dtype == torch.int8
+
+
+def dequantize_blocks(rows: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """int8 block rows `[2, ..., block_size * D + 4]` (keys, values) -> `[2, ..., block_size, D]` in
+    `dtype`, undoing the pair-interleaved order the kernels keep them in (kv_int8.c)."""
+    data = rows[..., :-SCALE_BYTES]
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)  # [2, ..., 1]
+    vals = data.to(dtype) * scale.to(dtype)
+    lead, d = vals.shape[1:-1], vals.shape[-1] // block_size
+    keys = vals[0].view(*lead, d // 2, block_size, 2).transpose(-3, -2).reshape(*lead, block_size, d)
+    values = vals[1].view(*lead, block_size // 2, d, 2).transpose(-2, -1).reshape(*lead, block_size, d)
+    return torch.stack([keys, values])
+
+
+def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The keys and values of some blocks, `[2, Hkv, n, block_size, D]` in `dtype`, any cache format."""
+    rows = kv_cache[:, :, block_ids]
+    if is_quantized(kv_cache):
+        return dequantize_blocks(rows, block_size, dtype)
+    return rows.to(dtype)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store this step's keys and values at their slots (layout `[2, Hkv, blocks, bs, D]`)."""
+    """Store this step's keys and values at their slots, in the cache's format."""
+    if is_quantized(kv_cache):
+        kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size)
+        return
     _, h, nb, bs, d = kv_cache.shape
     flat = kv_cache.view(2, h * nb * bs, d)
     k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)

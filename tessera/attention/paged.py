@@ -12,22 +12,38 @@ from __future__ import annotations
 import torch
 
 from tessera import kernels
-from tessera.attention.base import write_kv
+from tessera.attention.base import is_quantized, key_rotation, transform_for_cache, write_kv
 from tessera.attention.sdpa import SdpaBackend
+
+
+# Steps of at most this many tokens transform keys and queries for an int8 cache in the kernels.
+KERNEL_TRANSFORM_ROWS = 64
 
 
 class PagedBackend(SdpaBackend):
     name = "paged"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
         why = kernels.available()
         if why is not None:
             raise kernels.KernelUnavailable(why)
+        super().__init__(kv_cache_dtype)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, smoothing=None):
         if not kernels.supports(q.shape[1], kv_cache):
-            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window)
-        write_kv(kv_cache, k, v, meta)
+            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, smoothing)
+        quantized = is_quantized(kv_cache)
+        qm, km = smoothing if quantized and smoothing is not None else (None, None)
+        if quantized:
+            # Decode-sized steps transform keys (and below, queries) inside the kernels, saving two
+            # PyTorch ops per layer; prefill-sized ones in one matrix product.
+            rot = key_rotation(q.shape[-1])
+            if k.shape[0] <= KERNEL_TRANSFORM_ROWS:
+                kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, km)
+            else:
+                kernels.kv_write_int8(kv_cache, transform_for_cache(k, km), v, meta.slot_mapping, meta.block_size)
+        else:
+            write_kv(kv_cache, k, v, meta)
         nd = meta.num_decodes
         hq, d = q.shape[1], q.shape[2]
         out = torch.empty_like(q)
@@ -36,15 +52,21 @@ class PagedBackend(SdpaBackend):
             if cached is None:  # per step, shared by all layers: lengths, tables, score scratch
                 seq_lens = torch.tensor(meta.seq_lens[:nd], dtype=torch.long)
                 max_len = max(meta.seq_lens[:nd])
-                cached = (seq_lens, meta.block_tables[:nd].contiguous(), max_len,
-                          torch.empty(nd * hq * max_len, dtype=torch.float32))
+                scratch = (kernels.decode_int8_scratch(nd, hq, max_len, meta.block_size) if quantized
+                           else torch.empty(nd * hq * max_len, dtype=torch.float32))
+                cached = (seq_lens, meta.block_tables[:nd].contiguous(), max_len, scratch)
                 meta._cache["paged_decode"] = cached
             seq_lens, tables, max_len, scratch = cached
-            o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale, sliding_window,
-                                               scratch)
+            if quantized:
+                o = kernels.paged_decode_attention_int8(q[:nd], kv_cache, tables, seq_lens, max_len,
+                                                        meta.block_size, scale, sliding_window, scratch, rot, qm)
+            else:
+                o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale,
+                                                   sliding_window, scratch)
             if nd == meta.num_reqs:  # a decode-only step: no prefill rows to place beside it
                 return o.to(q.dtype).view(nd, hq * d)
             out[:nd] = o
         if nd < meta.num_reqs:
-            self._prefill(q, k, v, kv_cache, meta, scale, sliding_window, out)
+            self._prefill(transform_for_cache(q, qm) if quantized else q, k, v, kv_cache, meta, scale,
+                          sliding_window, out)
         return out.view(q.shape[0], hq * d)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from tessera.attention.base import AttentionBackend, write_kv
+from tessera.attention.base import AttentionBackend, read_blocks, rotate_for_cache, write_kv
 
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, smoothing=None):
+        q, k = rotate_for_cache(kv_cache, q, k, smoothing)
         write_kv(kv_cache, k, v, meta)
         bs = meta.block_size
         out = torch.empty_like(q)
@@ -19,8 +20,8 @@ class ReferenceBackend(AttentionBackend):
             seq_len = meta.seq_lens[i]
             nblk = (seq_len + bs - 1) // bs
             blocks = meta.block_tables[i, :nblk]
-            keys = kv_cache[0][:, blocks].reshape(hkv, -1, d)[:, :seq_len].transpose(0, 1).float()
-            vals = kv_cache[1][:, blocks].reshape(hkv, -1, d)[:, :seq_len].transpose(0, 1).float()
+            kv = read_blocks(kv_cache, blocks, bs, torch.float32).reshape(2, hkv, -1, d)[:, :, :seq_len]
+            keys, vals = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             vals = vals.repeat_interleave(hq // hkv, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale

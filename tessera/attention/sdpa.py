@@ -16,21 +16,23 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tessera.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from tessera.attention.base import (AttentionBackend, AttentionMetadata, dequantize_blocks, is_quantized,
+                                    rotate_for_cache, write_kv)
 
 
 def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, bs: int,
-                   meta: Optional[AttentionMetadata] = None):
+                   meta: Optional[AttentionMetadata] = None, dtype: Optional[torch.dtype] = None):
     """Copy each request's blocks into dense keys and values, each [Hkv, B, L, D] (L = blocks * bs).
 
     One index_select over all (K/V, head, block) triples; the index depends only on the
-    step's block tables, so it is built once per step and reused by every layer.
+    step's block tables, so it is built once per step and reused by every layer. An int8
+    cache is dequantized into `dtype` (required then); other caches keep their dtype.
     """
     nblk = (max_len + bs - 1) // bs
     b = block_tables.shape[0]
-    _, h, nb, _, d = kv_cache.shape
-    cache = kv_cache.view(2 * h * nb, bs * d)
-    if kv_cache.element_size() == 2 and (bs * d) % 2 == 0:
+    h, nb = kv_cache.shape[1], kv_cache.shape[2]
+    cache = kv_cache.view(2 * h * nb, -1)
+    if kv_cache.element_size() == 2 and cache.shape[1] % 2 == 0:
         # Move 16-bit blocks as int32 words: index_select is several times faster that way.
         cache = cache.view(torch.int32)
     key = ("gather", block_tables.data_ptr(), b, nblk, h, nb)
@@ -40,7 +42,12 @@ def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: 
         index = ((torch.arange(2 * h) * nb).unsqueeze(1) + flat.unsqueeze(0)).reshape(-1)
         if meta is not None:
             meta._cache[key] = index
-    out = cache.index_select(0, index).view(kv_cache.dtype).view(2, h, b, nblk * bs, d)
+    rows = cache.index_select(0, index).view(kv_cache.dtype)
+    if is_quantized(kv_cache):
+        assert dtype is not None, "an int8 cache is read into a compute dtype"
+        out = dequantize_blocks(rows.view(2, h, b, nblk, -1), bs, dtype).view(2, h, b, nblk * bs, -1)
+    else:
+        out = rows.view(2, h, b, nblk * bs, kv_cache.shape[-1])
     return out[0], out[1]
 
 
@@ -98,7 +105,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ma
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, smoothing=None):
+        q, k = rotate_for_cache(kv_cache, q, k, smoothing)
         write_kv(kv_cache, k, v, meta)
         bs = meta.block_size
         nd = meta.num_decodes
@@ -108,14 +116,14 @@ class SdpaBackend(AttentionBackend):
             # One decode row: its exact context needs no mask, and SDPA beats the two batched
             # matmuls there (measured 12 vs 55 us at 32 tokens of context, bfloat16).
             seq_len = meta.seq_lens[0]
-            keys, vals = gather_context(kv_cache, meta.block_tables[:1], seq_len, bs, meta)
+            keys, vals = gather_context(kv_cache, meta.block_tables[:1], seq_len, bs, meta, q.dtype)
             hkv = keys.shape[0]
             qg = q[:1].view(hkv, 1, hq // hkv, d)
             o = F.scaled_dot_product_attention(qg, keys[:, :, :seq_len], vals[:, :, :seq_len], scale=scale)
             out[:1] = o.reshape(1, hq, d)
         elif nd > 0:
             max_len = max(meta.seq_lens[:nd])
-            keys, vals = gather_context(kv_cache, meta.block_tables[:nd], max_len, bs, meta)
+            keys, vals = gather_context(kv_cache, meta.block_tables[:nd], max_len, bs, meta, q.dtype)
             mask = _decode_mask(meta, sliding_window, keys.shape[2])
             out[:nd] = decode_attention(q[:nd], keys, vals, mask, scale)
         if nd < meta.num_reqs:
@@ -130,16 +138,21 @@ class SdpaBackend(AttentionBackend):
         prefill_lens = meta.seq_lens[nd:]
         single_fresh = meta.num_reqs - nd == 1 and prefill_lens[0] == meta.num_tokens - start
         if single_fresh and sliding_window is None:
-            # One prompt with no cached context: its own k/v are the whole context.
-            o = F.scaled_dot_product_attention(
-                q[start:].transpose(0, 1).unsqueeze(0),
-                k[start:].transpose(0, 1).unsqueeze(0).to(q.dtype),
-                v[start:].transpose(0, 1).unsqueeze(0).to(q.dtype),
-                is_causal=True, scale=scale, enable_gqa=True,
-            )
+            # One prompt with no cached context: its own k/v are the whole context. A quantized
+            # cache is read back instead, so that every query sees the keys and values every later
+            # one will (chunking, prefix hits and recomputation then give the same result).
+            if is_quantized(kv_cache):
+                keys, vals = gather_context(kv_cache, meta.block_tables[nd:], prefill_lens[0], bs, meta, q.dtype)
+                k_all, v_all = keys[:, :, :prefill_lens[0]], vals[:, :, :prefill_lens[0]]  # [Hkv, 1, L, D]
+                k_all, v_all = k_all.transpose(0, 1), v_all.transpose(0, 1)
+            else:
+                k_all = k[start:].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                v_all = v[start:].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(q[start:].transpose(0, 1).unsqueeze(0), k_all, v_all,
+                                               is_causal=True, scale=scale, enable_gqa=True)
             out[start:] = o.squeeze(0).transpose(0, 1)
             return
-        keys, vals = gather_context(kv_cache, meta.block_tables[nd:], max(prefill_lens), bs, meta)
+        keys, vals = gather_context(kv_cache, meta.block_tables[nd:], max(prefill_lens), bs, meta, q.dtype)
         keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)  # [Bp, Hkv, L, D]
         pad_index, valid, mask, maxq = _prefill_layout(meta, sliding_window, keys.shape[2])
         q_ext = torch.cat([q, q.new_zeros((1, hq, d))])

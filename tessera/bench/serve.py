@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import statistics
@@ -77,7 +78,9 @@ def request_records(run: RunOutput) -> list[dict[str, Any]]:
             rec["itl_max"] = max(r.itls)
         if r.tpot is not None:
             rec["tpot"] = r.tpot
-        if not r.ok:
+        if r.ok:  # to compare replies across runs (greedy) without keeping them
+            rec["text_sha256"] = hashlib.sha256(r.text.encode()).hexdigest()[:16]
+        else:
             rec["error"] = r.error
         out.append(rec)
     return out

@@ -5,8 +5,9 @@ import argparse
 import re
 from dataclasses import fields
 
-from tessera.config import (ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, PREEMPTION_MODES,
-                            PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig)
+from tessera.config import (ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, KV_CACHE_DTYPES,
+                            PREEMPTION_MODES, PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES,
+                            EngineConfig)
 
 
 def parse_size(text: str) -> int:
@@ -31,8 +32,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="keep a dense copy of quantized weights for prefill-sized steps (faster, more memory); "
                         "auto: when the copy is under 1 GiB and 1/8 of free RAM (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="KV cache element format: auto (the compute dtype), bfloat16, float32, or int8 (one "
+                        "scale per block and head: twice the tokens in the same memory) (default: %(default)s)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="memory for the KV cache, e.g. 2GiB (default: from model size and free RAM)")
+    g.add_argument("--kv-offload-dir", default=None, metavar="PATH",
+                   help="second tier of the prefix cache on disk: full KV blocks are written there (in the "
+                        "background) and a prompt whose head is there loads it instead of recomputing it, "
+                        "across restarts of the same model and settings (default: off)")
+    g.add_argument("--kv-offload-size", type=parse_size, default=d.kv_offload_size,
+                   help="most the disk tier may hold; least recently used blocks go first (default: 8GiB)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt+output in tokens (default: min(model limit, 4096))")
     g.add_argument("--profile", choices=PROFILES, default=d.profile,

@@ -67,6 +67,10 @@ class EngineCore(Protocol):
 
     def cost_model_stats(self) -> dict: ...
 
+    def kv_cache_info(self) -> dict: ...
+
+    def close(self) -> None: ...
+
 
 class StatLogger(Protocol):
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
@@ -130,6 +134,9 @@ class AsyncLLMEngine:
     def cost_model_stats(self) -> dict:
         return self.engine.cost_model_stats()
 
+    def kv_cache_info(self) -> dict:
+        return self.engine.kv_cache_info()
+
     async def generate(
         self,
         prompt: Union[str, list[int]],
@@ -183,6 +190,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.engine.close()
 
     def _send(self, kind: str, payload: object) -> None:
         self._commands.put((kind, payload))

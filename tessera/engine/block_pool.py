@@ -6,6 +6,8 @@ findable by the prefix cache until the block is handed out again (eviction).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -23,8 +25,16 @@ class NoFreeBlocksError(RuntimeError):
 
 
 def hash_block(parent_hash: Optional[int], token_ids: Iterable[int], extra: object = None) -> int:
-    """Chain a full block's tokens onto its parent's hash, so equal hashes mean equal prefixes."""
-    return hash((parent_hash, tuple(token_ids), extra))
+    """Chain a full block's tokens onto its parent's hash, so equal hashes mean equal prefixes.
+
+    A 64-bit BLAKE2b digest rather than Python's hash(): the same prompt gets the same hashes
+    in every process, which the disk tier (engine/kv_offload.py) needs across restarts."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash or 0).to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    if extra is not None:
+        h.update(str(extra).encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockPool:

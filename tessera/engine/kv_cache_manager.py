@@ -5,10 +5,18 @@ for swapping are returned as (src, dst) pairs for the model runner to perform.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 from tessera.engine.block_pool import BlockPool, KVBlock, hash_block
 from tessera.engine.request import Request
+
+
+class OffloadTier(Protocol):
+    """A second tier of the prefix cache, by block hash (engine/kv_offload.py)."""
+
+    def contains(self, block_hash: int) -> bool: ...
+
+    def read(self, block_hash: int) -> Optional[bytes]: ...
 
 
 class KVCacheManager:
@@ -19,6 +27,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         num_host_blocks: int = 0,
         hash_extra: object = None,
+        offload: Optional[OffloadTier] = None,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -28,6 +37,11 @@ class KVCacheManager:
         self.num_host_blocks = num_host_blocks
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Second tier: blocks found there are loaded instead of recomputed; blocks entering the
+        # RAM cache are handed to the engine (`take_offload`) to be written there.
+        self.offload = offload if enable_caching else None
+        self.offload_hits = 0  # tokens loaded from the second tier
+        self._to_offload: list[tuple[int, int]] = []  # (block id, hash) registered since the last take
 
     # -- capacity ---------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -71,22 +85,47 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def find_offloaded(self, req: Request, num_cached: int) -> list[tuple[int, bytes]]:
+        """After `num_cached` blocks found in RAM, the run of blocks the second tier holds, each
+        read and verified now (hash, payload); the same one-token-left rule as in RAM."""
+        if self.offload is None:
+            return []
+        found: list[tuple[int, bytes]] = []
+        for h in req.block_hashes[num_cached:(req.num_tokens - 1) // self.block_size]:
+            if not self.offload.contains(h):
+                break
+            payload = self.offload.read(h)
+            if payload is None:
+                break
+            found.append((h, payload))
+        return found
+
+    def take_offload(self) -> list[tuple[int, int]]:
+        """(block id, hash) of blocks registered since the last call, for the second tier."""
+        out, self._to_offload = self._to_offload, []
+        return out
+
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
 
     # -- allocation -------------------------------------------------------
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, cached: Optional[list[KVBlock]] = None
+        self, req: Request, num_new_tokens: int, cached: Optional[list[KVBlock]] = None,
+        loaded: Optional[list[int]] = None,
     ) -> bool:
         """Give `req` room for `num_new_tokens` more tokens; False if blocks are short.
 
         `cached` blocks (a prefix hit for a request holding no blocks yet) are
-        taken together with the new ones, or not at all.
+        taken together with the new ones, or not at all; so are `loaded` (hashes
+        of the second tier's blocks that follow them): fresh blocks, registered
+        under those hashes, that the runner fills before the step
+        (`req.block_ids[len(cached):len(cached) + len(loaded)]`).
         """
         cached = cached or []
+        loaded = loaded or []
         have = len(req.block_ids) + len(cached)
-        computed = req.num_computed_tokens + len(cached) * self.block_size
+        computed = req.num_computed_tokens + (len(cached) + len(loaded)) * self.block_size
         need = self.blocks_for(computed + num_new_tokens) - have
         evictable_hits = sum(1 for b in cached if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - evictable_hits:
@@ -94,10 +133,14 @@ class KVCacheManager:
         if cached:
             self.pool.touch(cached)
             req.block_ids.extend(b.block_id for b in cached)
+        if cached or loaded:
             req.num_computed_tokens = computed
-            req.num_registered_blocks = len(cached)
+            req.num_registered_blocks = len(cached) + len(loaded)
         if need > 0:
-            req.block_ids.extend(b.block_id for b in self.pool.allocate(need))
+            fresh = self.pool.allocate(need)
+            for block, h in zip(fresh, loaded):
+                self.pool.register(block, h)
+            req.block_ids.extend(b.block_id for b in fresh)
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -107,7 +150,10 @@ class KVCacheManager:
         self._update_hashes(req, req.num_computed_tokens)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         for i in range(req.num_registered_blocks, full):
-            self.pool.register(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
+            block = self.pool.blocks[req.block_ids[i]]
+            self.pool.register(block, req.block_hashes[i])
+            if self.offload is not None and block.block_hash == req.block_hashes[i]:
+                self._to_offload.append((block.block_id, block.block_hash))
         req.num_registered_blocks = max(req.num_registered_blocks, full)
 
     def release_tail(self, req: Request, num_tokens: int) -> None:

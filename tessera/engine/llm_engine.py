@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -20,6 +21,7 @@ from tessera.attention import get_backend
 from tessera.config import EngineConfig
 from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, save_cached
 from tessera.engine.kv_cache_manager import KVCacheManager
+from tessera.engine.kv_offload import DiskKVTier
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.runner import ModelRunner
@@ -31,6 +33,7 @@ from tessera.engine.spec_decode import (
 )
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
+from tessera.kernels import KernelUnavailable
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.sizing import activation_bytes, default_kv_cache_memory
 
@@ -93,21 +96,24 @@ class LLMEngine:
         if max_model_len > mc.max_position_embeddings:
             raise InvalidRequestError(
                 f"--max-model-len {max_model_len} exceeds the model's limit of {mc.max_position_embeddings}")
-        self.attn_backend = get_backend(config.attention_backend)
-        bytes_per_token = self.attn_backend.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        try:
+            self.attn_backend = get_backend(config.attention_backend, config.kv_cache_dtype)
+            bytes_per_block = self.attn_backend.bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                                config.block_size, self.dtype)
+        except (ValueError, KernelUnavailable) as exc:
+            raise InvalidRequestError(str(exc)) from None
         spec = config.speculative_config
         self.draft = self._load_draft(config) if spec is not None and spec.method == "draft_model" else None
         if self.draft is not None:  # its cache shares the target's block ids, so every block holds both
             dc = self.draft.config
-            bytes_per_token += self.attn_backend.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim,
-                                                                 self.draft.dtype)
-        bytes_per_block = bytes_per_token * config.block_size
+            bytes_per_block += self.attn_backend.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim,
+                                                                 config.block_size, self.draft.dtype)
         kv_memory = config.kv_cache_memory
         if kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
             swap = config.swap_space if config.preemption_mode == "swap" else 0
             others = swap + activation_bytes(mc, config, self.dtype, loaded.quant.dense_copy)
-            kv_memory = default_kv_cache_memory(config.max_num_seqs * max_model_len * bytes_per_token,
-                                                available_memory(), others)
+            blocks_needed = config.max_num_seqs * -(-max_model_len // config.block_size)
+            kv_memory = default_kv_cache_memory(blocks_needed * bytes_per_block, available_memory(), others)
         num_blocks = kv_memory // bytes_per_block
         if num_blocks < 1:
             raise InvalidRequestError(
@@ -123,6 +129,9 @@ class LLMEngine:
         self.cost_model = self._calibrate_cost_model()
         logger.info("step-cost model: %s", self.cost_model.summary())
         self.scheduler = Scheduler(self.config, self.kv, max_model_len, self.cost_model)
+        self.offload = self._build_offload()
+        self._offload_seen = (0, 0)  # the tier's bytes read and written, as last reported
+        self.kv.offload = self.offload  # only now: calibration's synthetic blocks are not written
         self.proposer = self._build_proposer(num_blocks) if spec is not None else None
         self.spec_policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size) \
             if spec is not None else None
@@ -133,11 +142,46 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self._aborted: list[str] = []  # parents aborted since the last step, to report
         capacity = num_blocks * config.block_size
+        self.kv_tokens_per_gib = config.block_size * 2**30 / bytes_per_block
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s); max concurrency at "
-            "max_model_len %d: %.1f", num_blocks, config.block_size, capacity,
-            num_blocks * bytes_per_block / 2**20, str(self.dtype).replace("torch.", ""),
+            "KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s, %.0f tokens per GiB); max concurrency "
+            "at max_model_len %d: %.1f", num_blocks, config.block_size, capacity,
+            num_blocks * bytes_per_block / 2**20, self.kv_cache_format, self.kv_tokens_per_gib,
             max_model_len, capacity / max_model_len)
+
+    # -- disk tier of the prefix cache ----------------------------------------------
+    def _build_offload(self) -> Optional[DiskKVTier]:
+        c, mc = self.config, self.model_config
+        if c.kv_offload_dir is None:
+            return None
+        from tessera.models.registry import model_digest
+
+        fields = {"model_sha256": model_digest(self.loaded.path), "dtype": str(self.dtype),
+                  "kv_cache": self.kv_cache_format, "block_size": c.block_size, "layers": mc.num_layers,
+                  "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "hash_extra": str(c.model),
+                  "format": 1}
+        return DiskKVTier(Path(c.kv_offload_dir).expanduser(), c.kv_offload_size, fields, self.runner.block_bytes())
+
+    def _offload_step(self, sched: SchedulerOutput, stats: IterationStats, load_s: float) -> None:
+        """Write the blocks that entered the RAM prefix cache this step (copied now, written by the
+        tier's thread) and account for what the step loaded."""
+        assert self.offload is not None
+        tier = self.offload
+        fresh = [(b, h) for b, h in self.kv.take_offload() if not tier.contains(h)]
+        if fresh:
+            tier.submit([h for _, h in fresh], self.runner.read_blocks([b for b, _ in fresh]))
+        read, written = tier.stats.bytes_read, tier.stats.bytes_written
+        stats.kv_offload_bytes_read, stats.kv_offload_bytes_written = read - self._offload_seen[0], \
+            written - self._offload_seen[1]
+        self._offload_seen = (read, written)
+        if sched.kv_loads:
+            stats.external_prefix_cache_hits = len(sched.kv_loads) * self.config.block_size
+            stats.kv_offload_saved_seconds = self.cost_model.predict(sched.kv_loaded_shape) - load_s
+
+    def close(self) -> None:
+        """Finish writing what the disk tier was handed (at shutdown; the engine stays usable)."""
+        if self.offload is not None:
+            self.offload.flush()
 
     # -- speculative decoding -----------------------------------------------------
     def _load_draft(self, config: EngineConfig):
@@ -213,6 +257,7 @@ class LLMEngine:
         parts = {
             "model": dataclasses.asdict(self.model_config), "path": str(self.loaded.path),
             "dtype": str(self.dtype), "quant": repr(self.loaded.quant), "backend": type(self.attn_backend).__name__,
+            "kv_cache": self.kv_cache_format,
             "limits": [c.block_size, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len],
             "threads": torch.get_num_threads(), "cpu": cpu_model_name(), "source": source_digest(),
         }
@@ -249,6 +294,26 @@ class LLMEngine:
 
     def cost_model_stats(self) -> dict:
         return self.cost_model.describe()
+
+    def kv_cache_info(self) -> dict:
+        """The KV cache's format and capacity, for /v1/engine/stats."""
+        c = self.config
+        return {"dtype": self.kv_cache_format, "block_size": c.block_size, "num_blocks": self.kv.num_blocks,
+                "tokens": self.kv.num_blocks * c.block_size, "bytes": c.kv_cache_memory,
+                "tokens_per_gib": round(self.kv_tokens_per_gib, 1),
+                "swap_blocks": self.kv.num_host_blocks,
+                "offload": None if self.offload is None else {
+                    "dir": str(self.offload.dir), "blocks": self.offload.num_blocks,
+                    "bytes": self.offload.disk_bytes, "max_bytes": self.offload.max_bytes,
+                    "hit_tokens": self.kv.offload_hits, "bytes_read": self.offload.stats.bytes_read,
+                    "bytes_written": self.offload.stats.bytes_written,
+                    "files_refused": self.offload.stats.misses_rejected,
+                    "writes_dropped": self.offload.stats.write_queue_dropped}}
+
+    @property
+    def kv_cache_format(self) -> str:
+        """"int8" or the cache's float dtype ("bfloat16", "float32")."""
+        return str(self.attn_backend.kv_cache_dtype(self.dtype)).removeprefix("torch.")
 
     # -- admission ------------------------------------------------------------
     def prepare_request(
@@ -347,7 +412,9 @@ class LLMEngine:
                         self.config.max_model_len, self.kv)
         t_step = time.perf_counter()  # drafting is not part of the step the cost model predicts
         sched = self.scheduler.schedule()
+        t_exec = time.perf_counter()
         result = self.runner.execute(sched)
+        load_s = time.perf_counter() - t_exec if sched.kv_loads else 0.0
         appended = self.scheduler.update_after_step(sched, result.sampled)
         now = time.time()
         stats = IterationStats(
@@ -359,6 +426,8 @@ class LLMEngine:
             prefix_cache_hits=sched.num_prefix_hits,
             spec_results=list(result.spec_results.values()),
         )
+        if self.offload is not None:
+            self._offload_step(sched, stats, load_s)
         for s in sched.scheduled:
             if s.request.request_id in result.spec_results:
                 proposed, accepted = result.spec_results[s.request.request_id]

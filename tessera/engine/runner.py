@@ -50,10 +50,37 @@ class ModelRunner:
         src, dst = (self.kv_caches, self.host_caches) if to_host else (self.host_caches, self.kv_caches)
         self.backend.copy_blocks(src, dst, src_ids, dst_ids)
 
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers (what `read_blocks` returns per block)."""
+        return sum(c[:, :, 0].numel() * c.element_size() for c in self.kv_caches)
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """The blocks' contents, all layers, one block after the other (for the disk tier)."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        parts = [c[:, :, idx].movedim(2, 0).reshape(len(block_ids), -1).view(torch.uint8) for c in self.kv_caches]
+        return torch.cat(parts, dim=1).numpy().tobytes()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Fill blocks from `read_blocks`-shaped payloads."""
+        n = len(block_ids)
+        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        at = 0
+        for c in self.kv_caches:
+            shape = c[:, :, 0].shape
+            size = c[:, :, 0].numel() * c.element_size()
+            chunk = data[:, at:at + size].contiguous().view(c.dtype).view(n, *shape)
+            c[:, :, idx] = chunk.movedim(0, 2)
+            at += size
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._copy_blocks(out.swap_out, to_host=True)
         self._copy_blocks(out.swap_in, to_host=False)
+        if out.kv_loads:
+            self.write_blocks([b for b, _ in out.kv_loads], [p for _, p in out.kv_loads])
         if out.is_empty:
             return RunnerOutput({}, {}, 0)
         # Decode rows first, as the attention metadata wants; a verified run of proposals joins

@@ -45,6 +45,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, disk tier payload)
+    kv_loaded_shape: StepShape = field(default_factory=StepShape)  # the prefill those loads replace
     preempted: list[str] = field(default_factory=list)
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
@@ -235,7 +237,13 @@ class Scheduler:
             if is_decode != decodes:
                 continue
             cap = self._chunk(req, step.budget)
-            n = cap if decodes else self._prefill_chunk(req, req.num_computed_tokens, cap, step)
+            # A prompt's last token (after a recompute or a prefix hit) is a prefill under the
+            # latency target, like any prompt chunk, even though it runs with the decodes.
+            is_prompt_tail = not req.output_token_ids
+            if decodes and not is_prompt_tail:
+                n = cap
+            else:
+                n = self._prefill_chunk(req, req.num_computed_tokens, cap, step)
             if n == 0:
                 continue
             num_spec = self._num_spec(req, step.budget) if decodes else 0
@@ -280,13 +288,20 @@ class Scheduler:
                     n = 0
             else:
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-                hit_tokens = len(cached) * self.kv.block_size
+                loaded = self.kv.find_offloaded(req, len(cached)) if req.num_computed_tokens == 0 else []
+                hit_tokens = (len(cached) + len(loaded)) * self.kv.block_size
                 start = req.num_computed_tokens + hit_tokens
                 n = self._prefill_chunk(req, start, min(req.num_tokens - start, step.budget), step)
                 if n == 0 and not static:
                     break  # the step is full under the latency target; admit next step
-                if not self.kv.allocate_slots(req, n, cached):
+                if not self.kv.allocate_slots(req, n, cached, [h for h, _ in loaded]):
                     break
+                if loaded:  # the runner fills these blocks from the disk tier before the step
+                    ids = req.block_ids[len(cached):len(cached) + len(loaded)]
+                    out.kv_loads.extend(zip(ids, (payload for _, payload in loaded)))
+                    out.kv_loaded_shape = out.kv_loaded_shape.plus(StepShape.chunk(
+                        len(cached) * self.kv.block_size, len(loaded) * self.kv.block_size, False))
+                    self.kv.offload_hits += len(loaded) * self.kv.block_size
                 if req.status == RequestStatus.WAITING:
                     req.num_cached_tokens = hit_tokens
                     out.num_prefix_queries += req.num_prompt_tokens

@@ -43,6 +43,12 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # The disk tier: tokens loaded instead of recomputed, bytes read and written, and the prefill
+    # time those loads saved (the step-cost model's prediction for them, less the load time).
+    external_prefix_cache_hits: int = 0
+    kv_offload_bytes_read: int = 0
+    kv_offload_bytes_written: int = 0
+    kv_offload_saved_seconds: float = 0.0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

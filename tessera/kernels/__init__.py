@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c")
+SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
@@ -87,6 +87,13 @@ def load() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     f.argtypes = [p, i64, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f.restype = None
+    w8 = lib.kv_write_int8
+    w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, p]
+    w8.restype = ctypes.c_int
+    a8 = lib.paged_decode_attention_int8
+    a8.argtypes = [p, i64, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64,
+                   p, p]
+    a8.restype = None
     g = lib.rms_norm_bf16
     g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
     g.restype = None
@@ -115,10 +122,77 @@ def available() -> Optional[str]:
 
 
 def supports(num_heads: int, kv_cache: torch.Tensor) -> bool:
-    """Whether the paged decode kernel handles this head count and cache (else use PyTorch)."""
+    """Whether the paged decode kernel handles this head count and cache (else use PyTorch).
+
+    An int8 cache ([2, Hkv, blocks, block_size * D + 4], see kv_int8.c) takes any block size; the
+    head dimension is checked by its writes, which have no PyTorch path to fall back on."""
+    if kv_cache.dtype == torch.int8:
+        return num_heads // kv_cache.shape[1] <= MAX_GROUP
     _, hkv, _, bs, d = kv_cache.shape
     return (d <= MAX_HEAD_DIM and num_heads // hkv <= MAX_GROUP and bs <= MAX_BLOCK_SIZE
             and kv_cache.dtype in (torch.bfloat16, torch.float32))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] as rows the kernels read in place: heads and elements contiguous, rows strided."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return x
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def kv_write_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                  block_size: int, k_rot: Optional[torch.Tensor] = None, k_mul: Optional[torch.Tensor] = None) -> None:
+    """Quantize k, v [T, Hkv, D] (bfloat16 or float32, row-strided views allowed) into an int8 cache
+    [2, Hkv, blocks, block_size * D + 4] at `slots` [T] (int64), growing block scales (kv_int8.c).
+    Keys are first transformed to (k * k_mul) @ k_rot (contiguous float32 [Hkv, D] and [D, D]) if given."""
+    lib = load()
+    t, hkv, d = k.shape
+    if v.dtype != k.dtype or k.dtype not in (torch.bfloat16, torch.float32):
+        k, v = k.float(), v.float()
+    k, v = _rows(k), _rows(v)
+    slots = slots.contiguous()
+    if lib.kv_write_int8(kv_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                         int(k.dtype == torch.bfloat16), slots.data_ptr(), t, hkv, d, kv_cache.shape[2],
+                         block_size, _ptr(k_rot), _ptr(k_mul)) != 0:
+        raise KernelUnavailable(f"kv_write_int8 takes head_dim <= {MAX_HEAD_DIM}, not {d}")
+
+
+def decode_int8_scratch(b: int, num_heads: int, max_len: int, block_size: int) -> torch.Tensor:
+    """Scratch for `paged_decode_attention_int8` (float32 scores, then weights, per query head)."""
+    padded = -(-max_len // block_size) * block_size
+    return torch.empty(b * num_heads * padded * 4, dtype=torch.uint8)
+
+
+def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                seq_lens: torch.Tensor, max_len: int, block_size: int, scale: float,
+                                window: Optional[int], scratch: Optional[torch.Tensor] = None,
+                                q_rot: Optional[torch.Tensor] = None,
+                                q_mul: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`paged_decode_attention` over an int8 cache [2, Hkv, blocks, block_size * D + 4]; -> [B, Hq, D]
+    in q's dtype (bfloat16 or float32). `scratch` from `decode_int8_scratch` (reused across layers);
+    q is first transformed like the stored keys, (q * q_mul) @ q_rot (float32 [Hq, D], [D, D])."""
+    lib = load()
+    b, hq, d = q.shape
+    hkv = kv_cache.shape[1]
+    if d > MAX_HEAD_DIM or d % 2 or block_size % 2 or hq // hkv > MAX_GROUP:
+        raise KernelUnavailable(f"unsupported shape (head_dim {d}, block size {block_size}, group {hq // hkv})")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        q = q.float()
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    tables = block_tables.contiguous()
+    out = torch.empty(b, hq, d, dtype=q.dtype)
+    if scratch is None or scratch.nbytes < b * hq * 4 * (-(-max_len // block_size) * block_size):
+        scratch = decode_int8_scratch(b, hq, max_len, block_size)
+    lib.paged_decode_attention_int8(
+        q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), kv_cache.data_ptr(), tables.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, kv_cache.shape[2], block_size, tables.shape[1],
+        scale, window or 0, scratch.data_ptr(), max_len, _ptr(q_rot), _ptr(q_mul))
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
+from tessera.layers.attention import key_smoothing_from_bias
 from tessera.layers.weights import AnyWeight
 from tessera.models.weights import load_named_weights, as_float_tensor
 
@@ -79,6 +80,11 @@ class LlamaForCausalLM(nn.Module):
         freqs = extra.get("rope_freqs")
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
                                           self.dtype, None if freqs is None else as_float_tensor(freqs))
+        if c.attention_bias:  # qwen2: even out the keys' bias-driven channels for an int8 cache
+            for layer in self.model.layers:
+                a = layer.self_attn
+                k_bias = a.qkv_proj.bias[a.q_size:a.q_size + a.kv_size]
+                a.attn.set_key_smoothing(key_smoothing_from_bias(k_bias, c.num_kv_heads, c.head_dim))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:

@@ -269,6 +269,30 @@ def pull(name: Union[str, ModelEntry], progress: bool = True) -> Path:
     return dest
 
 
+def model_digest(path: Path) -> str:
+    """sha256 of a model's weights: the registry's (checked when pulled) for a packaged model, else
+    computed once over the file (or a folder's config and safetensors) and kept in
+    $TESSERA_HOME/digests under the files' sizes and modification times."""
+    path = Path(path)
+    for entry in MODELS.values():
+        if path.name == entry.filename and path.is_file() and path.stat().st_size == entry.size:
+            return entry.sha256
+    files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), *path.glob("config.json")])
+    key = hashlib.sha256(repr([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+                               for f in files]).encode()).hexdigest()[:24]
+    memo = tessera_home() / "digests" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(h.hexdigest())
+    return h.hexdigest()
+
+
 def ensure_model(name: str, progress: bool = True) -> Path:
     """Path of a registry model, pulling it first if it is not in the cache yet."""
     entry = get_entry(name)

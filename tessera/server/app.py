@@ -203,6 +203,7 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeou
                                          **{name: getattr(config, name) for name in PROFILE_FIELDS},
                                          "max_num_queued_requests": engine.max_num_queued_requests},
                              "step_cost_model": engine.cost_model_stats(),
+                             "kv_cache": engine.kv_cache_info(),
                              "predicted_queue_wait_s": None if wait is None else round(wait, 4),
                              "server": {"active_requests": state.active_requests,
                                         "uptime_s": round(time.time() - state.started, 3)}})
