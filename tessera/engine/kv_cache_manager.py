@@ -87,16 +87,20 @@ class KVCacheManager:
 
     def find_offloaded(self, req: Request, num_cached: int) -> list[tuple[int, bytes]]:
         """After `num_cached` blocks found in RAM, the run of blocks the second tier holds, each
-        read and verified now (hash, payload); the same one-token-left rule as in RAM."""
+        read and verified (hash, payload; kept on the request until it is admitted, so waiting
+        steps do not read them again); the same one-token-left rule as in RAM."""
         if self.offload is None:
             return []
         found: list[tuple[int, bytes]] = []
         for h in req.block_hashes[num_cached:(req.num_tokens - 1) // self.block_size]:
-            if not self.offload.contains(h):
-                break
-            payload = self.offload.read(h)
+            payload = req.offload_payloads.get(h)
             if payload is None:
-                break
+                if not self.offload.contains(h):
+                    break
+                payload = self.offload.read(h)
+                if payload is None:
+                    break
+                req.offload_payloads[h] = payload
             found.append((h, payload))
         return found
 
@@ -136,6 +140,8 @@ class KVCacheManager:
         if cached or loaded:
             req.num_computed_tokens = computed
             req.num_registered_blocks = len(cached) + len(loaded)
+        if req.offload_payloads:  # admitted: what it read is in its blocks now, or no longer needed
+            req.offload_payloads = {}
         if need > 0:
             fresh = self.pool.allocate(need)
             for block, h in zip(fresh, loaded):

@@ -56,6 +56,9 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_registered_blocks = 0  # full blocks already entered in the prefix cache
         self.swapped_blocks: list[int] = []  # host block ids while SWAPPED
+        # Disk-tier blocks already read and verified while the request waits for room (by hash),
+        # so a request admitted steps later does not read them again.
+        self.offload_payloads: dict[int, bytes] = {}
         self.generator = generator
         self.wait_for = wait_for  # sibling whose prompt prefill should land in the cache first
         # Tokens a proposer guessed for the coming step (speculative decoding); verified by the

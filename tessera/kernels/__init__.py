@@ -28,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c")
+HEADERS = ("bf16.h",)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
@@ -44,7 +45,7 @@ def kernel_dir() -> Path:
 
 
 def _source_text() -> str:
-    return "".join((Path(__file__).parent / name).read_text() for name in SOURCES)
+    return "".join((Path(__file__).parent / name).read_text() for name in SOURCES + HEADERS)
 
 
 def library_path(compiler: str) -> Path:

@@ -13,11 +13,7 @@
 #define HAVE_AVX512 1
 #endif
 
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
+#include "bf16.h"
 
 #ifdef HAVE_AVX512
 /* Rows row..row+15 of an output row of N_out values, as bfloat16; stops at N_out. */

@@ -13,19 +13,7 @@
 
 #define MAX_ROWS 4
 
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
-}
+#include "bf16.h"
 
 /* x: [M][K] (bf16 if is_bf16 else f32), w: [N][K] int8, scale: [N] f32, out: [M][N] like x.
  * xf: scratch of M*K floats. Returns 0, or -1 if M > MAX_ROWS. */

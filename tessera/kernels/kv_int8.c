@@ -30,18 +30,7 @@
 #define HAVE_AVX512_Q8 1
 #endif
 
-static inline float bf16_to_f32_q8(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16_q8(float f) { /* round to nearest even */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
-}
+#include "bf16.h"
 
 static inline float block_scale(const int8_t *blk, int64_t data_bytes) {
     float s;
@@ -96,7 +85,7 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
         for (int64_t t = 0; t < T; t++) {
             const int64_t at = t * stride + h * D;
             for (int64_t i = 0; i < D; i++)
-                x[i] = is_bf16 ? bf16_to_f32_q8(((const uint16_t *)src)[at + i]) : ((const float *)src)[at + i];
+                x[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)src)[at + i]) : ((const float *)src)[at + i];
             if (!which) transform_row(x, k_mul ? k_mul + h * D : NULL, k_rot, D);
             float amax = 0.f;
             for (int64_t i = 0; i < D; i++) {
@@ -153,7 +142,7 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
         for (int64_t g = 0; g < G; g++) {
             for (int64_t i = 0; i < D; i++) {
                 const int64_t at = b * q_stride + (h * G + g) * D + i;
-                qf[g * D + i] = q_is_bf16 ? bf16_to_f32_q8(((const uint16_t *)q)[at]) : ((const float *)q)[at];
+                qf[g * D + i] = q_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
             }
             transform_row(qf + g * D, q_mul ? q_mul + (h * G + g) * D : NULL, q_rot, D);
             maxs[g] = -INFINITY;
@@ -256,7 +245,7 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
             const float inv = 1.f / sums[g];
             if (q_is_bf16) {
                 uint16_t *o = (uint16_t *)out + at;
-                for (int64_t i = 0; i < D; i++) o[i] = f32_to_bf16_q8(acc[g * D + i] * inv);
+                for (int64_t i = 0; i < D; i++) o[i] = f32_to_bf16(acc[g * D + i] * inv);
             } else {
                 float *o = (float *)out + at;
 #pragma omp simd

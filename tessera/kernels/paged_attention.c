@@ -19,18 +19,7 @@
 #define HAVE_AVX512_BF16 1
 #endif
 
-static inline uint16_t f32_to_bf16_bits(float f) { /* round to nearest even */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
+#include "bf16.h"
 
 /* Widen one cached row of D elements to float32. */
 static inline void load_row(const void *base, int64_t index, int d, int is_bf16, float *dst) {
@@ -170,8 +159,8 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                     for (int64_t g = 0; g < G; g++) {
                         const float *sg = scores + g * max_len + t;
                         const __m512bh pp = (__m512bh)_mm512_castps_si512(_mm512_castsi512_ps(
-                            _mm512_set1_epi32((int)((uint32_t)f32_to_bf16_bits(sg[0]) |
-                                                    ((uint32_t)f32_to_bf16_bits(sg[1]) << 16)))));
+                            _mm512_set1_epi32((int)((uint32_t)f32_to_bf16(sg[0]) |
+                                                    ((uint32_t)f32_to_bf16(sg[1]) << 16)))));
                         float *ag = acc + g * D + j;
                         _mm512_storeu_ps(ag, _mm512_dpbf16_ps(_mm512_loadu_ps(ag), lo, pp));
                         _mm512_storeu_ps(ag + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(ag + 16), hi, pp));
@@ -195,7 +184,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
             const float inv = 1.f / sums[g];
             if (is_bf16) {
                 uint16_t *o = (uint16_t *)out + at;
-                for (int64_t i = 0; i < D; i++) o[i] = f32_to_bf16_bits(acc[g * D + i] * inv);
+                for (int64_t i = 0; i < D; i++) o[i] = f32_to_bf16(acc[g * D + i] * inv);
             } else {
                 float *o = (float *)out + at;
 #pragma omp simd

@@ -10,19 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40); /* NaN stays NaN */
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
-}
+#include "bf16.h"
 
 void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
                    int64_t rows, int64_t hidden, float eps) {
