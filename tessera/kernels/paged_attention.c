@@ -179,17 +179,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                 for (int64_t i = 0; i < D; i++) ag[i] += p * row[i];
             }
         }
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t at = (b * Hq + h * G + g) * D;
-            const float inv = 1.f / sums[g];
-            if (is_bf16) {
-                uint16_t *o = (uint16_t *)out + at;
-                for (int64_t i = 0; i < D; i++) o[i] = f32_to_bf16(acc[g * D + i] * inv);
-            } else {
-                float *o = (float *)out + at;
-#pragma omp simd
-                for (int64_t i = 0; i < D; i++) o[i] = acc[g * D + i] * inv;
-            }
-        }
+        for (int64_t g = 0; g < G; g++)
+            store_scaled_row(out, (b * Hq + h * G + g) * D, acc + g * D, 1.f / sums[g], D, is_bf16);
     }
 }
