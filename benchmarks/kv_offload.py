@@ -22,24 +22,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
-
-def wait_health(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server did not become healthy")
+from tessera.bench.client import wait_for_health
 
 
 def metric(url: str, name: str) -> float:
@@ -58,7 +45,7 @@ def run(mode: str, args, tier_dir: Path, out: Path) -> dict:
     log = open(out / f"server-{mode}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_health(url, proc)
+        wait_for_health(url, proc, str(out / f"server-{mode}.log"))
         result = out / f"{mode}.json"
         subprocess.run([sys.executable, "-m", "tessera", "bench", "serve", "--base-url", url, "--model", args.model,
                         "--dataset", "multi-turn", "--turns", str(args.turns), "--max-tokens", args.max_tokens, "--concurrency", str(args.concurrency),

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from tessera.bench.client import wait_for_health
+
 SETTINGS = {
     "short": ["--max-model-len", "1024", "--max-num-seqs", "4", "--preemption-mode", "recompute"],
     "long": ["--max-model-len", "4096", "--max-num-seqs", "16", "--preemption-mode", "swap"],
@@ -64,18 +66,7 @@ def measure(model: str, flags: list[str], port: int, prompt_words: int, log: Pat
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited, see {log}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 600:
-                raise RuntimeError(f"server not ready, see {log}")
-            time.sleep(1)
+        wait_for_health(url, proc, str(log))
         started = proc_status(proc.pid)
         num = int(flags[flags.index("--max-num-seqs") + 1])
         load(url, num, prompt_words)

@@ -9,11 +9,13 @@ content chunks (one token per chunk, which is what these servers send).
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import aiohttp
+import httpx
 
 
 @dataclass
@@ -129,3 +131,20 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
         result.e2e = time.perf_counter() - start
         result.error = f"{type(exc).__name__}: {exc}".strip() if str(exc) else type(exc).__name__
     return result
+
+
+def wait_for_health(url: str, proc: subprocess.Popen, log: str, timeout: float = 600) -> None:
+    """Block until a server the caller started answers GET /health with 200 (benchmark scripts);
+    raises if it exits or takes longer than `timeout` seconds (`log` is named in the error)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}, see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready after {timeout:g} s, see {log}")
+        time.sleep(1)
