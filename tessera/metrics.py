@@ -34,6 +34,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
                          0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# Grammar compilation and per-step mask work: microseconds when cached, up to seconds for a big schema.
+GRAMMAR_BUCKETS = (1e-5, 1e-4, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0,
                            2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                            960.0, 1920.0, 7680.0)
@@ -112,6 +114,16 @@ class PrometheusStatLogger:
         self.predicted_queue_wait = gauge(
             "predicted_queue_wait_seconds", "Forecast (step-cost model) of how long a request arriving now "
                                             "would wait for its prompt to be computed, in seconds.")
+        self._structured_requests = Counter(
+            PREFIX + "structured_output_requests", "Finished sequences whose output was constrained, by kind "
+            "(json, json_object, regex, choice, grammar, structural_tag: tool calls).",
+            labels + ["kind"], registry=reg)
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds", "Histogram of the time to compile a request's output constraint (cached "
+            "grammars take microseconds), in seconds.", GRAMMAR_BUCKETS)
+        self.structured_mask_time = histogram(
+            "structured_output_mask_seconds", "Histogram of the time per engine step spent computing and applying "
+            "grammar token masks (steps with constrained requests), in seconds.", GRAMMAR_BUCKETS)
         self.request_aborts = counter("request_aborts", "Requests aborted before finishing (client gone or cancelled).")
 
         self.time_to_first_token = histogram(
@@ -184,6 +196,8 @@ class PrometheusStatLogger:
         self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
         if it.step_time > 0:
             self.step_time.observe(it.step_time)
+        if it.structured_mask_time is not None:
+            self.structured_mask_time.observe(it.structured_mask_time)
         for proposed, accepted in it.spec_results:
             self.spec_decode_num_drafts.inc()
             self.spec_decode_num_draft_tokens.inc(proposed)
@@ -222,6 +236,11 @@ class PrometheusStatLogger:
                 self.request_time_per_output_token.observe(decode / (f.num_generation_tokens - 1))
         if m.spec_draft_tokens:
             self.spec_decode_request_acceptance_rate.observe(m.spec_accepted_tokens / m.spec_draft_tokens)
+        structured = f.params.structured_outputs
+        if structured is not None:
+            self._structured_requests.labels(self.model_name, structured.kind).inc()
+            if m.grammar_compile_time is not None:
+                self.grammar_compile_time.observe(m.grammar_compile_time)
 
     # -- events that happen outside an engine step ---------------------------------------------
 

@@ -1,12 +1,64 @@
 """Per-request sampling settings, validated once at the door."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Literal, Optional, Union
 
 
 class InvalidRequestError(ValueError):
     """Raised for a request the engine can never serve; the server maps it to HTTP 400."""
+
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+STRUCTURED_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's `structured_outputs`); exactly one field is set.
+
+    `json`: a JSON schema (dict or JSON text); `json_object`: any JSON object; `regex`; `choice`:
+    one of these strings; `grammar`: an EBNF grammar (GBNF, as llama.cpp and xgrammar write it);
+    `structural_tag`: xgrammar's structural-tag JSON (free text with constrained tagged parts,
+    which is how tool calls are enforced). Compiled by the engine's grammar backend; the
+    server maps OpenAI's `response_format` and `tools` onto it.
+    """
+
+    json: Union[None, str, dict] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    structural_tag: Optional[str] = None
+    # JSON without free whitespace between tokens (vLLM's flag); small models tend to loop on
+    # whitespace when any amount is allowed.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_fields = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise InvalidRequestError(
+                "structured output needs exactly one of json, json_object, regex, choice, grammar, "
+                f"structural_tag; got {', '.join(set_fields) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError("a json schema must be an object or its JSON text")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured output {name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured output choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> StructuredKind:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))  # type: ignore[return-value]
+
+    def key(self) -> str:
+        """A stable text of the constraint, to cache its compiled grammar by."""
+        value: Any = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
 
 
 @dataclass
@@ -28,6 +80,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # False opts this request out of speculative decoding (when the server has it configured).
     speculative: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -139,8 +139,10 @@ class Tokenizer:
         """Printable text of one token, special tokens included (for logprobs)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own template (transformers' jinja renderer).
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
+        """Render a conversation with the model's own template (transformers' jinja renderer);
+        `tools` are OpenAI function definitions, for templates that render them.
 
         Encode the result with add_special_tokens=False: templates write BOS themselves.
         """
@@ -157,6 +159,7 @@ class Tokenizer:
         try:
             rendered, _ = render_jinja_template(
                 conversations=[conversation],
+                tools=tools,
                 chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens_map,

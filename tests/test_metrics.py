@@ -13,7 +13,7 @@ from tessera.engine.outputs import RequestMetrics
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from tessera.metrics import PrometheusStatLogger, buckets_1_2_5, buckets_pow2
 from tessera.observability import StatsConsumer, build_stat_loggers
-from tessera.sampling_params import SamplingParams
+from tessera.sampling_params import SamplingParams, StructuredOutputsParams
 from tessera.status_log import StatusLineLogger
 
 MODEL = "tiny-test"
@@ -184,6 +184,22 @@ def test_an_unknown_finish_reason_is_counted_under_its_own_label():
     got = scrape(prom)
     assert got[("tessera:request_success_total", (("finished_reason", "error"), ("model_name", MODEL)))] == 1
     assert got[("tessera:request_aborts_total", (("model_name", MODEL),))] == 0
+
+
+def test_structured_output_requests_compile_and_mask_times():
+    prom = PrometheusStatLogger(MODEL)
+    f = finished_request(random.Random(2), 0, 1000.0)
+    f.params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    f.metrics.grammar_compile_time = 0.02
+    plain = finished_request(random.Random(3), 1, 1000.0)
+    prom.record(None, IterationStats(timestamp=0.0, finished=[f, plain], structured_mask_time=0.0004))
+    prom.record(None, IterationStats(timestamp=0.0))  # a step without constrained requests
+    got = scrape(prom)
+    model = (("model_name", MODEL),)
+    assert got[("tessera:structured_output_requests_total", (("kind", "regex"), ("model_name", MODEL)))] == 1
+    assert got[("tessera:grammar_compile_seconds_count", model)] == 1
+    assert got[("tessera:grammar_compile_seconds_sum", model)] == pytest.approx(0.02)
+    assert got[("tessera:structured_output_mask_seconds_count", model)] == 1
 
 
 def test_bucket_builders():

@@ -49,6 +49,7 @@ class ByteTokenizer:
     eos_token_ids = [EOS]
     bos_token_id = None
     vocab_size = 257
+    chat_template = "a template that renders no tools"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -59,7 +60,8 @@ class ByteTokenizer:
     def token_text(self, token_id: int) -> str:
         return "</s>" if token_id == EOS else self.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> str:
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown role {m['role']}")  # what a jinja template's raise_exception does
@@ -174,6 +176,9 @@ class FakeCore:
         return {"dtype": "float32", "tokens": 0}
 
     def close(self) -> None:
+        pass
+
+    def warm_up(self) -> None:
         pass
 
     def get_scheduler_stats(self) -> SchedulerStats:

@@ -23,7 +23,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, max_positions: int = 256) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -39,11 +39,11 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
         "bos_token": None, "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 256}))
+        "model_max_length": max_positions}))
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   rms_norm_eps=1e-6, eos_token_id=tok.token_to_id("<|im_end|>"), tie_word_embeddings=False)
     cfg = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
     torch.manual_seed(seed)

@@ -63,6 +63,9 @@ class Turn:
 
     prompt: str
     max_tokens: int
+    # Extra request fields (e.g. response_format); a request with extras ends where its model
+    # says (no ignore_eos), since a constrained output has its own end.
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -196,13 +199,66 @@ def code_edit_workload(num_prompts: int, seed: int, functions: tuple[int, int] =
     return sessions
 
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "code-edit")
-CHAT_DATASETS = ("multi-turn", "code-edit")  # sent to the chat API whatever --endpoint says
+_FIELD_NAMES = ("name", "city", "count", "price", "active", "colour", "size", "tags", "owner", "kind", "level",
+                "notes", "status", "items", "score")
+_ENUM_WORDS = ("red", "green", "blue", "small", "large", "on", "off")
+
+
+def random_json_schema(rng: random.Random, depth: int = 0) -> tuple[dict, str]:
+    """An object schema (nested objects, arrays, enums, required fields, bounded strings) and a
+    plain-words description of its fields, for a prompt asking for it."""
+    leaves = [
+        ({"type": "string", "maxLength": 24}, "a short string"),
+        ({"type": "integer", "minimum": 0, "maximum": 1000}, "an integer"),
+        ({"type": "number"}, "a number"),
+        ({"type": "boolean"}, "a boolean"),
+        ({"enum": rng.sample(_ENUM_WORDS, 3)}, "one of the options"),
+        ({"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
+         "a list of words"),
+    ]
+    names = rng.sample(_FIELD_NAMES, rng.randint(2, 4))
+    props, parts = {}, []
+    for name in names:
+        if depth < 1 and rng.random() < 0.25:
+            sub, text = random_json_schema(rng, depth + 1)
+            props[name] = sub
+            parts.append(f"{name} (an object with {text})")
+        elif depth < 1 and rng.random() < 0.15:
+            sub, text = random_json_schema(rng, depth + 1)
+            props[name] = {"type": "array", "items": sub, "minItems": 1, "maxItems": 2}
+            parts.append(f"{name} (a list of objects with {text})")
+        else:
+            schema, text = rng.choice(leaves)
+            props[name] = schema
+            parts.append(f"{name} ({text})")
+    required = [n for n in names if rng.random() < 0.8] or names[:1]
+    return ({"type": "object", "properties": props, "required": required, "additionalProperties": False},
+            ", ".join(parts))
+
+
+def json_schema_workload(num_prompts: int, seed: int, output_tokens: tuple[int, int] = (16, 256),
+                         constrained: bool = True) -> list[Session]:
+    """Chat requests asking for JSON with given fields, each with its own schema as
+    `response_format` (or, `constrained=False`, the same prompts without it: the baseline)."""
+    _check_range("output tokens", *output_tokens)
+    rng = random.Random(seed)
+    sessions = []
+    for i in range(num_prompts):
+        schema, text = random_json_schema(rng)
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}} \
+            if constrained else {"ignore_eos": False}
+        sessions.append(Session(i, [Turn(f"Describe something as a JSON object with these fields: {text}.",
+                                         rng.randint(*output_tokens), extra)], chat=True))
+    return sessions
+
+
+DATASETS = ("random", "shared-prefix", "multi-turn", "code-edit", "json-schema")
+CHAT_DATASETS = ("multi-turn", "code-edit", "json-schema")  # sent to the chat API whatever --endpoint says
 
 
 def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple[int, int] = (50, 400),
                    output_tokens: tuple[int, int] = (16, 256), prefix_words: int = 800,
-                   num_prefixes: int = 1, turns: int = 4) -> list[Session]:
+                   num_prefixes: int = 1, turns: int = 4, constrained: bool = True) -> list[Session]:
     """Workload by name; for multi-turn, `num_prompts` counts requests (conversations × turns)."""
     if num_prompts < 1:
         raise ValueError("number of prompts must be at least 1")
@@ -218,4 +274,6 @@ def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple
         return multi_turn_workload(conversations, seed, turns, output_tokens=output_tokens)
     if name == "code-edit":
         return code_edit_workload(num_prompts, seed, output_tokens=output_tokens)
+    if name == "json-schema":
+        return json_schema_workload(num_prompts, seed, output_tokens=output_tokens, constrained=constrained)
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

@@ -73,7 +73,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="random",
-                   help="random mixed lengths, shared-prefix (RAG-like) or multi-turn chat (default: %(default)s)")
+                   help="random mixed lengths, shared-prefix (RAG-like), multi-turn chat, code-edit or json-schema "
+                        "(structured output: each request with its own response_format) (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals (default: 0)")
     g.add_argument("--prompt-words", type=int_range, default=(50, 400), metavar="MIN:MAX",
                    help="prompt length in words for the random dataset (default: 50:400)")
@@ -84,6 +85,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prefixes", type=int, default=1,
                    help="shared-prefix: number of distinct heads (default: %(default)s)")
     g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default: %(default)s)")
+    g.add_argument("--no-constraint", dest="constrained", action="store_false",
+                   help="json-schema: send the same prompts without response_format (the baseline)")
     g.add_argument("--slo-ttft", type=positive_float, default=1.0,
                    help="TTFT objective in seconds (default: %(default)s)")
     g.add_argument("--slo-itl", type=positive_float, default=0.05,
@@ -111,12 +114,13 @@ def workload_from_args(args: argparse.Namespace, num_prompts: int, seed: int) ->
     try:
         return build_workload(args.dataset, num_prompts, seed, input_words=args.prompt_words,
                               output_tokens=args.max_tokens, prefix_words=args.prefix_words,
-                              num_prefixes=args.num_prefixes, turns=args.turns)
+                              num_prefixes=args.num_prefixes, turns=args.turns,
+                              constrained=args.constrained)
     except ValueError as exc:
         raise TesseraError(f"workload: {exc}") from None
 
 
 def workload_config(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("dataset", "seed", "prompt_words", "max_tokens", "prefix_words", "num_prefixes", "turns",
+    keys = ("dataset", "seed", "prompt_words", "max_tokens", "prefix_words", "num_prefixes", "turns", "constrained",
             "endpoint", "temperature", "warmup", "slo_ttft", "slo_itl", "base_url", "model", "label")
     return {k: getattr(args, k) for k in keys if hasattr(args, k)}

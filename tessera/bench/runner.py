@@ -77,6 +77,8 @@ async def _run_session(http: aiohttp.ClientSession, target: Target, session: Ses
             body = chat_body(target.model, list(messages), turn.max_tokens, target.temperature)
         else:
             body = completion_body(target.model, turn.prompt, turn.max_tokens, target.temperature)
+        if turn.extra:
+            body = {**body, "ignore_eos": False, **turn.extra}
         r = await stream_request(http, target.url(chat), body, chat=chat, headers=target.headers)
         r.session_id, r.turn = session.session_id, i
         results.append(r)

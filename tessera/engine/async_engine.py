@@ -69,6 +69,8 @@ class EngineCore(Protocol):
 
     def kv_cache_info(self) -> dict: ...
 
+    def warm_up(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -151,8 +153,11 @@ class AsyncLLMEngine:
         longer wait for its prompt alone, it is refused at once with PredictedWaitError.
         """
         self.check_health()
-        prepared = self.engine.prepare_request(request_id, prompt, params,
+        if params.structured_outputs is not None:  # compiling a grammar may take a while: not on the event loop
+            prepared = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
                                                add_special_tokens=add_special_tokens)
+        else:
+            prepared = self.engine.prepare_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
         wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n)
         if deadline_s is not None and wait is not None and wait > deadline_s:
             raise PredictedWaitError(
@@ -181,6 +186,9 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._send("abort", request_id)
+
+    def warm_up(self) -> None:
+        self.engine.warm_up()
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from tessera.engine.spec_decode import (
     propose_all,
 )
 from tessera.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from tessera.engine.structured_output import StructuredOutputManager
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.kernels import KernelUnavailable
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -53,6 +55,8 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int
     arrival_time: float
+    grammar: object = None  # the compiled structured-output constraint (xgrammar.CompiledGrammar)
+    grammar_compile_time: Optional[float] = None
 
 
 @dataclass
@@ -123,8 +127,9 @@ class LLMEngine:
 
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks, hash_extra=str(config.model))
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self.runner = ModelRunner(loaded.model, mc, self.config, self.attn_backend, num_blocks, num_host_blocks,
-                                  self.dtype)
+                                  self.dtype, self.structured)
         logger.info("%s", self.config.profile_summary())
         self.cost_model = self._calibrate_cost_model()
         logger.info("step-cost model: %s", self.cost_model.summary())
@@ -178,10 +183,17 @@ class LLMEngine:
             stats.external_prefix_cache_hits = len(sched.kv_loads) * self.config.block_size
             stats.kv_offload_saved_seconds = self.cost_model.predict(sched.kv_loaded_shape) - load_s
 
+    def warm_up(self) -> None:
+        """Pay first-request costs now: the chat template's compilation, here, and the grammar
+        compiler's reading of the vocabulary (~1 s for Qwen's), in a background thread."""
+        self.tokenizer.warm_up()
+        threading.Thread(target=self.structured.warm_up, name="tessera-grammar-warm-up", daemon=True).start()
+
     def close(self) -> None:
         """Finish writing what the disk tier was handed (at shutdown; the engine stays usable)."""
         if self.offload is not None:
             self.offload.flush()
+        self.structured.close()
 
     # -- speculative decoding -----------------------------------------------------
     def _load_draft(self, config: EngineConfig):
@@ -352,7 +364,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache "
                 f"of {self.kv.num_blocks * self.config.block_size} tokens; raise --kv-cache-memory")
-        return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
+        prepared = PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
+        if params.structured_outputs is not None:
+            t0 = time.perf_counter()
+            prepared.grammar = self.structured.compile(params.structured_outputs)
+            prepared.grammar_compile_time = time.perf_counter() - t0
+        return prepared
 
     def add_prepared(self, p: PreparedRequest) -> None:
         if p.request_id in self.parents:
@@ -370,6 +387,10 @@ class LLMEngine:
                           self.tokenizer.eos_token_ids, p.arrival_time, gen,
                           wait_for=first if self.config.enable_prefix_caching else None)
             first = first or req
+            if p.grammar is not None:
+                assert p.params.structured_outputs is not None
+                req.grammar = self.structured.new_state(p.grammar, p.params.structured_outputs.kind)
+                req.metrics.grammar_compile_time = p.grammar_compile_time
             detok = IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, p.params.skip_special_tokens)
             out = CompletionOutput(index=i, logprobs=[] if p.params.logprobs is not None else None)
             parent.children.append(_Child(req, detok, out))
@@ -416,6 +437,9 @@ class LLMEngine:
         result = self.runner.execute(sched)
         load_s = time.perf_counter() - t_exec if sched.kv_loads else 0.0
         appended = self.scheduler.update_after_step(sched, result.sampled)
+        for s in sched.scheduled:
+            if s.request.grammar is not None and s.request.request_id in appended:
+                s.request.grammar.advance(appended[s.request.request_id])
         now = time.time()
         stats = IterationStats(
             timestamp=now,
@@ -425,6 +449,7 @@ class LLMEngine:
             prefix_cache_queries=sched.num_prefix_queries,
             prefix_cache_hits=sched.num_prefix_hits,
             spec_results=list(result.spec_results.values()),
+            structured_mask_time=result.mask_time,
         )
         if self.offload is not None:
             self._offload_step(sched, stats, load_s)

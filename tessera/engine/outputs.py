@@ -45,6 +45,7 @@ class RequestMetrics:
     # Speculative decoding: proposed tokens verified for this request, and how many were accepted.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    grammar_compile_time: Optional[float] = None  # seconds to compile its structured-output constraint
 
 
 @dataclass

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from tessera.engine.outputs import RequestMetrics
 from tessera.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tessera.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +74,9 @@ class Request:
         self.draft_num_valid = 0
         self.draft_tail: list[int] = []
         self.stop_reason: int | str | None = None
+        # Where this sequence stands in its structured-output grammar (None: unconstrained);
+        # advanced by the tokens each step appends, so it survives preemption.
+        self.grammar: Optional["GrammarState"] = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 
     @property

@@ -15,6 +15,7 @@ from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.request import Request
 from tessera.engine.sampler import Sampler
 from tessera.engine.scheduler import SchedulerOutput
+from tessera.engine.structured_output import GrammarState, MaskJob, StructuredOutputManager
 
 
 @dataclass
@@ -25,11 +26,13 @@ class RunnerOutput:
     num_prompt_tokens: int  # tokens computed that were not a decode of the last sampled token
     # request id -> (proposed, accepted), for each request that verified proposals this step
     spec_results: dict[str, tuple[int, int]] = field(default_factory=dict)
+    mask_time: Optional[float] = None  # seconds spent on structured-output masks this step, if any
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
+                 structured: Optional[StructuredOutputManager] = None) -> None:
         self.model = model
         self.config = config
         self.backend = backend
@@ -41,6 +44,7 @@ class ModelRunner:
         self.host_caches = backend.allocate(mc.num_layers, num_host_blocks, config.block_size, mc.num_kv_heads,
                                             mc.head_dim, dtype) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
+        self.structured = structured
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
@@ -127,6 +131,7 @@ class ModelRunner:
             if s.produces_token and not k:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(r)
+        masks = self._start_masks(sample_reqs, spec_reqs, proposals)
         meta = self.backend.build_metadata(qlens, seqlens, tables, self.block_size)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
@@ -136,6 +141,10 @@ class ModelRunner:
         if rows != list(range(hidden.shape[0])):  # a subset, or plain rows not all ahead of the runs
             hidden = hidden.index_select(0, torch.tensor(rows))
         logits = self.model.compute_logits(hidden)
+        mask_time = None
+        if masks is not None:
+            logits = logits.float()
+            mask_time = masks.apply(logits)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
         if sample_reqs:
@@ -152,4 +161,21 @@ class ModelRunner:
                 spec_results[r.request_id] = (len(proposal), accepted)
             if spec.logprobs is not None:
                 logprobs.update({r.request_id: lp for r, lp in zip(spec_reqs, spec.logprobs) if lp is not None})
-        return RunnerOutput(sampled, logprobs, num_prompt, spec_results)
+        return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time)
+
+    def _start_masks(self, sample_reqs: list[Request], spec_reqs: list[Request],
+                     proposals: list[list[int]]) -> Optional[MaskJob]:
+        """Start the step's grammar masks (logits rows: sampled rows, then each run's k + 1)."""
+        if self.structured is None:
+            return None
+        plain: list[tuple[int, GrammarState]] = [(i, r.grammar) for i, r in enumerate(sample_reqs)
+                                                 if r.grammar is not None and not r.grammar.done]
+        runs: list[tuple[int, GrammarState, list[int]]] = []
+        row = len(sample_reqs)
+        for r, proposal in zip(spec_reqs, proposals):
+            if r.grammar is not None and not r.grammar.done:
+                runs.append((row, r.grammar, proposal))
+            row += len(proposal) + 1
+        if not plain and not runs:
+            return None
+        return self.structured.start_masks(row, plain, runs)

@@ -6,6 +6,7 @@ built on another thread (see tessera.metrics), so observability never slows a st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from tessera.engine.outputs import RequestMetrics
 from tessera.sampling_params import SamplingParams
@@ -54,3 +55,4 @@ class IterationStats:
     finished: list[FinishedRequestStats] = field(default_factory=list)
     spec_results: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted) per request
     step_time: float = 0.0  # seconds from schedule to outputs
+    structured_mask_time: Optional[float] = None  # seconds computing and applying grammar masks, if any

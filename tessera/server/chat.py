@@ -12,8 +12,11 @@ from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
-                                     DeltaMessage, TopLogprob, UsageInfo)
+                                     DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
+                                     TopLogprob, UsageInfo)
 from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage, sse, usage_of
+from tessera.server.tools import (ParserEvent, ToolCallParser, add_tools_to_messages, check_tools,
+                                  template_renders_tools, tool_choice_mode, tool_constraint)
 
 
 def chat_logprobs(entries: list[TokenLogprob], num_top: int) -> ChatLogprobs:
@@ -28,17 +31,35 @@ def chat_logprobs(entries: list[TokenLogprob], num_top: int) -> ChatLogprobs:
     ])
 
 
+def _finish_reason(reason: Optional[str], parser: Optional[ToolCallParser]) -> Optional[str]:
+    """OpenAI says "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
+
+
+def _delta(event: ParserEvent) -> DeltaMessage:
+    if event.kind == "content":
+        return DeltaMessage(content=event.text)
+    if event.kind == "call":
+        assert event.call is not None
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=event.call.id, type="function",
+                                                      function=DeltaFunctionCall(name=event.call.name,
+                                                                                 arguments=""))])
+    return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))])
+
+
 class ChatStream:
-    """SSE events for a streamed chat completion: a role delta per choice first, then content deltas,
-    then a chunk with an empty delta and the finish reason."""
+    """SSE events for a streamed chat completion: a role delta per choice first, then content (or
+    tool-call) deltas, then a chunk with an empty delta and the finish reason."""
 
     def __init__(self, request_id: str, model: str, n: int, num_logprobs: Optional[int],
-                 include_usage: bool) -> None:
+                 include_usage: bool, parse_tools: bool = False) -> None:
         self.request_id, self.model, self.n = request_id, model, n
         self.num_logprobs = num_logprobs
         self.include_usage = include_usage
         self.created = int(time.time())
         self.finished: set[int] = set()
+        self.parsers: Optional[dict[int, ToolCallParser]] = {i: ToolCallParser() for i in range(n)} \
+            if parse_tools else None
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Optional[UsageInfo] = None) -> str:
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
@@ -54,15 +75,23 @@ class ChatStream:
         for c in output.outputs:
             if c.index in self.finished:
                 continue
-            if c.delta_text or c.delta_logprobs:
-                logprobs = (chat_logprobs(c.delta_logprobs or [], self.num_logprobs)
-                            if self.num_logprobs is not None else None)
-                events.append(self._chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
-                                                           logprobs=logprobs)]))
+            logprobs = (chat_logprobs(c.delta_logprobs or [], self.num_logprobs)
+                        if self.num_logprobs is not None and c.delta_logprobs else None)
+            parser = self.parsers[c.index] if self.parsers is not None else None
+            if parser is None:
+                deltas = [DeltaMessage(content=c.delta_text)] if c.delta_text else []
+            else:
+                parsed = parser.feed(c.delta_text) + (parser.finish() if c.finished else [])
+                deltas = [_delta(e) for e in parsed]
+            if logprobs is not None and not deltas:
+                deltas = [DeltaMessage()]
+            for i, delta in enumerate(deltas):  # the step's logprobs ride on its first chunk
+                events.append(self._chunk([ChatChunkChoice(index=c.index, delta=delta,
+                                                           logprobs=logprobs if i == 0 else None)]))
             if c.finished:
                 self.finished.add(c.index)
                 events.append(self._chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(),
-                                                           finish_reason=c.finish_reason,
+                                                           finish_reason=_finish_reason(c.finish_reason, parser),
                                                            stop_reason=c.stop_reason)]))
         return events
 
@@ -72,9 +101,15 @@ class ChatStream:
 
 def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     tokenizer = state.engine.tokenizer
+    messages = body.template_messages()
+    tools = None
+    if template_renders_tools(tokenizer.chat_template):
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    else:
+        messages = add_tools_to_messages(messages, body.tools or [])
     try:
-        text = tokenizer.apply_chat_template(body.template_messages(),
-                                             add_generation_prompt=body.add_generation_prompt is not False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                             tools=tools)
     except InvalidRequestError:
         raise
     except Exception as exc:  # jinja templates raise for e.g. roles they do not know or a bad order
@@ -90,21 +125,42 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = state.check_model(body.model)
     num_logprobs = body.num_logprobs()
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=num_logprobs)
+    constraint = body.structured_constraint()
+    mode = tool_choice_mode(body.tools, body.tool_choice)
+    if mode != "none":
+        assert body.tools
+        check_tools(body.tools)
+        if constraint is not None:
+            raise InvalidRequestError("tool calling cannot be combined with response_format or structured "
+                                      "outputs; set tool_choice to 'none' to use them with tools")
+        constraint = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
+    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=num_logprobs, structured=constraint)
     prompt = _prompt_ids(state, body)
     run = Run(state, request, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}")
+    parse_tools = mode != "none"
 
     if body.stream:
-        return await run.stream(ChatStream(run.request_id, model, params.n, num_logprobs, body.include_usage))
+        return await run.stream(ChatStream(run.request_id, model, params.n, num_logprobs, body.include_usage,
+                                           parse_tools))
     finals: Union[dict[int, RequestOutput], Response] = await run.collect()
     if isinstance(finals, Response):
         return finals
-    choices = [
-        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                   logprobs=chat_logprobs(c.logprobs or [], num_logprobs) if num_logprobs is not None else None,
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        for c in sorted(finals[0].outputs, key=lambda c: c.index)
-    ]
+    choices = []
+    for c in sorted(finals[0].outputs, key=lambda c: c.index):
+        parser = None
+        message = ChatResponseMessage(content=c.text)
+        if parse_tools:
+            parser = ToolCallParser()
+            parser.feed(c.text)
+            parser.finish()
+            message = ChatResponseMessage(
+                content=parser.content or None,
+                tool_calls=[ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                            for call in parser.calls])
+        choices.append(ChatChoice(
+            index=c.index, message=message,
+            logprobs=chat_logprobs(c.logprobs or [], num_logprobs) if num_logprobs is not None else None,
+            finish_reason=_finish_reason(c.finish_reason, parser), stop_reason=c.stop_reason))
     usage = usage_of(finals)
     record_usage(request, usage)
     response = ChatCompletionResponse(id=run.request_id, model=model, choices=choices, usage=usage)

@@ -96,7 +96,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (prompt logprobs are not computed)")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs)
+    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
+                                     structured=body.structured_constraint())
     echo_texts: Optional[list[str]] = None
     if body.echo:
         echo_texts = [p if isinstance(p, str) else state.engine.tokenizer.decode(p, skip_special_tokens=False)

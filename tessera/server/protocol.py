@@ -6,12 +6,13 @@ Range checks live in SamplingParams so the engine and the server agree on them.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 # Largest n one request may ask for (OpenAI's own limit); keeps one request from flooding the engine.
 MAX_N = 128
@@ -27,6 +28,7 @@ UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
+    "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }
 
 
@@ -35,6 +37,34 @@ UNION_FIELDS = {
 
 class StreamOptions(OpenAIModel):
     include_usage: Optional[bool] = False
+
+
+class JSONSchemaSpec(OpenAIModel):
+    """`response_format.json_schema`: OpenAI's wrapper around the schema itself."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaSpec] = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Union[dict[str, Any], str, None] = None
+    disable_any_whitespace: Optional[bool] = None
 
 
 class SamplingRequest(OpenAIModel):
@@ -61,13 +91,50 @@ class SamplingRequest(OpenAIModel):
     # wants the steadiest per-token latency rather than the highest speed).
     speculative: Optional[bool] = True
     user: Optional[str] = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
-        """Build the engine's settings; raises InvalidRequestError for out-of-range values."""
+    def structured_constraint(self) -> Optional[StructuredOutputsParams]:
+        """The one output constraint this request asks for, from whichever field it used."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format of type json_schema needs json_schema.schema")
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            tag = so.structural_tag
+            found.append(("structured_outputs", StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=bool(so.json_object),
+                structural_tag=json.dumps(tag) if isinstance(tag, dict) else tag,
+                disable_any_whitespace=bool(so.disable_any_whitespace))))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, StructuredOutputsParams(**{kind: value})))
+        if len(found) > 1:
+            raise InvalidRequestError("give one output constraint, not several: "
+                                      + ", ".join(name for name, _ in found))
+        return found[0][1] if found else None
+
+    def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                           structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """Build the engine's settings; raises InvalidRequestError for out-of-range values.
+        `structured` is the output constraint (the request's own, or one its tools imply)."""
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -89,6 +156,7 @@ class SamplingRequest(OpenAIModel):
                 logprobs=logprobs,
                 skip_special_tokens=pick(self.skip_special_tokens, True),
                 speculative=pick(self.speculative, True),
+                structured_outputs=structured,
             )
         except (TypeError, ValueError) as exc:  # InvalidRequestError is a ValueError
             raise InvalidRequestError(str(exc)) from exc
@@ -121,10 +189,57 @@ class TextPart(OpenAIModel):
     text: Optional[str] = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallIn(OpenAIModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCallIn(OpenAIModel):
+    """A tool call of an earlier assistant turn, as a client sends it back."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a tool turn: which call this is the result of
 
     def text(self) -> str:
         """The message content as one string; only text parts are supported."""
@@ -147,11 +262,37 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: Optional[bool] = True  # vLLM extension
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = True
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates read them: tool-call arguments as objects (Hugging Face's
+        convention; OpenAI clients send them as JSON text)."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = []
+                for call in m.tool_calls:
+                    args: Any = call.function.arguments
+                    if isinstance(args, str):
+                        try:
+                            args = json.loads(args) if args.strip() else {}
+                        except json.JSONDecodeError:
+                            raise InvalidRequestError(
+                                f"tool call {call.function.name!r}: arguments are not valid JSON") from None
+                    calls.append({"id": call.id, "type": "function",
+                                  "function": {"name": call.function.name, "arguments": args}})
+                msg["tool_calls"] = calls
+            out.append(msg)
+        return out
 
     def num_logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -215,7 +356,38 @@ class ChatLogprobs(OpenAIModel):
 
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
-    content: Optional[str] = None
+    content: Optional[str] = None  # null when the reply is only tool calls
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """`tool_calls` only when there are some, as OpenAI's responses have it."""
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
+
+
+class _SparseModel(OpenAIModel):
+    """Serialized without its unset (None) fields, as OpenAI's stream chunks are."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_SparseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_SparseModel):
+    """A piece of a streamed tool call: id, type and name first, then argument text."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
 
 
 class ChatChoice(OpenAIModel):
@@ -236,15 +408,13 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIModel):
-    """Only the fields a chunk carries: {"role": ..} first, then {"content": ..}, and {} at the end."""
+class DeltaMessage(_SparseModel):
+    """Only the fields a chunk carries: {"role": ..} first, then {"content": ..} or {"tool_calls": ..},
+    and {} at the end."""
 
     role: Optional[str] = None
     content: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(OpenAIModel):
