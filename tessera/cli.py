@@ -43,6 +43,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-queued-requests", type=int, default=None,
                    help="requests waiting beyond this many get HTTP 429 (default: profile: chat-solo 8, "
                         "bursty 128, multi-agent 512)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM or Ctrl-C: seconds running requests get to finish while new ones get 503; "
+                        "those still running then end with an error (default: %(default)s)")
+    g.add_argument("--engine-step-timeout", type=float, default=120.0,
+                   help="watchdog: an engine step running longer turns /health to 503 and refuses new "
+                        "requests until it returns, 0 = off (default: %(default)s)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds after which a request is aborted, 0 = never; a request whose forecast queue wait "
                         "is already longer is refused at once with 429 (default: %(default)s)")

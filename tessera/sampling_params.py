@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
+
+
+# Bounds on a request's stop conditions: stop strings are searched in the text after every token,
+# so ten thousand of them would slow every step of the batch (OpenAI allows 4; vLLM no limit).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
+MAX_LOGIT_BIAS = 1024  # OpenAI's limit is 300 tokens
 
 
 class InvalidRequestError(ValueError):
@@ -81,6 +89,8 @@ class SamplingParams:
     # False opts this request out of speculative decoding (when the server has it configured).
     speculative: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # OpenAI's logit_bias: token id -> value in [-100, 100] added to its logit before sampling.
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +106,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
+
+    @property
     def has_penalties(self) -> bool:
         """Whether repetition, presence or frequency penalties change the logits."""
         return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
@@ -104,6 +118,27 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad(f"each stop string may be at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            bad(f"stop_token_ids may hold at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias must map token ids to numbers")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    bad(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                    bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -12,6 +12,7 @@ match `AutoTokenizer.apply_chat_template` exactly.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -131,6 +132,22 @@ class Tokenizer:
     # -- API -----------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, but a text that cannot fit in `max_tokens` (more bytes than that many of the
+        vocabulary's longest tokens) is refused before tokenizing: a 10 MB prompt would otherwise
+        hold a thread for seconds only to be refused for its length."""
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > max_tokens * self.max_token_bytes + 64:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_tokens} tokens; the prompt ({size} bytes) "
+                "is longer than that.")
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the vocabulary's longest token (an upper bound on the text one token covers)."""
+        return max((len(t.encode("utf-8")) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

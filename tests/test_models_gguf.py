@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
@@ -270,7 +272,7 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_missing_tensors(tmp_path):
     path = _minimal_gguf(tmp_path / "m.gguf", "llama")
-    with pytest.raises(ModelFormatError, match="missing .* weight"):
+    with pytest.raises(ModelFormatError, match="tensor blk.0.attn_q.weight is missing"):
         load_model(path, "float32", quantization="none")
 
 
@@ -283,9 +285,42 @@ def test_rope_scaling_metadata(tmp_path):
     w.add_float32("qwen2.rope.scaling.factor", 4.0)
     w.add_uint32("qwen2.rope.scaling.original_context_length", 32768)
     w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    for name, shape in (("attn_q", (64, 64)), ("attn_k", (64, 64)), ("ffn_up", (128, 64))):
+        w.add_tensor(f"blk.0.{name}.weight", np.zeros(shape, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     cfg = config_from_gguf(read_gguf(tmp_path / "r.gguf"))
     assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+def test_metadata_that_disagrees_with_the_tensors_is_refused(tiny_gguf, tmp_path):
+    """A header claiming absurd sizes must not turn into an absurd allocation."""
+    gf = read_gguf(tiny_gguf)
+    gf.metadata[f"{gf.architecture}.embedding_length"] = 10**9
+    with pytest.raises(ModelFormatError, match="token_embd.weight has shape"):
+        config_from_gguf(gf)
+    gf = read_gguf(tiny_gguf)
+    gf.metadata[f"{gf.architecture}.block_count"] = 10**6
+    with pytest.raises(ModelFormatError, match="missing .*metadata says 1000000 layers"):
+        config_from_gguf(gf)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_headers_are_refused_cleanly(tiny_gguf, data):
+    """Random byte flips and cuts in the header and tensor table: the file parses to a config
+    that agrees with its tensors, or is refused with ModelFormatError; nothing else escapes."""
+    raw = bytearray(tiny_gguf.read_bytes())
+    header_end = 4096
+    for _ in range(data.draw(st.integers(1, 8))):
+        raw[data.draw(st.integers(4, header_end))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[:data.draw(st.integers(0, len(raw)))]
+    path = tiny_gguf.with_name("fuzzed.gguf")
+    path.write_bytes(bytes(raw))
+    try:
+        config_from_gguf(read_gguf(path))
+    except ModelFormatError:
+        pass

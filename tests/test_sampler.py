@@ -38,3 +38,25 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     reqs = [_req(temperature=0.0), _req(temperature=1.0), _req(temperature=0.0)]
     out = Sampler()(logits.clone(), reqs).token_ids
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+
+
+def test_logit_bias_is_added_before_sampling():
+    logits = torch.zeros(3, 8)
+    logits[:, 2] = 5.0
+    reqs = [_req(temperature=0.0, logit_bias={6: 100}), _req(temperature=0.0, logit_bias={2: -100}),
+            _req(temperature=0.0)]
+    out = Sampler(0)(logits.clone(), reqs)
+    assert out.token_ids[0] == 6 and out.token_ids[1] != 2 and out.token_ids[2] == 2
+    banned = [Sampler(s)(logits.clone(), [_req(temperature=1.0, logit_bias={2: -100})]).token_ids[0]
+              for s in range(20)]
+    assert 2 not in banned
+
+
+def test_logit_bias_values_and_keys_are_checked():
+    import pytest
+
+    from tessera.sampling_params import InvalidRequestError
+
+    for bad in ({1: 101}, {-1: 1}, {1: float("nan")}, {i: 1 for i in range(2000)}):
+        with pytest.raises(InvalidRequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -31,7 +31,6 @@ from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import InvalidRequestError, SamplingParams
-from tessera.server import app as app_module
 from tessera.server.app import DrainingServer, create_app
 
 MODEL = "fake-model"
@@ -53,6 +52,9 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        return self.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -801,13 +803,14 @@ def test_dead_engine_gives_503():
         assert httpx.get(f"{s.url}/v1/models").status_code == 200  # the HTTP side is still up
 
 
-def test_shutdown_ends_running_requests_cleanly(monkeypatch):
-    monkeypatch.setattr(app_module, "GRACEFUL_SHUTDOWN_SECONDS", 0.3)
+def test_shutdown_drains_then_ends_running_requests_cleanly():
+    """SIGTERM: new requests get 503 at once, a short request still finishes, and what runs past
+    --shutdown-timeout ends with a final error event / 503 rather than a cut connection."""
     core = FakeCore(step_s=0.02)
     engine = AsyncLLMEngine(core.config, engine=core)
     app = create_app(engine, [MODEL])
     server = DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5),
-                            app.state.tessera)
+                            app.state.tessera, shutdown_timeout=0.6)
     results: dict[str, object] = {}
 
     def stream(url: str) -> None:
@@ -819,17 +822,24 @@ def test_shutdown_ends_running_requests_cleanly(monkeypatch):
         results["whole"] = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 200,
                                                                      "ignore_eos": True}, timeout=10)
 
+    def short(url: str) -> None:
+        results["short"] = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 5,
+                                                                     "ignore_eos": True}, timeout=10)
+
     try:
         with serve_in_thread(app, server) as url:
-            clients = [threading.Thread(target=f, args=(url,)) for f in (stream, whole)]
+            clients = [threading.Thread(target=f, args=(url,)) for f in (stream, whole, short)]
             for t in clients:
                 t.start()
-            time.sleep(0.3)
+            time.sleep(0.05)
             started = time.monotonic()
-            server.should_exit = True
+            server.drain()
+            assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10), 503, "shutting down")
+            assert_error(httpx.get(f"{url}/health"), 503, "shutting down")
             for t in clients:
                 t.join(10)
             assert time.monotonic() - started < 3
+        assert results["short"].status_code == 200  # finished within the drain
         events = results["stream"]
         assert events[-1]["error"]["code"] == "server_shutting_down" and len(events) > 2
         assert_error(results["whole"], 503, "shutting down")

@@ -11,10 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union
 
 from tessera.config import EngineConfig
-from tessera.engine.llm_engine import LLMEngine, PreparedRequest
+from tessera.engine.llm_engine import LLMEngine, PreparedRequest, StepFailedError
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
@@ -34,6 +35,11 @@ class QueueFullError(Exception):
 class PredictedWaitError(QueueFullError):
     """The step-cost model says the request would wait past its deadline: refused now (HTTP 429)
     rather than timed out later, with the blocks and time it would have taken left to others."""
+
+
+class EngineStepError(Exception):
+    """The engine step running this request failed; the request was ended (HTTP 500), the
+    engine serves on."""
 
 
 class EngineDeadError(Exception):
@@ -88,6 +94,7 @@ class AsyncLLMEngine:
         stats_sink=None,
         engine: Optional[EngineCore] = None,
         start_thread: bool = True,
+        step_timeout: Optional[float] = None,
     ) -> None:
         """`start_thread=False` leaves the loop to the caller's `run_until()`: `tessera serve`
         runs it on the main thread, where torch's OpenMP threads measured about 1.4x faster
@@ -108,6 +115,10 @@ class AsyncLLMEngine:
         self._stats = self.engine.get_scheduler_stats()
         self._snapshot = self.engine.load_snapshot()
         self._dead: Optional[BaseException] = None
+        # Watchdog: a step running longer than this makes the engine unhealthy (/health 503, new
+        # requests refused) until it returns; None = no watchdog.
+        self.step_timeout = step_timeout
+        self._step_started: Optional[float] = None
         self._stop = False
         self._loop_exited = False
         self._thread: Optional[threading.Thread] = None
@@ -121,6 +132,12 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         if self._loop_exited:
             raise EngineDeadError("engine loop is not running")
+        started = self._step_started
+        if started is not None and self.step_timeout is not None:
+            running = time.monotonic() - started
+            if running > self.step_timeout:
+                raise EngineDeadError(f"an engine step has been running for {running:.0f} s, past the "
+                                      f"{self.step_timeout:g} s watchdog (--engine-step-timeout)")
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return self._stats
@@ -249,7 +266,19 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=0.2)
                     self._wakeup.clear()
                     continue
-                outputs, it_stats = self.engine.step_with_stats()
+                self._step_started = time.monotonic()
+                try:
+                    outputs, it_stats = self.engine.step_with_stats()
+                except StepFailedError as exc:  # its requests were ended; tell their callers, go on
+                    for rid in exc.request_ids:
+                        self._deliver(rid, EngineStepError(
+                            f"the engine step running this request failed ({type(exc.cause).__name__}: "
+                            f"{exc.cause}); the request was ended"))
+                    self._stats = self.engine.get_scheduler_stats()
+                    self._snapshot = self.engine.load_snapshot()
+                    continue
+                finally:
+                    self._step_started = None
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 self._stats = self.engine.get_scheduler_stats()

@@ -45,6 +45,18 @@ DEFAULT_MAX_MODEL_LEN = 4096
 CALIBRATION_BUDGET_S = 3.0  # start-up time the step-cost calibration may take; online refinement does the rest
 
 
+class StepFailedError(Exception):
+    """A step raised; the requests it touched were failed and freed, the engine goes on.
+
+    `request_ids` are the (parent) requests that were ended; `cause` is the original error.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass
 class PreparedRequest:
     """A request validated and tokenized off the engine thread, ready to enqueue."""
@@ -146,6 +158,7 @@ class LLMEngine:
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._aborted: list[str] = []  # parents aborted since the last step, to report
+        self._step_touched: Optional[list[Request]] = None  # requests the running step works on
         capacity = num_blocks * config.block_size
         self.kv_tokens_per_gib = config.block_size * 2**30 / bytes_per_block
         logger.info(
@@ -341,7 +354,7 @@ class LLMEngine:
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty")
             text: Optional[str] = prompt
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self.tokenizer.encode_bounded(prompt, self.config.max_model_len, add_special_tokens)
         else:
             text, ids = None, list(prompt)
             vocab = self.model_config.vocab_size
@@ -349,6 +362,9 @@ class LLMEngine:
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         if not ids:
             raise InvalidRequestError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias keys must be token ids below the vocabulary size {vocab}")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(
@@ -427,12 +443,39 @@ class LLMEngine:
         return outputs
 
     def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
+        """One step. If it raises (a fault in the model, the kernels or the sampler), the requests
+        it was running are ended and their blocks freed, and StepFailedError names them: one bad
+        step costs its own requests, not the server."""
+        self._step_touched: Optional[list[Request]] = None
+        try:
+            return self._step_with_stats()
+        except Exception as exc:
+            touched = self._step_touched if self._step_touched is not None else list(self.scheduler.running)
+            failed = self._fail_requests(touched)
+            logger.exception("engine step failed; ended %d request(s): %s", len(failed), ", ".join(failed))
+            raise StepFailedError(failed, exc) from exc
+
+    def _fail_requests(self, reqs: list[Request]) -> list[str]:
+        """End the parents of `reqs` now (blocks freed, no further output); returns their ids."""
+        parent_ids = list(dict.fromkeys(self._child_parent[r.request_id] for r in reqs
+                                        if r.request_id in self._child_parent))
+        for pid in parent_ids:
+            parent = self.parents.pop(pid)
+            for c in parent.children:
+                self.scheduler.finish_request(c.req, RequestStatus.FINISHED_ABORTED)
+                self._child_parent.pop(c.req.request_id, None)
+        return parent_ids
+
+    def _step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]:
         t0 = time.perf_counter()
         if self.proposer is not None and self.spec_policy is not None:
             propose_all(self.proposer, self.spec_policy, self.scheduler.running, len(self.scheduler.waiting),
                         self.config.max_model_len, self.kv)
         t_step = time.perf_counter()  # drafting is not part of the step the cost model predicts
         sched = self.scheduler.schedule()
+        # What a failure from here on touched: the scheduled requests and any swapped this step.
+        self._step_touched = [s.request for s in sched.scheduled] + [
+            self.scheduler.requests[rid] for rid in sched.preempted if rid in self.scheduler.requests]
         t_exec = time.perf_counter()
         result = self.runner.execute(sched)
         load_s = time.perf_counter() - t_exec if sched.kv_loads else 0.0

@@ -42,6 +42,15 @@ def _penalize(logits: torch.Tensor, reqs: list[Request]) -> None:
     logits -= torch.tensor(pres).unsqueeze(1) * (out_counts > 0).float()
 
 
+def _bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """OpenAI's logit_bias: add each request's values to its row (in place)."""
+    for i, r in enumerate(reqs):
+        bias = r.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype))
+
+
 def _truncate(logits: torch.Tensor, reqs: list[Request]) -> None:
     """Apply top-k, top-p and min-p by masking logits to -inf (in place)."""
     top_k = [r.params.top_k for r in reqs]
@@ -207,6 +216,8 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         greedy = [r.params.temperature == 0.0 for r in reqs]
+        if any(r.params.has_logit_bias for r in reqs):
+            _bias(logits, reqs)
         if all(greedy):
             _penalize(logits, reqs)
             tokens = logits.argmax(dim=-1)

@@ -248,8 +248,9 @@ def build_ngram(config: SpeculativeConfig) -> NgramProposer:
 
 def speculates(req: Request) -> bool:
     """Whether a request may verify proposals: it did not opt out, and penalties (which depend
-    on every earlier token, which the batched verification does not replay) are off."""
-    return req.params.speculative and not req.params.has_penalties
+    on every earlier token, which the batched verification does not replay) and logit_bias
+    (which the verification does not apply) are off."""
+    return req.params.speculative and not req.params.has_penalties and not req.params.has_logit_bias
 
 
 def propose_all(proposer: Proposer, policy: SpeculationPolicy, running: Sequence[Request], num_waiting: int,

@@ -322,7 +322,36 @@ def config_from_gguf(gf: GGUFFile, name: str = "") -> ModelConfig:
         cfg.query_pre_attn_scalar = float(hidden // num_heads if cfg.num_layers == 62 else head_dim)
         cfg.final_logit_softcapping = gf.arch_key("final_logit_softcapping")
         cfg.attn_logit_softcapping = gf.arch_key("attn_logit_softcapping")
+    _check_shapes(gf, cfg)
     return cfg
+
+
+def _check_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
+    """The metadata must agree with the tensors the file holds: the model is built from the
+    metadata before any weight loads, so absurd values (a fuzzed or hostile header) would otherwise
+    become absurd allocations. Tensor sizes are bounded by the file's size, so this bounds them."""
+    def fail(what: str) -> ModelFormatError:
+        return ModelFormatError(f"{gf.path.name}: {what}; the file is corrupt or not a model Tessera can run")
+
+    for field_name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                       "head_dim", "max_position_embeddings"):
+        if getattr(cfg, field_name) <= 0:
+            raise fail(f"{field_name} is {getattr(cfg, field_name)}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise fail(f"{cfg.num_heads} attention heads do not divide into {cfg.num_kv_heads} KV heads")
+    expected = {
+        "token_embd.weight": (cfg.vocab_size, cfg.hidden_size),
+        "blk.0.attn_q.weight": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+        "blk.0.attn_k.weight": (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
+        "blk.0.ffn_up.weight": (cfg.intermediate_size, cfg.hidden_size),
+        f"blk.{cfg.num_layers - 1}.attn_q.weight": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+    }
+    for name, shape in expected.items():
+        info = gf.tensors.get(name)
+        if info is None:
+            raise fail(f"tensor {name} is missing (the metadata says {cfg.num_layers} layers)")
+        if tuple(info.shape) != shape:
+            raise fail(f"tensor {name} has shape {tuple(info.shape)}, the metadata implies {shape}")
 
 
 def _rope_scaling(gf: GGUFFile) -> Optional[dict[str, Any]]:

@@ -48,6 +48,9 @@ access_logger = logging.getLogger("tessera.server.access")
 
 # Seconds open requests (e.g. long streams) may still run after Ctrl-C before they are ended with a 503.
 GRACEFUL_SHUTDOWN_SECONDS = 5
+# Largest request body read: a 4k-token prompt as text or ids is well under 1 MiB, a long chat
+# history a few MiB; past this a client gets a 413 before the server buffers the rest.
+MAX_REQUEST_BODY_BYTES = 16 * 2**20
 
 
 class AccessLog:
@@ -131,8 +134,20 @@ def _add_request_schemas(app: FastAPI, models: list[type[BaseModel]]) -> None:
 
 async def _parse_then(request: Request, model: type[RequestModel],
                       handler: Callable[[RequestModel, Request], Awaitable[Response]]) -> Response:
+    if _state(request).draining:
+        raise APIError(503, "The server is shutting down and takes no new requests.", type="server_error",
+                       code="server_shutting_down", headers={"Retry-After": "5"})
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BODY_BYTES:
+        raise _body_too_large()
     try:
-        raw = await request.body()
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_REQUEST_BODY_BYTES:
+                raise _body_too_large()
+            parts.append(part)
+        raw = b"".join(parts)
     except ClientDisconnect:
         request.state.outcome = "client disconnected while sending the body"
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -141,6 +156,11 @@ async def _parse_then(request: Request, model: type[RequestModel],
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
     return await handler(body, request)
+
+
+def _body_too_large() -> APIError:
+    return APIError(413, f"The request body is larger than the server's limit of {MAX_REQUEST_BODY_BYTES // 2**20} "
+                         "MiB.", code="request_too_large")
 
 
 def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeout: Optional[float] = None,
@@ -177,10 +197,14 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeou
     async def health(request: Request) -> Response:
         from tessera.engine.async_engine import EngineDeadError
 
+        state = _state(request)
+        if state.draining:
+            return APIError(503, "The server is shutting down.", type="server_error",
+                            code="server_shutting_down").response()
         try:
-            _state(request).engine.check_health()
+            state.engine.check_health()
         except EngineDeadError as exc:
-            return _state(request).error(exc).response()
+            return state.error(exc).response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -218,19 +242,37 @@ def _configure_logging(level: str) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but on Ctrl-C or SIGTERM requests still running after the grace period are ended
-    with a 503 / final error event, rather than cancelled mid-write."""
+    """uvicorn with a drain: on SIGTERM or Ctrl-C (`drain()`), new requests get 503 while the
+    running ones finish, for up to `shutdown_timeout` seconds; then uvicorn shuts down and the
+    requests still running are ended with a 503 / final error event, not cut mid-write."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_deadline: Optional[float] = None
+
+    def drain(self) -> None:
+        """Stop taking requests (thread-safe); a second call stops at once."""
+        if self.drain_deadline is not None:
+            self.should_exit = True
+            return
+        logger.info("draining: new requests get 503; %d running request(s) have up to %gs to finish",
+                    len(self.state.generations), self.shutdown_timeout)
+        self.state.draining = True
+        self.drain_deadline = time.monotonic() + self.shutdown_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit and (
+                not self.state.generations or time.monotonic() >= self.drain_deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
         async def end_stragglers() -> None:
-            await asyncio.sleep(GRACEFUL_SHUTDOWN_SECONDS)
+            await asyncio.sleep(0 if self.drain_deadline is not None else GRACEFUL_SHUTDOWN_SECONDS)
             if self.state.generations:
-                logger.info("ending %d request(s) still running after %ds", len(self.state.generations),
-                            GRACEFUL_SHUTDOWN_SECONDS)
+                logger.info("ending %d request(s) still running at shutdown", len(self.state.generations))
             self.state.shut_down()
 
         stragglers = asyncio.create_task(end_stragglers())
@@ -278,7 +320,8 @@ def serve(args: argparse.Namespace) -> int:
             queue = PROFILE_SETTINGS[config.profile].max_num_queued_requests
         logger.info("queue: up to %d waiting requests (%s), then HTTP 429", queue,
                     "flag" if args.max_num_queued_requests is not None else f"profile {config.profile}")
-        engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer, start_thread=False)
+        engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer, start_thread=False,
+                                step_timeout=args.engine_step_timeout or None)
         engine.warm_up()
         if loggers.prometheus is not None:
             loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
@@ -287,13 +330,13 @@ def serve(args: argparse.Namespace) -> int:
             # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
             config = uvicorn.Config(app, log_level=level, access_log=False,
                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
-            server = DrainingServer(config, app.state.tessera)
+            server = DrainingServer(config, app.state.tessera, args.shutdown_timeout)
             host = f"[{args.host}]" if ":" in args.host else args.host
             logger.info("serving %s as %r on http://%s:%d", engine.config.model, name, host, args.port)
             http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tessera-http")
 
             def stop_serving(*_: object) -> None:
-                server.should_exit = True
+                server.drain()
 
             signal.signal(signal.SIGTERM, stop_serving)
             http.start()

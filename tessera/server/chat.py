@@ -114,7 +114,8 @@ def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
         raise
     except Exception as exc:  # jinja templates raise for e.g. roles they do not know or a bad order
         raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}") from exc
-    ids = tokenizer.encode(text, add_special_tokens=False)  # the template already has BOS and friends
+    # The template already has BOS and friends.
+    ids = tokenizer.encode_bounded(text, state.engine.config.max_model_len, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the chat template produced an empty prompt")
     return ids

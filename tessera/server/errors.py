@@ -71,7 +71,7 @@ def shutting_down() -> APIError:
 def api_error_from(exc: BaseException) -> APIError:
     """Map any exception from parsing, admission or generation to the error the client sees."""
     # Imported here: the engine module pulls in torch, which the error paths never need first.
-    from tessera.engine.async_engine import EngineDeadError, PredictedWaitError, QueueFullError
+    from tessera.engine.async_engine import EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError
 
     if isinstance(exc, APIError):
         return exc
@@ -88,6 +88,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(429, f"Request queue full: {exc}",
                         type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(retry)})
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), type="server_error", code="engine_step_failed")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine has stopped and cannot serve requests: {exc}",
                         type="server_error", code="engine_dead")

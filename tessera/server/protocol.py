@@ -80,6 +80,7 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None  # vLLM extension
     seed: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (as text) -> bias in [-100, 100]
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[int]] = None  # vLLM extension
     n: Optional[int] = Field(default=None, le=MAX_N)
@@ -102,6 +103,16 @@ class SamplingRequest(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _logit_bias(self) -> Optional[dict[int, float]]:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}")
+            out[int(key)] = value
+        return out
 
     def structured_constraint(self) -> Optional[StructuredOutputsParams]:
         """The one output constraint this request asks for, from whichever field it used."""
@@ -157,6 +168,7 @@ class SamplingRequest(OpenAIModel):
                 skip_special_tokens=pick(self.skip_special_tokens, True),
                 speculative=pick(self.speculative, True),
                 structured_outputs=structured,
+                logit_bias=self._logit_bias(),
             )
         except (TypeError, ValueError) as exc:  # InvalidRequestError is a ValueError
             raise InvalidRequestError(str(exc)) from exc

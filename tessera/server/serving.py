@@ -51,6 +51,7 @@ class ServerState:
     active_requests: int = 0
     started: float = field(default_factory=time.time)
     generations: set[Generation] = field(default_factory=set)  # running now, for shut_down()
+    draining: bool = False  # shutting down: running requests finish, new ones get 503
 
     @property
     def model_name(self) -> str:
