@@ -26,13 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from tessera.bench.client import wait_for_health
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+from tessera.bench.client import scrape_metric as metric, wait_for_health
 
 
 def run(mode: str, args, tier_dir: Path, out: Path) -> dict:

@@ -43,6 +43,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-queued-requests", type=int, default=None,
                    help="requests waiting beyond this many get HTTP 429 (default: profile: chat-solo 8, "
                         "bursty 128, multi-agent 512)")
+    g.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
+                   help="refuse (429 + Retry-After) a request whose forecast wait for its prompt is longer, so "
+                        "admitted requests keep their latency at any load (default: off, only the queue bound)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM or Ctrl-C: seconds running requests get to finish while new ones get 503; "
                         "those still running then end with an error (default: %(default)s)")

@@ -187,6 +187,8 @@ class EngineConfig:
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # Quantized weights also kept dense for large steps (prefill, big batches): auto = when small.
     dense_weight_copy: Literal["auto", "on", "off"] = "auto"
+    # Map the weights as an earlier start packed them ($TESSERA_HOME/packed), or write them there.
+    weight_cache: bool = True
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 
 def available_memory() -> int:
@@ -91,3 +92,16 @@ def release_free_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def resident_bytes(pid: Optional[int] = None) -> int:
+    """Resident memory (VmRSS) of a process, this one by default, in bytes; 0 where /proc is absent."""
+    from pathlib import Path
+
+    try:
+        for line in Path(f"/proc/{pid or 'self'}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -324,3 +324,30 @@ def test_fuzzed_headers_are_refused_cleanly(tiny_gguf, data):
         config_from_gguf(read_gguf(path))
     except ModelFormatError:
         pass
+
+
+def test_packed_weight_cache_maps_identical_weights(tiny_gguf, tessera_home, caplog):
+    """The second load maps what the first packed: same outputs, tensors backed by the cache file;
+    a damaged cache file is ignored (and rewritten), and one file per model is kept."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    first = load_model(tiny_gguf, "float32", weight_cache=True)
+    files = list((tessera_home / "packed").glob("*.pt"))
+    assert len(files) == 1
+    second = load_model(tiny_gguf, "float32", weight_cache=True)
+    assert "weights mapped from" in caplog.text
+    ids = [1, 5, 9, 2, 7]
+    assert torch.equal(forward_single(first, ids), forward_single(second, ids))
+    qkv = second.model.model.layers[0].self_attn.qkv_proj
+    ptr = next(iter(qkv.buffers())).data_ptr()
+    spans = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+             for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(files[0]))]
+    assert any(lo <= ptr < hi for lo, hi in spans)  # mapped from the file, not a copy
+    files[0].write_bytes(b"not a torch file")
+    caplog.clear()
+    third = load_model(tiny_gguf, "float32", weight_cache=True)
+    assert "ignoring the packed-weight cache" in caplog.text
+    assert torch.equal(forward_single(first, ids), forward_single(third, ids))
+    load_model(tiny_gguf, "float32", quantization="int8", weight_cache=True)
+    assert len(list((tessera_home / "packed").glob("*.pt"))) == 1  # other settings replace the file

@@ -6,8 +6,6 @@ After each, the server must still serve, and the KV cache must have every block 
 """
 from __future__ import annotations
 
-import asyncio
-import random
 import threading
 import time
 from typing import Iterator
@@ -16,6 +14,7 @@ import httpx
 import pytest
 
 from tessera.bench.hostile import run_hostile
+from tessera.bench.storm import run_cancel_storm
 from tessera.config import EngineConfig
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
@@ -117,50 +116,15 @@ def test_openapi_fuzzing_positive_and_negative(tiny):
 
 
 def test_cancel_storm_leaks_no_block(tiny):
-    """1,000 streams, most cut by the client at random points: before the first byte, during
-    the prompt, mid-output. Afterwards every block is free and nothing is left scheduled."""
-    rng = random.Random(14)
-    plans = [rng.choice(["before", "first", "mid", "mid", "full"]) for _ in range(1000)]
-    aborts_before = tiny.metric("tessera:request_aborts_total")
-    completed = 0
-    cut_after_output = 0
-
-    async def one(client: httpx.AsyncClient, plan: str, sem: asyncio.Semaphore) -> None:
-        nonlocal completed, cut_after_output
-        body = {"model": NAME, "prompt": " ".join(rng.choice(["the", "quick", "fox", "hello"]) for _ in
-                                                  range(rng.randint(5, 300))),
-                "max_tokens": 64, "ignore_eos": True, "stream": True, "temperature": 1.0}
-        async with sem:
-            if plan == "before":
-                try:
-                    await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=rng.random() * 0.02)
-                except asyncio.TimeoutError:
-                    pass
-                return
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                chunks = 0
-                stop_at = {"first": 1, "mid": rng.randint(2, 30), "full": 10**9}[plan]
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunks += 1
-                        if chunks >= stop_at:
-                            cut_after_output += 1
-                            return  # leaving the block closes the connection mid-stream
-                completed += 1
-
-    async def storm() -> None:
-        sem = asyncio.Semaphore(48)
-        async with httpx.AsyncClient(base_url=tiny.url, timeout=60,
-                                     limits=httpx.Limits(max_connections=64)) as client:
-            await asyncio.gather(*(one(client, p, sem) for p in plans))
-
-    asyncio.run(storm())
-    stats = tiny.wait_idle()
-    assert stats["scheduler"]["num_blocks_free"] == stats["scheduler"]["num_blocks_total"]
+    """1,000 streams, most cut by the client at random points: before the response starts, after
+    the first token, mid-output. Afterwards every block is free and nothing is left scheduled."""
+    report = run_cancel_storm(tiny.url, NAME, n=1000, concurrency=48, seed=14)
+    assert report.leaked_blocks == 0 and report.blocks_total > 0
+    assert (report.running_after, report.waiting_after, report.errors) == (0, 0, 0)
     assert not tiny.core.scheduler.requests and not tiny.core.parents
     assert tiny.metric("tessera:num_requests_running") == 0 and tiny.metric("tessera:kv_cache_usage_perc") == 0
-    assert tiny.metric("tessera:request_aborts_total") - aborts_before >= cut_after_output > 300
-    assert completed >= 100
+    assert report.aborts_counted >= report.cut_after_output > 300
+    assert report.completed >= 100
 
 
 def test_a_failing_step_fails_only_its_requests(tiny, monkeypatch):

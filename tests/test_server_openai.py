@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -319,5 +320,28 @@ def test_request_timeout(tmp_path):
         assert '"request_timeout"' in lines[-1] and "[DONE]" not in lines[-1]
         proc.wait_idle()
         assert re.search(r'"POST /v1/completions" 504 .*timed out', proc.log())
+    finally:
+        proc.stop()
+
+
+def test_sigterm_drains_then_exits_zero(tmp_path):
+    """SIGTERM: new requests get 503 while a running stream may finish; past --shutdown-timeout
+    it ends with a final error event, and the process exits 0."""
+    proc = ServerProcess(tmp_path / "server.log", "--shutdown-timeout", "2")
+    try:
+        proc.wait_healthy()
+        body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            refused = httpx.post(f"{proc.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+            assert httpx.get(f"{proc.url}/health", timeout=10).status_code == 503
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert first and '"server_shutting_down"' in rest[-1]
+        assert proc.proc.wait(30) == 0
     finally:
         proc.stop()

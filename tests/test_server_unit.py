@@ -324,9 +324,10 @@ def serve_in_thread(app, server: Optional[uvicorn.Server] = None) -> Iterator[st
 
 @contextmanager
 def live_server(core: Optional[FakeCore] = None, *, max_num_queued_requests: Optional[int] = None,
-                request_timeout: Optional[float] = None) -> Iterator[Server]:
+                request_timeout: Optional[float] = None, max_queue_wait: Optional[float] = None) -> Iterator[Server]:
     core = core or FakeCore()
-    engine = AsyncLLMEngine(core.config, engine=core, max_num_queued_requests=max_num_queued_requests)
+    engine = AsyncLLMEngine(core.config, engine=core, max_num_queued_requests=max_num_queued_requests,
+                            max_queue_wait=max_queue_wait)
     metrics = CountingMetrics()
     app = create_app(engine, [MODEL, "alias"], request_timeout=request_timeout, metrics=metrics)
     try:
@@ -722,6 +723,16 @@ def test_forecast_wait_past_the_deadline_is_429_at_once():
         assert s.metrics.rejections == 2
         assert not core.waiting and not core.running and core.free_blocks == core.num_blocks
         core.forecast_wait_s = 3.0  # under the deadline: served
+        assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_max_queue_wait_refuses_what_would_wait_longer():
+    core = FakeCore(step_s=0.02, forecast_wait_s=4.2)
+    with live_server(core, max_queue_wait=1.5) as s:  # no request deadline: the server's own bound
+        r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 5})
+        err = assert_error(r, 429, "max-queue-wait")
+        assert err["code"] == "queue_wait_exceeds_deadline" and r.headers["retry-after"] == "3"
+        core.forecast_wait_s = 1.0
         assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 

@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from typing import Optional, Sequence
 
-from tessera.bench import capacity, hostile, report, serve
+from tessera.bench import capacity, hostile, report, serve, storm
 from tessera.errors import TesseraError
 
 THROUGHPUT_MODULE = "tessera.bench.throughput"
@@ -23,7 +23,7 @@ def add_bench_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Arg
         "bench", help="benchmark a server (serve, capacity) or the engine (throughput)",
         description="Benchmarks: `serve` and `capacity` measure any OpenAI-compatible server; "
                     "`report` turns saved results into markdown tables; `hostile` sends malformed "
-                    "and abusive requests.")
+                    "and abusive requests; `cancel-storm` cuts many streams and checks nothing leaks.")
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,capacity,report,hostile,...}")
     sub.required = True
     serve.add_parser(sub)
@@ -32,6 +32,7 @@ def add_bench_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Arg
         importlib.import_module(THROUGHPUT_MODULE).add_parser(sub)
     report.add_parser(sub)
     hostile.add_parser(sub)
+    storm.add_parser(sub)
     return bench
 
 

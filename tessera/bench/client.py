@@ -148,3 +148,10 @@ def wait_for_health(url: str, proc: subprocess.Popen, log: str, timeout: float =
         if time.monotonic() > deadline:
             raise RuntimeError(f"server not ready after {timeout:g} s, see {log}")
         time.sleep(1)
+
+
+def scrape_metric(url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (all label sets) on a server's /metrics."""
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))

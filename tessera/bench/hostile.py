@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -219,8 +219,3 @@ def main(args: argparse.Namespace) -> int:
                                            "results": [asdict(r) for r in results]}, indent=1))
     return 1 if bad else 0
 
-
-def summary(results: list[HostileResult]) -> Optional[str]:
-    """One line on what failed, or None when everything held."""
-    bad = [f"{r.name}: {r.status} {r.detail}" for r in results if not r.ok]
-    return "; ".join(bad) if bad else None

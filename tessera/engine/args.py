@@ -31,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-weight-copy", default=d.dense_weight_copy, choices=DENSE_WEIGHT_COPIES,
                    help="keep a dense copy of quantized weights for prefill-sized steps (faster, more memory); "
                         "auto: when the copy is under 1 GiB and 1/8 of free RAM (default: %(default)s)")
+    g.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=d.weight_cache,
+                   help="keep the weights as the kernels use them in $TESSERA_HOME/packed and map that file on "
+                        "later starts: seconds instead of tens of seconds, pages shared by every server of the "
+                        "model (default: on)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV cache element format: auto (the compute dtype), bfloat16, float32, or int8 (one "

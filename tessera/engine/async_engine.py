@@ -95,6 +95,7 @@ class AsyncLLMEngine:
         engine: Optional[EngineCore] = None,
         start_thread: bool = True,
         step_timeout: Optional[float] = None,
+        max_queue_wait: Optional[float] = None,
     ) -> None:
         """`start_thread=False` leaves the loop to the caller's `run_until()`: `tessera serve`
         runs it on the main thread, where torch's OpenMP threads measured about 1.4x faster
@@ -118,6 +119,9 @@ class AsyncLLMEngine:
         # Watchdog: a step running longer than this makes the engine unhealthy (/health 503, new
         # requests refused) until it returns; None = no watchdog.
         self.step_timeout = step_timeout
+        # Admission by forecast: a request whose prompt the step-cost model expects to wait longer
+        # than this is refused at once (429), so what is admitted keeps its latency under overload.
+        self.max_queue_wait = max_queue_wait
         self._step_started: Optional[float] = None
         self._stop = False
         self._loop_exited = False
@@ -180,6 +184,10 @@ class AsyncLLMEngine:
             raise PredictedWaitError(
                 f"the forecast wait for this request's prompt is {wait:.1f} s, past its {deadline_s:.0f} s "
                 "deadline; retry later", retry_after=wait - deadline_s)
+        if self.max_queue_wait is not None and wait is not None and wait > self.max_queue_wait:
+            raise PredictedWaitError(
+                f"the forecast wait for this request's prompt is {wait:.1f} s, past the server's "
+                f"--max-queue-wait of {self.max_queue_wait:g} s; retry later", retry_after=wait - self.max_queue_wait)
         with self._lock:
             limit = self.max_num_queued_requests
             if limit is not None and self._pending_adds + self._num_waiting >= limit:

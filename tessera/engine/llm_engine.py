@@ -101,7 +101,7 @@ class LLMEngine:
         if loaded is None:
             path = resolve_model(config.model)
             loaded = load_model(path, config.dtype, quantization=config.quantization,
-                                dense_copy=config.dense_copy)
+                                dense_copy=config.dense_copy, weight_cache=config.weight_cache)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -166,6 +166,21 @@ class LLMEngine:
             "at max_model_len %d: %.1f", num_blocks, config.block_size, capacity,
             num_blocks * bytes_per_block / 2**20, self.kv_cache_format, self.kv_tokens_per_gib,
             max_model_len, capacity / max_model_len)
+        self._log_memory()
+
+    def _log_memory(self) -> None:
+        """Resident memory now, next to `tessera size`'s prediction for these settings (the KV
+        cache's pages count once requests have touched them, so start-up is below the prediction)."""
+        from tessera.hostinfo import resident_bytes
+        from tessera.sizing import estimate
+
+        try:
+            predicted = estimate(self.config).total_bytes
+        except Exception as exc:  # noqa: BLE001 - a log line must not stop a start (e.g. an unregistered path)
+            logger.debug("no memory prediction: %s", exc)
+            return
+        logger.info("memory: %.0f MiB resident at start-up; `tessera size` predicts %.0f MiB once the KV cache "
+                    "is in use", resident_bytes() / 2**20, predicted / 2**20)
 
     # -- disk tier of the prefix cache ----------------------------------------------
     def _build_offload(self) -> Optional[DiskKVTier]:
@@ -217,7 +232,7 @@ class LLMEngine:
         spec = config.speculative_config
         assert spec is not None and spec.model is not None
         draft = load_model(resolve_model(spec.model), self.dtype, quantization=spec.quantization or config.quantization,
-                           dense_copy=config.dense_copy)
+                           dense_copy=config.dense_copy, weight_cache=config.weight_cache)
         probe = "def add(a, b):\n    return a + b  # Grüße, 你好 🙂"
         same = (draft.tokenizer.encode(probe, add_special_tokens=False)
                 == self.tokenizer.encode(probe, add_special_tokens=False)

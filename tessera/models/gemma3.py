@@ -95,8 +95,10 @@ class Gemma3ForCausalLM(nn.Module):
         self.model = Gemma3Model(c, quant, self.is_sliding)
         self.lm_head = (self.model.embed_tokens if c.tie_word_embeddings
                         else VocabEmbedding(c.vocab_size, c.hidden_size, quant, prefix="lm_head"))
-        self.rotary_global: Optional[RotaryEmbedding] = None
-        self.rotary_local: Optional[RotaryEmbedding] = None
+        self.rotary_global = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
+                                             self.dtype)
+        self.rotary_local = RotaryEmbedding(c.head_dim, c.rope_local_base_freq or c.rope_theta, None,
+                                            c.max_position_embeddings, self.dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
@@ -104,11 +106,6 @@ class Gemma3ForCausalLM(nn.Module):
         load_named_weights(self, weights, source)
         for layer in self.model.layers:
             layer.self_attn.finish_loading()
-        c = self.config
-        self.rotary_global = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
-                                             self.dtype)
-        self.rotary_local = RotaryEmbedding(c.head_dim, c.rope_local_base_freq or c.rope_theta, None,
-                                            c.max_position_embeddings, self.dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:

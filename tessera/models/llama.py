@@ -69,7 +69,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, quant)
         self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings
                         else VocabEmbedding(config.vocab_size, config.hidden_size, quant, prefix="lm_head"))
-        self.rotary_emb: Optional[RotaryEmbedding] = None  # built in load_weights (a GGUF may carry rope_freqs)
+        # Rebuilt in load_weights when the GGUF carries rope_freqs; built here so that a model restored
+        # from the packed-weight cache (models/weight_cache.py) has the same modules.
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          config.max_position_embeddings, self.dtype, None)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
@@ -78,8 +81,9 @@ class LlamaForCausalLM(nn.Module):
         load_named_weights(self, weights, source, extra)
         c = self.config
         freqs = extra.get("rope_freqs")
-        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
-                                          self.dtype, None if freqs is None else as_float_tensor(freqs))
+        if freqs is not None:
+            self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
+                                              self.dtype, as_float_tensor(freqs))
         if c.attention_bias:  # qwen2: even out the keys' bias-driven channels for an int8 cache
             for layer in self.model.layers:
                 a = layer.self_attn

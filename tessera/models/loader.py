@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -58,12 +58,14 @@ def load_model(
     num_threads: Optional[int] = None,
     quantization: QuantizationMode = "auto",
     dense_copy: Optional[bool] = None,
+    weight_cache: bool = False,
 ) -> LoadedModel:
     """Load a .gguf file or an HF folder (config.json + *.safetensors) with its tokenizer.
 
     `quantization` picks how Linear weights are stored (auto keeps the file's
     precision class); `dense_copy` whether quantized weights also keep a dense
-    copy for large steps (None: when it is small, see resolve_dense_copy).
+    copy for large steps (None: when it is small, see resolve_dense_copy). `weight_cache`: map
+    the weights as packed by an earlier load, or write them for the next (models/weight_cache.py).
     """
     if quantization not in QUANTIZATION_MODES:
         raise TesseraError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATION_MODES)}")
@@ -77,7 +79,7 @@ def load_model(
 
         config = config_from_hf(read_hf_config(path), name=path.name)
         model, quant = _build(config, dtype, quantization, dense_copy)
-        model.load_weights(iter_safetensors_weights(path), source=path.name)
+        _load_weights(model, path, quant, weight_cache, lambda: iter_safetensors_weights(path))
         tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
     elif path.is_file():
         from tessera.models.gguf_loader import config_from_gguf, iter_gguf_weights, read_gguf
@@ -86,7 +88,7 @@ def load_model(
         try:
             config = config_from_gguf(gf, name=path.stem)
             model, quant = _build(config, dtype, quantization, dense_copy)
-            model.load_weights(iter_gguf_weights(gf, config, num_threads), source=path.name)
+            _load_weights(model, path, quant, weight_cache, lambda: iter_gguf_weights(gf, config, num_threads))
             tokenizer = Tokenizer.from_gguf(path, gguf=gf)
         finally:
             gf.close()
@@ -110,6 +112,24 @@ def _build(config: ModelConfig, dtype: Union[str, torch.dtype], quantization: Qu
     keep = resolve_dense_copy(dense_copy, linear_param_count(config), resolved, available_memory())
     quant = QuantConfig(quantization, resolved, keep)
     return model_class(config)(config, quant), quant
+
+
+def _load_weights(model: nn.Module, path: Path, quant: QuantConfig, use_cache: bool,
+                  weights: Callable[[], Iterable]) -> None:
+    """From the packed-weight cache when it has this model and settings, else from the checkpoint
+    (then written to the cache for the next start)."""
+    if not use_cache:
+        model.load_weights(weights(), source=path.name)
+        return
+    from tessera.models import weight_cache
+    from tessera.models.registry import model_digest, tessera_home
+
+    cached = weight_cache.cache_path(tessera_home() / "packed", model_digest(path), quant)
+    if cached.is_file() and weight_cache.restore(model, cached, quant):
+        logger.info("weights mapped from %s", cached)
+        return
+    model.load_weights(weights(), source=path.name)
+    weight_cache.save(model, cached)
 
 
 def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:

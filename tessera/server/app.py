@@ -321,7 +321,8 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("queue: up to %d waiting requests (%s), then HTTP 429", queue,
                     "flag" if args.max_num_queued_requests is not None else f"profile {config.profile}")
         engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer, start_thread=False,
-                                step_timeout=args.engine_step_timeout or None)
+                                step_timeout=args.engine_step_timeout or None,
+                                max_queue_wait=args.max_queue_wait)
         engine.warm_up()
         if loggers.prometheus is not None:
             loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
