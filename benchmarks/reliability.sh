@@ -5,7 +5,8 @@
 #   benchmarks/reliability.sh                         # smollm2-135m
 #   MODEL=qwen2.5-coder-0.5b EXAMPLES=50 benchmarks/reliability.sh
 #
-# The server runs with --max-model-len 512 so that fuzzed max_tokens values stay short. Writes
+# The server runs with --max-model-len 512 so that fuzzed max_tokens values stay short (a request
+# without max_tokens still generates up to 512 tokens: hence the 300 s client timeout). Writes
 # $RESULTS/hostile.json, cancel_storm.json, schemathesis.txt (+ its JUnit report) and server.log.
 # Overload and soak have their own scripts (benchmarks/overload.py, benchmarks/soak.py).
 set -euo pipefail
@@ -36,6 +37,7 @@ tail -1 "$RESULTS/hostile.txt"
 "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ("requests","cut_before_response","cut_after_output","completed","errors","leaked_blocks","aborts_counted")})' "$RESULTS/cancel_storm.json"
 # Positive and negative cases from the server's own schema; the check is "no 5xx".
 "$ST" run "$url/openapi.json" --checks not_a_server_error --max-examples "$EXAMPLES" --workers 4 \
+  --request-timeout 300 \
   --report junit --report-dir "$RESULTS/schemathesis-report" > "$RESULTS/schemathesis.txt" 2>&1 || status=1
 grep -E "passed|failed|cases" "$RESULTS/schemathesis.txt" | tail -5
 curl -s "$url/v1/engine/stats" | "$PY" -c 'import json,sys; s=json.load(sys.stdin)["scheduler"]; print("after all: blocks free", s["num_blocks_free"], "of", s["num_blocks_total"], "running", s["num_running"], "waiting", s["num_waiting"])'

@@ -4,8 +4,9 @@
 
 For each model: `tessera serve` with --no-weight-cache (packs from the GGUF), then with the cache
 empty (packs and writes the cache), then twice more (maps it); start-up = process start to
-/health 200. Then two servers of the model at once, mapped: their resident and proportional
-(PSS) memory from /proc/<pid>/smaps_rollup, and how much of it is shared. Each server gets a
+/health 200. Then two servers of the model at once, mapped, each after one request (which pages
+the weights in): their resident and proportional (PSS) memory from /proc/<pid>/smaps_rollup, and
+how much of it is shared. Each server gets a
 small KV cache (--kv-cache-memory 256MiB) so weights dominate.
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 from tessera.bench.client import wait_for_health
 from tessera.bench.machine import machine_info
@@ -71,6 +74,9 @@ def main() -> int:
         a, _ = start(model, args.port, [], logs / f"{model}-a.log")
         b, _ = start(model, args.port + 1, [], logs / f"{model}-b.log")
         try:
+            for port in (args.port, args.port + 1):  # a first request pages the weights in
+                httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
+                           json={"prompt": "Hello, my name is", "max_tokens": 8}).raise_for_status()
             ra, rb = rollup(a.pid), rollup(b.pid)
         finally:
             stop(a)

@@ -842,7 +842,10 @@ def test_shutdown_drains_then_ends_running_requests_cleanly():
             clients = [threading.Thread(target=f, args=(url,)) for f in (stream, whole, short)]
             for t in clients:
                 t.start()
-            time.sleep(0.05)
+            deadline = time.monotonic() + 10
+            while len(core.running) + len(core.waiting) + ("short" in results) < 3:  # all admitted first
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
             started = time.monotonic()
             server.drain()
             assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10), 503, "shutting down")
