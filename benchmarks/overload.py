@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from tessera.bench.client import wait_for_health
+from tessera.bench.client import launch_server, stop_server
 from tessera.hostinfo import resident_bytes as process_rss
 from tessera.bench.datasets import random_workload
 from tessera.bench.machine import machine_info
@@ -65,16 +63,13 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "tessera", "serve", args.model, "--port", str(args.port),
-           "--max-num-seqs", str(args.max_num_seqs)]
+    flags = ["--max-num-seqs", str(args.max_num_seqs)]
     if not args.no_queue_wait_limit:
-        cmd += ["--max-queue-wait", str(args.max_queue_wait)]
-    log_path = args.out / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        flags += ["--max-queue-wait", str(args.max_queue_wait)]
+    t0 = time.monotonic()
+    proc = launch_server(args.model, args.port, args.out / "server.log", *flags)
     rss: list[tuple[float, int]] = []
     stop = threading.Event()
-    t0 = time.monotonic()
 
     def watch() -> None:
         while not stop.is_set():
@@ -85,10 +80,10 @@ def main() -> int:
             stop.wait(1.0)
 
     target = Target(base_url=url, model=args.model, temperature=0.0, request_timeout=300)
-    out: dict = {"kind": "overload", "machine": machine_info(), "model": args.model, "command": cmd[2:],
+    out: dict = {"kind": "overload", "machine": machine_info(), "model": args.model,
+                 "command": ["serve", args.model, *flags],
                  "factor": args.factor, "seconds": args.seconds, "slo_ttft": args.slo_ttft}
     try:
-        wait_for_health(url, proc, str(log_path))
         threading.Thread(target=watch, daemon=True).start()
         # 1. capacity
         cap_work = random_workload(4 * args.max_num_seqs, seed=1, input_words=(50, 200), output_tokens=(64, 64))
@@ -114,8 +109,7 @@ def main() -> int:
         out["phases"] = phases
     finally:
         stop.set()
-        proc.send_signal(signal.SIGTERM)
-        out["server_exit_code"] = proc.wait(timeout=120)
+        out["server_exit_code"] = stop_server(proc)
     mib = [b / 2**20 for _, b in rss]
     out["rss_mib"] = {"start": mib[0], "max": max(mib), "end": mib[-1], "samples": [(t, b / 2**20) for t, b in rss]}
     rec = out["phases"]["recovery"]["timeline"]

@@ -19,16 +19,14 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from tessera.bench.client import wait_for_health
+from tessera.bench.client import launch_server, stop_server
 from tessera.hostinfo import resident_bytes as process_rss
 from tessera.bench.datasets import VOCABULARY, random_json_schema
 from tessera.bench.hostile import hostile_cases
@@ -153,19 +151,16 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
-    log_path = args.out / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", args.model, "--port", str(args.port)],
-                                stdout=log, stderr=subprocess.STDOUT)
+    proc = launch_server(args.model, args.port, args.out / "server.log")
     try:
-        wait_for_health(url, proc, str(log_path))
         samples, counts = asyncio.run(soak(url, proc.pid, args))
         time.sleep(3)  # let the last aborts land
         final = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()["scheduler"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        exit_code = proc.wait(timeout=120)
+        exit_code = stop_server(proc)
     half = [s for s in samples if s["t"] >= samples[-1]["t"] / 2]
+    if len(half) < 3:  # a very short run: fit over all samples
+        half = samples
     slope, spread = slope_mib_per_hour(half)
     rss = [s["rss"] / 2**20 for s in half]
     result = {

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from tessera.bench.client import wait_for_health
+from tessera.bench.client import launch_server, stop_server as stop
 from tessera.bench.machine import machine_info
 from tessera.models.registry import tessera_home
 
@@ -37,17 +36,10 @@ def rollup(pid: int) -> dict[str, int]:
 
 
 def start(model: str, port: int, extra: list[str], log: Path) -> tuple[subprocess.Popen, float]:
+    """A server and its start-up time (launch to /health 200)."""
     t0 = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", model, "--port", str(port),
-                                 "--kv-cache-memory", "256MiB", *extra], stdout=f, stderr=subprocess.STDOUT)
-    wait_for_health(f"http://127.0.0.1:{port}", proc, str(log))
+    proc = launch_server(model, port, log, "--kv-cache-memory", "256MiB", *extra)
     return proc, time.monotonic() - t0
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
 
 
 def main() -> int:

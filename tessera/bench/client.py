@@ -9,9 +9,12 @@ content chunks (one token per chunk, which is what these servers send).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import aiohttp
@@ -155,3 +158,18 @@ def scrape_metric(url: str, name: str) -> float:
     text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def launch_server(model: str, port: int, log: Path, *flags: str) -> subprocess.Popen:
+    """Start `tessera serve MODEL --port PORT FLAGS` (output to `log`) and return once /health is 200."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", model, "--port", str(port), *flags],
+                                stdout=f, stderr=subprocess.STDOUT)
+    wait_for_health(f"http://127.0.0.1:{port}", proc, str(log))
+    return proc
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 120) -> int:
+    """SIGTERM (the server drains) and its exit code."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout)
