@@ -159,7 +159,9 @@ def test_a_failing_step_fails_only_its_requests(tiny, monkeypatch):
                       json={"prompt": "hello", "max_tokens": 8, "stream": True, "ignore_eos": True}) as s:
         assert s.status_code == 200
         events = [line for line in s.iter_lines() if line.startswith("data: ")]
-    assert len(events) >= 2 and '"text"' in events[0] and '"engine_step_failed"' in events[-1]
+    # The stream had started (200, three tokens in; their text may still be held back as an
+    # incomplete UTF-8 character on the random model): it ends with an error event.
+    assert events and '"engine_step_failed"' in events[-1]
     monkeypatch.setattr(runner, "execute", real)
     tiny.wait_idle()
     assert httpx.get(f"{tiny.url}/health").status_code == 200
