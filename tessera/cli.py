@@ -58,6 +58,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP/HTTP endpoint to export request traces to, e.g. http://127.0.0.1:4318/v1/traces "
                         "(default: tracing off)")
+    g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the chat page at / and the live dashboard at /dashboard; --no-ui leaves only "
+                        "the API (default: on)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default: %(default)s)")
     g.add_argument("--disable-log-stats", action="store_true",

@@ -8,7 +8,8 @@ How the pieces fit (server start-up, the flags are `tessera serve`'s):
     consumer = StatsConsumer(loggers.all())           # starts the thread
     engine = AsyncLLMEngine(config, stats_sink=consumer, max_num_queued_requests=...)
     GET /metrics    -> body, content_type = loggers.prometheus.render()
-    HTTP 429        -> loggers.prometheus.record_rejection()
+    GET /v1/engine/live -> loggers.live.snapshot()    # the dashboard's series
+    HTTP 429        -> loggers.prometheus.record_rejection(); loggers.live.record_rejection()
     shutdown        -> engine.shutdown(); consumer.stop()   # drains, flushes spans, closes loggers
 
 The engine thread calls `consumer.put(scheduler_stats, iteration_stats)` after
@@ -28,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
+from tessera.live_stats import LiveStats
 from tessera.metrics import PrometheusStatLogger
 from tessera.status_log import StatusLineLogger
 from tessera.tracing import RequestTracer
@@ -138,9 +140,10 @@ class StatLoggers:
     prometheus: PrometheusStatLogger
     tracer: Optional[RequestTracer] = None
     status: Optional[StatusLineLogger] = None
+    live: Optional[LiveStats] = None  # the dashboard's rolling record
 
     def all(self) -> list[StatLogger]:
-        return [lg for lg in (self.prometheus, self.tracer, self.status) if lg is not None]
+        return [lg for lg in (self.prometheus, self.tracer, self.status, self.live) if lg is not None]
 
 
 def build_stat_loggers(model_name: str, *, max_model_len: Optional[int] = None, max_num_batched_tokens: int = 512,
@@ -151,4 +154,5 @@ def build_stat_loggers(model_name: str, *, max_model_len: Optional[int] = None, 
                                         max_num_batched_tokens=max_num_batched_tokens),
         tracer=RequestTracer.from_endpoint(otlp_traces_endpoint, model_name) if otlp_traces_endpoint else None,
         status=StatusLineLogger() if log_stats else None,
+        live=LiveStats(model_name),
     )

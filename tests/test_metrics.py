@@ -258,10 +258,10 @@ def test_consumer_keeps_order_survives_a_broken_logger_and_closes_loggers(caplog
 
 def test_build_stat_loggers():
     loggers = build_stat_loggers(MODEL, log_stats=False)
-    assert loggers.all() == [loggers.prometheus]
+    assert loggers.all() == [loggers.prometheus, loggers.live]
     loggers = build_stat_loggers(MODEL, otlp_traces_endpoint="console")
     assert [type(lg).__name__ for lg in loggers.all()] == ["PrometheusStatLogger", "RequestTracer",
-                                                          "StatusLineLogger"]
+                                                          "StatusLineLogger", "LiveStats"]
     loggers.tracer.shutdown()
 
 

@@ -14,7 +14,8 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 
 from tessera.layers import FloatWeight, GGUFWeight, Linear, QuantConfig
-from tessera.layers.quantization import Int4Method, Int8Method, quantize_int4
+from tessera.layers.quantization import (ROW_BUCKET_MIN, Int4Method, Int8Method, dense_linear, quantize_int4,
+                                        row_bucket)
 from tessera.llm import LLM
 from tessera.sampling_params import SamplingParams
 
@@ -302,3 +303,27 @@ def test_int4_gemm_kernel_matches_pytorchs(rows):
     assert got.shape == want.shape == (rows, 200)
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
     torch.testing.assert_close(method.apply(layer, x).float(), got.float(), atol=0, rtol=0)  # the route taken
+
+
+def test_row_buckets_bound_padding_and_shape_count():
+    """Dense matmuls see few distinct row counts (oneDNN keeps a kernel per shape), padded by <= 1/8."""
+    for rows in range(1, 9000):
+        b = row_bucket(rows)
+        assert b >= rows and b == row_bucket(b)
+        if rows <= ROW_BUCKET_MIN:
+            assert b == rows
+        else:
+            assert b <= rows * 1.125
+    assert len({row_bucket(r) for r in range(ROW_BUCKET_MIN + 1, 8193)}) == 72  # 8 per doubling
+
+
+@pytest.mark.parametrize("rows", [3, 17, 70, 300])
+def test_dense_linear_pads_only_bfloat16_and_returns_exact_rows(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 32, generator=g)
+    x = torch.randn(rows, 32, generator=g)
+    assert torch.equal(dense_linear(x, w), torch.nn.functional.linear(x, w))  # float32: exact, unpadded
+    xb, wb = x.bfloat16(), w.bfloat16()
+    out = dense_linear(xb, wb)
+    assert out.shape == (rows, 48)
+    torch.testing.assert_close(out.float(), x @ w.T, rtol=2e-2, atol=2e-1)

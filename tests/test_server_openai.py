@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -88,15 +89,22 @@ class ServerProcess:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("serve") / "server.log",
-                         "--max-num-queued-requests", str(MAX_QUEUED), "--max-num-seqs", str(MAX_SEQS))
+@contextmanager
+def running_server(log_path: Path, *extra: str, model: str = MODEL) -> Iterator[ServerProcess]:
+    """A healthy `tessera serve` for the duration of the block."""
+    proc = ServerProcess(log_path, *extra, model=model)
     try:
         proc.wait_healthy()
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
+    with running_server(tmp_path_factory.mktemp("serve") / "server.log",
+                        "--max-num-queued-requests", str(MAX_QUEUED), "--max-num-seqs", str(MAX_SEQS)) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from tessera.bench.datasets import random_json_schema
 
-from test_server_openai import ServerProcess
+from test_server_openai import ServerProcess, running_server
 from test_structured_output import collect_stream
 
 pytestmark = pytest.mark.model
@@ -28,12 +28,8 @@ MODEL = "qwen2.5-coder-0.5b"
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory) -> Iterator[tuple[ServerProcess, openai.OpenAI]]:
-    proc = ServerProcess(tmp_path_factory.mktemp("serve") / "server.log", "--max-num-seqs", "8", model=MODEL)
-    try:
-        proc.wait_healthy()
+    with running_server(tmp_path_factory.mktemp("serve") / "server.log", "--max-num-seqs", "8", model=MODEL) as proc:
         yield proc, openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        proc.stop()
 
 
 def test_fifty_seeded_schemas_at_temperature_08_all_validate(qwen):

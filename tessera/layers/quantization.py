@@ -53,6 +53,12 @@ INT4_GEMV_MIN_WEIGHTS = 1 << 20
 # weights as a step reads them (from memory, not cache): 1.7-4x faster at 2-16 rows, 1.3x at
 # 32-64, break-even at 128 (benchmarks/kernels.py, results/wave3/int4_gemm.json). Above 64, the dense copy.
 INT4_GEMM_MAX_ROWS = 64
+# Dense bf16 matmuls go to oneDNN, which JIT-compiles and caches one kernel per row count (M): a
+# server meeting ever new step sizes grows by ~0.3 MiB of code and buffers per new (M, N, K) until
+# the primitive cache (1,024 entries) is full (benchmarks/README.md, "soak"). Rows above
+# ROW_BUCKET_MIN are padded to a few sizes per octave so the shapes repeat: at most 1/8 more rows.
+ROW_BUCKET_MIN = 16
+ROW_BUCKETS_PER_OCTAVE = 8
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,27 @@ class QuantConfig:
         if mode == "int4" and in_features % INT4_GROUP == 0:
             return "int4"
         return "int8"
+
+
+def row_bucket(rows: int) -> int:
+    """The padded row count for a dense matmul: exact up to ROW_BUCKET_MIN, then
+    ROW_BUCKETS_PER_OCTAVE evenly spaced sizes per doubling (17..32 by 2, 33..64 by 4, ...)."""
+    if rows <= ROW_BUCKET_MIN:
+        return rows
+    step = 1 << max((rows - 1).bit_length() - ROW_BUCKETS_PER_OCTAVE.bit_length(), 0)
+    return -(-rows // step) * step
+
+
+def dense_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [T, in] @ weight.T with bfloat16 row counts padded to `row_bucket` (see ROW_BUCKET_MIN).
+
+    float32 goes to MKL's sgemm, which keeps no per-shape kernels, so it is left exact.
+    """
+    rows = x.shape[0]
+    padded = row_bucket(rows) if x.dtype == torch.bfloat16 and x.dim() == 2 else rows
+    if padded == rows:
+        return F.linear(x, weight)
+    return F.linear(F.pad(x, (0, 0, 0, padded - rows)), weight)[:rows]
 
 
 class QuantMethod(ABC):
@@ -168,7 +195,7 @@ class DenseMethod(QuantMethod):
         return F.embedding(ids, layer.weight)
 
     def apply(self, layer, x):
-        return F.linear(x, layer.weight)
+        return dense_linear(x, layer.weight)
 
     def describe(self, layer):
         return str(self.config.dtype).removeprefix("torch.")
@@ -188,7 +215,7 @@ class _WeightOnlyMethod(QuantMethod):
         if x.shape[0] <= self.config.small_batch_max:
             return self._small(layer, x)
         dense = getattr(layer, "dense_weight", None)
-        return F.linear(x, dense if dense is not None else self.dequantize(layer))
+        return dense_linear(x, dense if dense is not None else self.dequantize(layer))
 
     @abstractmethod
     def _small(self, layer: nn.Module, x: Tensor) -> Tensor: ...

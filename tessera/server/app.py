@@ -36,7 +36,8 @@ from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from tessera.server.serving import CLIENT_CLOSED_REQUEST, ServerMetrics, ServerState
+from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, ServerMetrics, ServerState
+from tessera.server.ui import install_ui
 
 if TYPE_CHECKING:
     from tessera.engine.async_engine import AsyncLLMEngine
@@ -164,14 +165,15 @@ def _body_too_large() -> APIError:
 
 
 def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeout: Optional[float] = None,
-               metrics: Optional[ServerMetrics] = None) -> FastAPI:
-    """The app for one engine; `model_names` are the names clients may ask for, the first is reported."""
+               metrics: Optional[ServerMetrics] = None, live: Optional[LiveView] = None, ui: bool = True) -> FastAPI:
+    """The app for one engine; `model_names` are the names clients may ask for, the first is reported.
+    `ui` adds the chat page (/) and the dashboard (/dashboard), which reads `live`."""
     if not model_names:
         raise ValueError("at least one served model name is needed")
     app = FastAPI(title="Tessera", summary="OpenAI-compatible LLM inference server",
                   docs_url="/docs", redoc_url=None)
     app.state.tessera = ServerState(engine=engine, model_names=list(model_names),
-                                    request_timeout=request_timeout, metrics=metrics)
+                                    request_timeout=request_timeout, metrics=metrics, live=live)
     install_error_handlers(app)
     app.add_middleware(AccessLog)
 
@@ -232,8 +234,41 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeou
                              "server": {"active_requests": state.active_requests,
                                         "uptime_s": round(time.time() - state.started, 3)}})
 
+    @app.get("/v1/engine/live")
+    async def engine_live(request: Request, seconds: int = 120) -> Response:
+        """The last `seconds` of per-second engine stats (at most the 300 kept) and the engine's
+        settings: what the dashboard draws."""
+        state = _state(request)
+        if state.live is None:
+            return APIError(404, "Live stats are not enabled on this server.", code="live_stats_disabled").response()
+        if not 1 <= seconds <= 3600:
+            raise APIError(400, "seconds must be between 1 and 3600.", param="seconds")
+        snapshot = await asyncio.to_thread(state.live.snapshot, seconds)
+        snapshot["model"] = state.model_name
+        stats = state.engine.get_scheduler_stats()  # now, even when no step has run for a while
+        snapshot["current"] = {"running": stats.num_running, "waiting": stats.num_waiting,
+                               "swapped": stats.num_swapped, "kv_usage": round(stats.kv_cache_usage, 4),
+                               "num_blocks_total": stats.num_blocks_total, "num_blocks_free": stats.num_blocks_free}
+        return JSONResponse({"models": [snapshot], "settings": engine_settings(state.engine)})
+
+    if ui:
+        install_ui(app)
     _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
     return app
+
+
+def engine_settings(engine: AsyncLLMEngine) -> dict[str, Any]:
+    """The settings a reader of the dashboard wants beside the charts."""
+    config = engine.config
+    spec = config.speculative_config
+    kv = engine.kv_cache_info()
+    return {"model": config.model, "profile": config.profile, "quantization": config.quantization, "kv_cache_dtype": kv["dtype"], "kv_cache_tokens": kv["tokens"],
+            "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens, "target_itl_ms": config.target_itl_ms,
+            "enable_prefix_caching": config.enable_prefix_caching, "preemption_mode": config.preemption_mode,
+            "speculative": None if spec is None or spec.method is None else spec.method,
+            "attention_backend": config.attention_backend, "num_threads": config.num_threads,
+            "max_num_queued_requests": engine.max_num_queued_requests}
 
 
 def _configure_logging(level: str) -> None:
@@ -327,7 +362,8 @@ def serve(args: argparse.Namespace) -> int:
         if loggers.prometheus is not None:
             loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
         try:
-            app = create_app(engine, [name], request_timeout=args.request_timeout, metrics=loggers.prometheus)
+            app = create_app(engine, [name], request_timeout=args.request_timeout, metrics=loggers.prometheus,
+                             live=loggers.live, ui=getattr(args, "ui", True))
             # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
             config = uvicorn.Config(app, log_level=level, access_log=False,
                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)

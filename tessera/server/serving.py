@@ -40,6 +40,14 @@ class ServerMetrics(Protocol):
     def render(self) -> tuple[bytes, str]: ...
 
 
+class LiveView(Protocol):
+    """What the dashboard's endpoint needs from tessera.live_stats.LiveStats."""
+
+    def record_rejection(self) -> None: ...
+
+    def snapshot(self, seconds: Optional[int] = None, summary_s: int = 60) -> dict: ...
+
+
 @dataclass
 class ServerState:
     """Everything a handler needs, kept on app.state.tessera (one per app, never global)."""
@@ -48,6 +56,7 @@ class ServerState:
     model_names: list[str]
     request_timeout: Optional[float] = None  # seconds; None or 0 = no deadline
     metrics: Optional[ServerMetrics] = None
+    live: Optional[LiveView] = None  # recent per-second stats for /dashboard
     active_requests: int = 0
     started: float = field(default_factory=time.time)
     generations: set[Generation] = field(default_factory=set)  # running now, for shut_down()
@@ -75,8 +84,10 @@ class ServerState:
 
     def error(self, exc: BaseException) -> APIError:
         err = api_error_from(exc)
-        if err.status == 429 and self.metrics is not None:
-            self.metrics.record_rejection()
+        if err.status == 429:
+            for sink in (self.metrics, self.live):
+                if sink is not None:
+                    sink.record_rejection()
         return err
 
 
