@@ -3,4 +3,5 @@ import sys
 
 from tessera.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when an engine-core process (spawn) re-imports this module
+    sys.exit(main())

@@ -35,6 +35,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `tessera serve`; the server reads exactly these names from its args."""
     parser.add_argument("model", nargs="?", default=registry.DEFAULT_MODEL,
                         help="registry name, .gguf path, model folder or hub id (default: %(default)s)")
+    parser.add_argument("more_models", nargs="*", metavar="MODEL",
+                        help="more models to serve from the same port, each in its own engine process, routed by "
+                             "the request's `model`")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -58,6 +61,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP/HTTP endpoint to export request traces to, e.g. http://127.0.0.1:4318/v1/traces "
                         "(default: tracing off)")
+    g.add_argument("--config", default=None, metavar="TOML",
+                   help="models to serve with per-model engine options, aliases, keep_alive and fallback rules "
+                        "(see README, 'Several models'); replaces the MODEL arguments")
+    g.add_argument("--preload", action="store_true",
+                   help="with several models: load them all at start instead of on their first request")
+    g.add_argument("--keep-alive", default=None, metavar="DURATION",
+                   help="with several models: unload a model idle this long, e.g. 5m, 30s, 1h; -1 = never "
+                        "(default: never)")
+    g.add_argument("--max-loaded-models", type=int, default=None,
+                   help="with several models: most loaded at once; loading another unloads the least recently "
+                        "used idle one (default: no limit)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own (ZeroMQ between them), as vLLM V1 does: HTTP, "
+                        "JSON and tokenization never take the model's interpreter (measured: 1.09x output tok/s at "
+                        "32 concurrent requests, the same latency alone), and a crash of the engine fails only its "
+                        "requests and restarts it; --no-engine-process steps it on the server's main thread "
+                        "(default: on; always on with several models)")
     g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the chat page at / and the live dashboard at /dashboard; --no-ui leaves only "
                         "the API (default: on)")
@@ -200,12 +220,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.served_model_name is None:
-        args.served_model_name = registry.display_name(args.model)
-    args.model = _resolve_for_engine(args.model)  # pull with a progress bar before the server logs
-    from tessera.server.app import serve
+    from tessera.server.app import serve, serve_models
+    from tessera.server.config import model_specs
 
-    return serve(args) or 0
+    if args.config is None and not args.more_models:
+        if args.served_model_name is None:
+            args.served_model_name = registry.display_name(args.model)
+        args.model = _resolve_for_engine(args.model)  # pull with a progress bar before the server logs
+        return serve(args) or 0
+    specs = model_specs(args)
+    for spec in specs:
+        _resolve_for_engine(spec.model)  # pull what is missing now, with progress bars
+    return serve_models(args, specs) or 0
 
 
 def cmd_size(args: argparse.Namespace) -> int:

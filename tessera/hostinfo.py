@@ -94,6 +94,27 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (from /proc/<pid>/task/*/children); just `pid` where absent."""
+    from pathlib import Path
+
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:
+                pass
+    return out
+
+
+def tree_resident_bytes(pid: int) -> int:
+    """Resident memory of a process and its descendants (a server and its engine processes)."""
+    return sum(resident_bytes(p) for p in process_tree(pid))
+
+
 def resident_bytes(pid: Optional[int] = None) -> int:
     """Resident memory (VmRSS) of a process, this one by default, in bytes; 0 where /proc is absent."""
     from pathlib import Path

@@ -17,6 +17,7 @@ observed in the per-request histograms, so `request_prompt_tokens_sum` and
 """
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -64,25 +65,49 @@ def buckets_pow2(maximum: int) -> list[int]:
     return out
 
 
+class MetricFamilies:
+    """The metric families of one /metrics endpoint, shared by the loggers of every model it
+    serves (each logger fills its own `model_name` label). A family is created by the first
+    logger that asks for it, so a histogram's buckets are those of the first model."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._families: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def render(self) -> tuple[bytes, str]:
+        """The body and Content-Type for a GET /metrics response (classic Prometheus text format)."""
+        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_PLAIN_0_0_4
+
+    def get(self, cls, name: str, doc: str, labelnames: list[str], **kwargs):
+        with self._lock:
+            family = self._families.get(name)
+            if family is None:
+                family = self._families[name] = cls(name, doc, labelnames, registry=self.registry, **kwargs)
+            return family
+
+
 class PrometheusStatLogger:
     """Engine stats as Prometheus metrics, labelled by `model_name`."""
 
     def __init__(self, model_name: str, *, max_model_len: Optional[int] = None, max_num_batched_tokens: int = 512,
-                 registry: Optional[CollectorRegistry] = None) -> None:
-        """`max_model_len` tops the token-count buckets; None (not resolved yet) means 100k tokens."""
+                 registry: Optional[CollectorRegistry] = None, families: Optional[MetricFamilies] = None) -> None:
+        """`max_model_len` tops the token-count buckets; None (not resolved yet) means 100k tokens.
+        Loggers of several models share one `families` (one registry, one /metrics)."""
         self.model_name = model_name
         token_buckets = buckets_1_2_5(max_model_len or UNKNOWN_MAX_MODEL_LEN)
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        reg, labels = self.registry, ["model_name"]
+        self.families = families if families is not None else MetricFamilies(registry)
+        self.registry = self.families.registry
+        fam, labels = self.families.get, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+            return fam(Gauge, PREFIX + name, doc, labels).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+            return fam(Counter, PREFIX + name, doc, labels).labels(model_name)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+            return fam(Histogram, PREFIX + name, doc, labels, buckets=buckets).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
@@ -91,8 +116,8 @@ class PrometheusStatLogger:
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self._request_success = Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
-                                        labels + ["finished_reason"], registry=reg)
+        self._request_success = fam(Counter, PREFIX + "request_success", "Count of finished requests by finish "
+                                    "reason.", labels + ["finished_reason"])
         self.request_success = {r: self._request_success.labels(model_name, r) for r in FINISH_REASONS}
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions by the scheduler.")
         self.prefix_cache_queries = counter(
@@ -101,8 +126,8 @@ class PrometheusStatLogger:
         self.external_prefix_cache_hits = counter(
             "external_prefix_cache_hits", "Prefix cache hits in the disk tier (--kv-offload-dir), in tokens loaded "
             "instead of recomputed (prefix_cache_hits counts both tiers).")
-        self._kv_offload_bytes = Counter(PREFIX + "kv_offload_bytes", "Bytes moved to and from the disk tier.",
-                                         labels + ["direction"], registry=reg)
+        self._kv_offload_bytes = fam(Counter, PREFIX + "kv_offload_bytes", "Bytes moved to and from the disk tier.",
+                                     labels + ["direction"])
         self.kv_offload_bytes_read = self._kv_offload_bytes.labels(model_name, "read")
         self.kv_offload_bytes_written = self._kv_offload_bytes.labels(model_name, "write")
         self.kv_offload_saved_seconds = counter(
@@ -114,10 +139,9 @@ class PrometheusStatLogger:
         self.predicted_queue_wait = gauge(
             "predicted_queue_wait_seconds", "Forecast (step-cost model) of how long a request arriving now "
                                             "would wait for its prompt to be computed, in seconds.")
-        self._structured_requests = Counter(
-            PREFIX + "structured_output_requests", "Finished sequences whose output was constrained, by kind "
-            "(json, json_object, regex, choice, grammar, structural_tag: tool calls).",
-            labels + ["kind"], registry=reg)
+        self._structured_requests = fam(
+            Counter, PREFIX + "structured_output_requests", "Finished sequences whose output was constrained, by "
+            "kind (json, json_object, regex, choice, grammar, structural_tag: tool calls).", labels + ["kind"])
         self.grammar_compile_time = histogram(
             "grammar_compile_seconds", "Histogram of the time to compile a request's output constraint (cached "
             "grammars take microseconds), in seconds.", GRAMMAR_BUCKETS)
@@ -157,10 +181,9 @@ class PrometheusStatLogger:
             "spec_decode_num_draft_tokens", "Proposed tokens verified by the target model.")
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
-        self._spec_accepted_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted proposed tokens by position in their run (0 = first proposal).",
-            labels + ["position"], registry=reg)
+        self._spec_accepted_per_pos = fam(
+            Counter, PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in their run (0 = first proposal).", labels + ["position"])
         self.spec_decode_request_acceptance_rate = histogram(
             "spec_decode_request_acceptance_rate",
             "Per finished request that verified proposals: accepted / proposed tokens.",
@@ -256,7 +279,7 @@ class PrometheusStatLogger:
 
     def render(self) -> tuple[bytes, str]:
         """The body and Content-Type for a GET /metrics response (classic Prometheus text format)."""
-        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_PLAIN_0_0_4
+        return self.families.render()
 
 
 class _WithoutCreated:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from tessera.live_stats import LiveStats
-from tessera.metrics import PrometheusStatLogger
+from tessera.metrics import MetricFamilies, PrometheusStatLogger
 from tessera.status_log import StatusLineLogger
 from tessera.tracing import RequestTracer
 
@@ -147,11 +147,13 @@ class StatLoggers:
 
 
 def build_stat_loggers(model_name: str, *, max_model_len: Optional[int] = None, max_num_batched_tokens: int = 512,
-                       otlp_traces_endpoint: Optional[str] = None, log_stats: bool = True) -> StatLoggers:
-    """The loggers a server needs; raises TesseraError for a bad trace endpoint."""
+                       otlp_traces_endpoint: Optional[str] = None, log_stats: bool = True,
+                       families: Optional[MetricFamilies] = None) -> StatLoggers:
+    """The loggers a server needs for one model; raises TesseraError for a bad trace endpoint.
+    The models of one server share `families` (one /metrics)."""
     return StatLoggers(
         prometheus=PrometheusStatLogger(model_name, max_model_len=max_model_len,
-                                        max_num_batched_tokens=max_num_batched_tokens),
+                                        max_num_batched_tokens=max_num_batched_tokens, families=families),
         tracer=RequestTracer.from_endpoint(otlp_traces_endpoint, model_name) if otlp_traces_endpoint else None,
         status=StatusLineLogger() if log_stats else None,
         live=LiveStats(model_name),

@@ -91,7 +91,7 @@ def test_live_endpoint_counts_tokens_and_429s():
             assert model["summary"]["rejections"] == statuses.count(429)
             assert model["totals"]["generation_tokens"] >= 5 * statuses.count(200)
             assert model["current"]["running"] == 0
-            assert body["settings"]["max_num_seqs"] == core.config.max_num_seqs
+            assert model["settings"]["max_num_seqs"] == core.config.max_num_seqs
             assert httpx.get(f"{url}/v1/engine/live", params={"seconds": "x"}).status_code == 400
             assert httpx.get(url + "/").status_code == 200
     finally:

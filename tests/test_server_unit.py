@@ -627,7 +627,7 @@ def test_models_health_stats_metrics(srv):
     models = httpx.get(f"{srv.url}/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL, "alias"]
     assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == 256
-    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok", "models": {MODEL: "ready"}}
     stats = srv.stats()
     assert set(stats["scheduler"]) >= {"num_running", "num_waiting", "kv_cache_usage", "num_blocks_free"}
     r = httpx.get(f"{srv.url}/metrics")

@@ -116,7 +116,7 @@ def test_pages_assets_and_headers(server):
         assert httpx.get(f"{server.url}/static/{asset}").status_code == 200, asset
     live = httpx.get(server.url + "/v1/engine/live", params={"seconds": 30}).json()
     assert live["models"][0]["model"] == MODEL and len(live["models"][0]["series"]["t"]) == 30
-    assert live["settings"]["max_num_seqs"] == 8
+    assert live["models"][0]["settings"]["max_num_seqs"] == 8
     assert httpx.get(server.url + "/v1/engine/live", params={"seconds": 0}).status_code == 400
     # The pages are not API operations: the OpenAPI schema (fuzzed by schemathesis) leaves them out.
     paths = httpx.get(server.url + "/openapi.json").json()["paths"]

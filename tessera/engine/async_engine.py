@@ -15,7 +15,8 @@ import time
 from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union
 
 from tessera.config import EngineConfig
-from tessera.engine.llm_engine import LLMEngine, PreparedRequest, StepFailedError
+from tessera.engine.input_processor import PreparedRequest
+from tessera.engine.llm_engine import LLMEngine, StepFailedError
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
@@ -65,7 +66,9 @@ class EngineCore(Protocol):
 
     def get_scheduler_stats(self) -> SchedulerStats: ...
 
-    def step_with_stats(self) -> tuple[list[RequestOutput], IterationStats]: ...
+    def step_with_stats(self) -> tuple[list[RequestOutput], Optional[IterationStats]]:
+        """One step's outputs and stats; ([], None) when a remote core had nothing yet."""
+        ...
 
     def load_snapshot(self) -> LoadSnapshot: ...
 
@@ -96,10 +99,18 @@ class AsyncLLMEngine:
         start_thread: bool = True,
         step_timeout: Optional[float] = None,
         max_queue_wait: Optional[float] = None,
+        engine_process: bool = False,
+        log_level: str = "info",
     ) -> None:
         """`start_thread=False` leaves the loop to the caller's `run_until()`: `tessera serve`
         runs it on the main thread, where torch's OpenMP threads measured about 1.4x faster
-        per step than from a secondary thread on this 2-core machine."""
+        per step than from a secondary thread on this 2-core machine. `engine_process` runs the
+        engine in a process of its own (ProcessEngineCore); this object then only feeds it."""
+        self._wakeup = threading.Event()
+        if engine is None and engine_process:
+            from tessera.engine.core_client import ProcessEngineCore
+
+            engine = ProcessEngineCore(config, log_level=log_level, wakeup=self._wakeup)
         self.engine: EngineCore = engine or LLMEngine(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
@@ -108,7 +119,6 @@ class AsyncLLMEngine:
         self.stat_loggers = list(stat_loggers)
         self.stats_sink = stats_sink  # object with put(scheduler_stats, iteration_stats), e.g. StatsConsumer
         self._commands: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
-        self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._pending_adds = 0
@@ -116,6 +126,7 @@ class AsyncLLMEngine:
         self._stats = self.engine.get_scheduler_stats()
         self._snapshot = self.engine.load_snapshot()
         self._dead: Optional[BaseException] = None
+        self._restarting: Optional[str] = None  # why the engine core is being restarted, while it is
         # Watchdog: a step running longer than this makes the engine unhealthy (/health 503, new
         # requests refused) until it returns; None = no watchdog.
         self.step_timeout = step_timeout
@@ -134,6 +145,8 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if self._restarting is not None:
+            raise EngineDeadError(f"{self._restarting}; restarting it")
         if self._loop_exited:
             raise EngineDeadError("engine loop is not running")
         started = self._step_started
@@ -145,6 +158,11 @@ class AsyncLLMEngine:
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return self._stats
+
+    def num_active(self) -> int:
+        """Requests in flight through generate() (waiting, running or being admitted)."""
+        with self._lock:
+            return len(self._streams) + self._pending_adds
 
     def num_queued(self) -> int:
         with self._lock:
@@ -258,6 +276,35 @@ class AsyncLLMEngine:
             elif kind == "abort":
                 self.engine.abort_request(str(payload))
 
+    def _restart_core(self, exc: BaseException) -> None:
+        """The engine-core process died: fail what it was running, start a new one (health 503
+        meanwhile); if that fails too, the engine is dead."""
+        from tessera.engine.core_client import ProcessEngineCore
+
+        core = self.engine
+        assert isinstance(core, ProcessEngineCore), "only an engine-core process dies on its own"
+        lost = core.in_flight()
+        logger.error("%s; failing its %d request(s) and restarting it", exc, len(lost))
+        self._restarting = str(exc)
+        err = EngineDeadError(f"{exc}; the request was lost")
+        for rid in lost:
+            self._deliver(rid, err)
+        core.restart()
+        self._stats = core.get_scheduler_stats()
+        self._snapshot = core.load_snapshot()
+        with self._lock:
+            self._num_waiting = 0
+        self._restarting = None
+        logger.info("engine core restarted")
+
+    def core_info(self) -> dict:
+        """Where the engine runs, for /v1/engine/stats."""
+        from tessera.engine.core_client import ProcessEngineCore
+
+        if isinstance(self.engine, ProcessEngineCore):
+            return self.engine.describe()
+        return {"engine_process": False, "pid": None}
+
     def run_until(self, done: Callable[[], bool]) -> None:
         """Run the engine loop in the calling thread until `done()` or shutdown()."""
         self._loop(done)
@@ -269,24 +316,36 @@ class AsyncLLMEngine:
                 with self._lock:
                     self._num_waiting = self.engine.num_waiting_requests()
                 if not self.engine.has_unfinished_requests():
+                    self._step_started = None
                     self._stats = self.engine.get_scheduler_stats()
                     self._snapshot = self.engine.load_snapshot()
                     self._wakeup.wait(timeout=0.2)
                     self._wakeup.clear()
                     continue
-                self._step_started = time.monotonic()
+                if self._step_started is None:  # kept across a remote core's early returns: the watchdog
+                    self._step_started = time.monotonic()  # measures time without a result
                 try:
                     outputs, it_stats = self.engine.step_with_stats()
                 except StepFailedError as exc:  # its requests were ended; tell their callers, go on
+                    self._step_started = None
                     for rid in exc.request_ids:
-                        self._deliver(rid, EngineStepError(
+                        self._deliver(rid, exc.errors.get(rid) or EngineStepError(
                             f"the engine step running this request failed ({type(exc.cause).__name__}: "
                             f"{exc.cause}); the request was ended"))
                     self._stats = self.engine.get_scheduler_stats()
                     self._snapshot = self.engine.load_snapshot()
                     continue
-                finally:
+                except Exception as exc:
+                    from tessera.engine.core_client import EngineCoreDiedError
+
+                    if not isinstance(exc, EngineCoreDiedError):
+                        raise
                     self._step_started = None
+                    self._restart_core(exc)
+                    continue
+                if it_stats is None and not outputs:
+                    continue  # a remote core had no result yet; new commands are waiting
+                self._step_started = None
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 self._stats = self.engine.get_scheduler_stats()

@@ -22,6 +22,7 @@ from tessera.attention import get_backend
 from tessera.config import EngineConfig
 from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, save_cached
 from tessera.engine.kv_cache_manager import KVCacheManager
+from tessera.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
 from tessera.engine.kv_offload import DiskKVTier
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.request import Request, RequestStatus
@@ -51,24 +52,14 @@ class StepFailedError(Exception):
     `request_ids` are the (parent) requests that were ended; `cause` is the original error.
     """
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+    def __init__(self, request_ids: list[str], cause: BaseException,
+                 errors: Optional[dict[str, BaseException]] = None) -> None:
         super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
         self.request_ids = request_ids
         self.cause = cause
-
-
-@dataclass
-class PreparedRequest:
-    """A request validated and tokenized off the engine thread, ready to enqueue."""
-
-    request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    arrival_time: float
-    grammar: object = None  # the compiled structured-output constraint (xgrammar.CompiledGrammar)
-    grammar_compile_time: Optional[float] = None
+        # A request's own error where it is not the step's (an engine-core process refusing its
+        # constraint: InvalidRequestError, HTTP 400); the others get EngineStepError (HTTP 500).
+        self.errors = errors or {}
 
 
 @dataclass
@@ -140,6 +131,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks, hash_extra=str(config.model))
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, InputLimits(mc.vocab_size, max_model_len, config.block_size,
+                                                                 num_blocks))
         self.runner = ModelRunner(loaded.model, mc, self.config, self.attn_backend, num_blocks, num_host_blocks,
                                   self.dtype, self.structured)
         logger.info("%s", self.config.profile_summary())
@@ -364,38 +357,9 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         add_special_tokens: bool = True,
     ) -> PreparedRequest:
-        """Tokenize and check a request; raises InvalidRequestError if it can never run."""
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise InvalidRequestError("prompt must not be empty")
-            text: Optional[str] = prompt
-            ids = self.tokenizer.encode_bounded(prompt, self.config.max_model_len, add_special_tokens)
-        else:
-            text, ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if not ids:
-            raise InvalidRequestError("prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias keys must be token ids below the vocabulary size {vocab}")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
-                f"tokens, which leaves no room to generate.")
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
-                f"completion). Please reduce the prompt or max_tokens.")
-        if self.kv.blocks_for(len(ids) + max_tokens) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache "
-                f"of {self.kv.num_blocks * self.config.block_size} tokens; raise --kv-cache-memory")
-        prepared = PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
+        """Tokenize and check a request, compile its constraint; raises InvalidRequestError if it
+        can never run."""
+        prepared = self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens)
         if params.structured_outputs is not None:
             t0 = time.perf_counter()
             prepared.grammar = self.structured.compile(params.structured_outputs)

@@ -74,27 +74,20 @@ def load_model(
         torch.set_num_threads(num_threads)
     map_large_allocations()
     t0 = time.perf_counter()
+    config, tokenizer = load_model_info(path)
+    model, quant = _build(config, dtype, quantization, dense_copy)
     if path.is_dir():
-        from tessera.models.safetensors_loader import config_from_hf, iter_safetensors_weights, read_hf_config
+        from tessera.models.safetensors_loader import iter_safetensors_weights
 
-        config = config_from_hf(read_hf_config(path), name=path.name)
-        model, quant = _build(config, dtype, quantization, dense_copy)
         _load_weights(model, path, quant, weight_cache, lambda: iter_safetensors_weights(path))
-        tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
-    elif path.is_file():
-        from tessera.models.gguf_loader import config_from_gguf, iter_gguf_weights, read_gguf
+    else:
+        from tessera.models.gguf_loader import iter_gguf_weights, read_gguf
 
         gf = read_gguf(path)
         try:
-            config = config_from_gguf(gf, name=path.stem)
-            model, quant = _build(config, dtype, quantization, dense_copy)
             _load_weights(model, path, quant, weight_cache, lambda: iter_gguf_weights(gf, config, num_threads))
-            tokenizer = Tokenizer.from_gguf(path, gguf=gf)
         finally:
             gf.close()
-    else:
-        raise ModelNotFoundError(f"model path not found: {path}")
-    _merge_eos(config, tokenizer)
     release_free_memory()
     logger.info("loaded %s (%s, %s, %s) in %.1f s", path.name, config.architecture,
                 config.quantization or "unquantized", str(quant.dtype).removeprefix("torch."),
@@ -103,6 +96,30 @@ def load_model(
                 ", dense copies for large steps" if quant.dense_copy else "",
                 "; ".join(describe_quantization(model)))
     return LoadedModel(model.eval(), config, tokenizer, quant.dtype, path, quant)
+
+
+def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokenizer]:
+    """The model's configuration and tokenizer without its weights: what a process that only
+    tokenizes and detokenizes for an engine elsewhere needs (seconds, a few MiB)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        from tessera.models.safetensors_loader import config_from_hf, read_hf_config
+
+        config = config_from_hf(read_hf_config(path), name=path.name)
+        tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
+    elif path.is_file():
+        from tessera.models.gguf_loader import config_from_gguf, read_gguf
+
+        gf = read_gguf(path)
+        try:
+            config = config_from_gguf(gf, name=path.stem)
+            tokenizer = Tokenizer.from_gguf(path, gguf=gf)
+        finally:
+            gf.close()
+    else:
+        raise ModelNotFoundError(f"model path not found: {path}")
+    _merge_eos(config, tokenizer)
+    return config, tokenizer
 
 
 def _build(config: ModelConfig, dtype: Union[str, torch.dtype], quantization: QuantizationMode,

@@ -36,7 +36,8 @@ from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, ServerMetrics, ServerState
+from tessera.server.models import ModelRouter, ModelSpec
+from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, RejectionSink, ServerMetrics, ServerState
 from tessera.server.ui import install_ui
 
 if TYPE_CHECKING:
@@ -164,16 +165,20 @@ def _body_too_large() -> APIError:
                          "MiB.", code="request_too_large")
 
 
-def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeout: Optional[float] = None,
+def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[list[str]] = None, *,
+               router: Optional[ModelRouter] = None, request_timeout: Optional[float] = None,
                metrics: Optional[ServerMetrics] = None, live: Optional[LiveView] = None, ui: bool = True) -> FastAPI:
-    """The app for one engine; `model_names` are the names clients may ask for, the first is reported.
-    `ui` adds the chat page (/) and the dashboard (/dashboard), which reads `live`."""
-    if not model_names:
-        raise ValueError("at least one served model name is needed")
+    """The app over one engine (`model_names`: the names clients may use, the first reported;
+    `metrics`/`live` its loggers) or over a `router` of several models. `ui` adds the chat page
+    (/) and the dashboard (/dashboard)."""
+    if router is None:
+        if engine is None or not model_names:
+            raise ValueError("create_app needs an engine and at least one served model name, or a router")
+        router = ModelRouter.single(engine, list(model_names), live)
+        router.default.metrics = metrics if isinstance(metrics, RejectionSink) else None
     app = FastAPI(title="Tessera", summary="OpenAI-compatible LLM inference server",
                   docs_url="/docs", redoc_url=None)
-    app.state.tessera = ServerState(engine=engine, model_names=list(model_names),
-                                    request_timeout=request_timeout, metrics=metrics, live=live)
+    app.state.tessera = ServerState(router=router, request_timeout=request_timeout, metrics=metrics)
     install_error_handlers(app)
     app.add_middleware(AccessLog)
 
@@ -189,25 +194,42 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeou
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
+        """Every name served (aliases included), loaded or not; `status` says which."""
         state = _state(request)
-        root = state.engine.config.model
-        max_len = state.engine.config.max_model_len
-        return ModelList(data=[ModelCard(id=name, created=int(state.started), root=root, max_model_len=max_len)
-                               for name in state.model_names])
+        cards = []
+        for name, served in state.router.names():
+            engine = served.engine
+            cards.append(ModelCard(id=name, created=int(state.started), root=served.spec.model,
+                                   max_model_len=engine.config.max_model_len if engine is not None else None,
+                                   status=served.status))
+        return ModelList(data=cards)
 
     @app.get("/health")
-    async def health(request: Request) -> Response:
-        from tessera.engine.async_engine import EngineDeadError
-
+    async def health(request: Request, model: Optional[str] = None) -> Response:
+        """200 while every loaded model can serve (or `model` can); 503 with the reasons otherwise.
+        A model not loaded counts as healthy: it loads on its first request."""
         state = _state(request)
         if state.draining:
             return APIError(503, "The server is shutting down.", type="server_error",
                             code="server_shutting_down").response()
-        try:
-            state.engine.check_health()
-        except EngineDeadError as exc:
-            return state.error(exc).response()
-        return JSONResponse({"status": "ok"})
+        chosen = [state.router.resolve(model)] if model is not None else state.router.models
+        report, failing = {}, None
+        for served in chosen:
+            status = served.status
+            if served.engine is not None:
+                try:
+                    served.engine.check_health()
+                except Exception as exc:  # noqa: BLE001 - EngineDeadError and kin: this model is down
+                    status, failing = f"unavailable: {exc}", failing or exc
+            elif status == "failed":
+                status, failing = f"failed: {served.error}", failing or RuntimeError(served.error)
+            report[served.name] = status
+        if failing is not None:
+            err = APIError(503, f"{failing}", type="server_error", code="engine_unavailable")
+            body = err.body()
+            body["models"] = report
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "models": report})
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
@@ -218,38 +240,56 @@ def create_app(engine: AsyncLLMEngine, model_names: list[str], *, request_timeou
         return Response(body, media_type=content_type)
 
     @app.get("/v1/engine/stats")
-    async def engine_stats(request: Request) -> Response:
+    async def engine_stats(request: Request, model: Optional[str] = None) -> Response:
+        """The scheduler, profile, step-cost model and KV cache of one model (default: the first)."""
         state = _state(request)
-        engine = state.engine
+        served = state.router.resolve(model)
+        engine = served.engine
+        if engine is None:
+            raise APIError(503, f"Model {served.name!r} is {served.status}.", type="server_error",
+                           code="model_unavailable")
         stats = engine.get_scheduler_stats()
         config = engine.config
         wait = engine.predicted_wait()
-        return JSONResponse({"scheduler": dataclasses.asdict(stats),
+        return JSONResponse({"model": served.name,
+                             "scheduler": dataclasses.asdict(stats),
                              "profile": {"name": config.profile, "overrides": list(config.profile_overrides),
                                          **{name: getattr(config, name) for name in PROFILE_FIELDS},
                                          "max_num_queued_requests": engine.max_num_queued_requests},
                              "step_cost_model": engine.cost_model_stats(),
                              "kv_cache": engine.kv_cache_info(),
                              "predicted_queue_wait_s": None if wait is None else round(wait, 4),
+                             "engine_core": engine.core_info(),
+                             "models": [m.describe() for m in state.router.models],
                              "server": {"active_requests": state.active_requests,
                                         "uptime_s": round(time.time() - state.started, 3)}})
 
     @app.get("/v1/engine/live")
     async def engine_live(request: Request, seconds: int = 120) -> Response:
-        """The last `seconds` of per-second engine stats (at most the 300 kept) and the engine's
-        settings: what the dashboard draws."""
+        """The last `seconds` of per-second stats of every loaded model (at most the 300 kept)
+        and each one's settings: what the dashboard draws."""
         state = _state(request)
-        if state.live is None:
-            return APIError(404, "Live stats are not enabled on this server.", code="live_stats_disabled").response()
         if not 1 <= seconds <= 3600:
             raise APIError(400, "seconds must be between 1 and 3600.", param="seconds")
-        snapshot = await asyncio.to_thread(state.live.snapshot, seconds)
-        snapshot["model"] = state.model_name
-        stats = state.engine.get_scheduler_stats()  # now, even when no step has run for a while
-        snapshot["current"] = {"running": stats.num_running, "waiting": stats.num_waiting,
-                               "swapped": stats.num_swapped, "kv_usage": round(stats.kv_cache_usage, 4),
-                               "num_blocks_total": stats.num_blocks_total, "num_blocks_free": stats.num_blocks_free}
-        return JSONResponse({"models": [snapshot], "settings": engine_settings(state.engine)})
+        snapshots = []
+        for served in state.router.models:
+            engine, live = served.engine, served.live
+            if engine is None or live is None:
+                continue
+            snapshot = await asyncio.to_thread(live.snapshot, seconds)
+            snapshot["model"] = served.name
+            stats = engine.get_scheduler_stats()  # now, even when no step has run for a while
+            snapshot["current"] = {"running": stats.num_running, "waiting": stats.num_waiting,
+                                   "swapped": stats.num_swapped, "kv_usage": round(stats.kv_cache_usage, 4),
+                                   "num_blocks_total": stats.num_blocks_total,
+                                   "num_blocks_free": stats.num_blocks_free}
+            snapshot["settings"] = engine_settings(engine)
+            snapshots.append(snapshot)
+        if not snapshots and all(m.live is None for m in state.router.models if m.engine is not None) \
+                and state.router.loaded():
+            return APIError(404, "Live stats are not enabled on this server.", code="live_stats_disabled").response()
+        return JSONResponse({"models": snapshots,
+                             "configured": [m.describe() for m in state.router.models]})
 
     if ui:
         install_ui(app)
@@ -357,7 +397,8 @@ def serve(args: argparse.Namespace) -> int:
                     "flag" if args.max_num_queued_requests is not None else f"profile {config.profile}")
         engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer, start_thread=False,
                                 step_timeout=args.engine_step_timeout or None,
-                                max_queue_wait=args.max_queue_wait)
+                                max_queue_wait=args.max_queue_wait,
+                                engine_process=getattr(args, "engine_process", True), log_level=level)
         engine.warm_up()
         if loggers.prometheus is not None:
             loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
@@ -387,5 +428,88 @@ def serve(args: argparse.Namespace) -> int:
             engine.shutdown()
     finally:
         consumer.stop()
+        sock.close()
+    return 0
+
+
+def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
+    """Serve several models from one port: each engine in its own process, loaded on first use
+    (or at start with preload), unloaded after keep_alive or for room, routed by `model`."""
+    from prometheus_client import Counter
+
+    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.metrics import PREFIX, MetricFamilies
+    from tessera.observability import StatsConsumer, build_stat_loggers
+    from tessera.server.config import engine_config
+    from tessera.server.models import ServedModel
+
+    level = getattr(args, "log_level", "info") or "info"
+    _configure_logging(level)
+    families = MetricFamilies()
+    degraded = families.get(Counter, PREFIX + "degraded_requests",
+                            "Requests answered by a fallback model instead of the one asked for, by cause "
+                            "(queue_full, queue_wait, kv_usage, unavailable).", ["model_name", "fallback", "cause"])
+
+    def build(served: ServedModel) -> AsyncLLMEngine:
+        config = engine_config(served.spec, args)
+        loggers = build_stat_loggers(served.name, max_model_len=config.max_model_len,
+                                     max_num_batched_tokens=config.max_num_batched_tokens or 512,
+                                     otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                                     log_stats=not getattr(args, "disable_log_stats", False), families=families)
+        consumer = StatsConsumer(loggers.all(), thread_name=f"tessera-stats-{served.name}")
+        queue = served.spec.max_num_queued_requests or args.max_num_queued_requests
+        if queue is None:
+            queue = PROFILE_SETTINGS[config.profile].max_num_queued_requests
+        wait = served.spec.max_queue_wait if served.spec.max_queue_wait is not None else args.max_queue_wait
+        try:
+            engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer,
+                                    step_timeout=args.engine_step_timeout or None, max_queue_wait=wait,
+                                    engine_process=True, log_level=level)
+        except BaseException:
+            consumer.stop()
+            raise
+        engine.warm_up()
+        loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
+        served.metrics, served.live = loggers.prometheus, loggers.live
+        served.extras["stats"] = consumer
+        return engine
+
+    def close(served: ServedModel) -> None:
+        if served.metrics is not None:
+            served.metrics.watch_predicted_wait(lambda: None)
+        consumer = served.extras.get("stats")
+        if consumer is not None:
+            consumer.stop()
+
+    router = ModelRouter([ServedModel(s) for s in specs], builder=build, closer=close,
+                         max_loaded=args.max_loaded_models,
+                         on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())
+    sock = _bind(args.host, args.port)
+    try:
+        for served in router.models:
+            if served.spec.preload:
+                router.load(served)
+                if served.status == "failed":
+                    raise TesseraError(f"model {served.name!r} failed to load: {served.error}")
+        router.start_reaper()
+        app = create_app(router=router, request_timeout=args.request_timeout, metrics=families,
+                         ui=getattr(args, "ui", True))
+        config = uvicorn.Config(app, log_level=level, access_log=False,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
+        server = DrainingServer(config, app.state.tessera, args.shutdown_timeout)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        logger.info("serving %s on http://%s:%d", ", ".join(
+            f"{m.name} ({m.spec.model}, {m.status})" for m in router.models), host, args.port)
+        http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tessera-http")
+        signal.signal(signal.SIGTERM, lambda *_: server.drain())
+        http.start()
+        while http.is_alive():  # the engines run in their own processes; this thread only waits
+            try:
+                http.join(0.5)
+            except KeyboardInterrupt:
+                logger.info("shutting down")
+                server.drain()
+    finally:
+        router.shutdown()
         sock.close()
     return 0

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
@@ -15,6 +15,8 @@ from tessera.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
                                      TopLogprob, UsageInfo)
 from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage, sse, usage_of
+if TYPE_CHECKING:
+    from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.server.tools import (ParserEvent, ToolCallParser, add_tools_to_messages, check_tools,
                                   template_renders_tools, tool_choice_mode, tool_constraint)
 
@@ -99,8 +101,8 @@ class ChatStream:
         return [self._chunk([], usage)] if self.include_usage else []
 
 
-def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = state.engine.tokenizer
+def _prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = engine.tokenizer
     messages = body.template_messages()
     tools = None
     if template_renders_tools(tokenizer.chat_template):
@@ -115,7 +117,7 @@ def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     except Exception as exc:  # jinja templates raise for e.g. roles they do not know or a bad order
         raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}") from exc
     # The template already has BOS and friends.
-    ids = tokenizer.encode_bounded(text, state.engine.config.max_model_len, add_special_tokens=False)
+    ids = tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the chat template produced an empty prompt")
     return ids
@@ -123,7 +125,7 @@ def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
-    model = state.check_model(body.model)
+    state.router.resolve(body.model)  # 404 before anything else
     num_logprobs = body.num_logprobs()
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     constraint = body.structured_constraint()
@@ -136,8 +138,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                       "outputs; set tool_choice to 'none' to use them with tools")
         constraint = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
     params = body.to_sampling_params(max_tokens=max_tokens, logprobs=num_logprobs, structured=constraint)
-    prompt = _prompt_ids(state, body)
-    run = Run(state, request, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}")
+    route = await state.route(body.model, request)
+    model = route.reported
+    run = Run(state, request, route, [], params, f"chatcmpl-{uuid.uuid4().hex}",
+              reprompt=lambda engine: [_prompt_ids(engine, body)])
+    run.prompts = run.reprompt(run.engine)
     parse_tools = mode != "none"
 
     if body.stream:
@@ -164,5 +169,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             finish_reason=_finish_reason(c.finish_reason, parser), stop_reason=c.stop_reason))
     usage = usage_of(finals)
     record_usage(request, usage)
-    response = ChatCompletionResponse(id=run.request_id, model=model, choices=choices, usage=usage)
-    return JSONResponse(response.model_dump(mode="json"))
+    response = ChatCompletionResponse(id=run.request_id, model=run.route.reported, choices=choices, usage=usage)
+    return run.json(response.model_dump(mode="json"))

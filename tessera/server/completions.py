@@ -6,7 +6,7 @@ import uuid
 from typing import Optional, Union
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
@@ -91,18 +91,20 @@ def _choice(index: int, c: CompletionOutput, num_logprobs: Optional[int], echo: 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
-    model = state.check_model(body.model)
+    state.router.resolve(body.model)  # 404 before anything else
     prompts = body.prompts()
     if body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo together with logprobs is not supported (prompt logprobs are not computed)")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
                                      structured=body.structured_constraint())
+    route = await state.route(body.model, request)
+    model = route.reported
+    run = Run(state, request, route, prompts, params, f"cmpl-{uuid.uuid4().hex}", reprompt=lambda engine: prompts)
     echo_texts: Optional[list[str]] = None
     if body.echo:
-        echo_texts = [p if isinstance(p, str) else state.engine.tokenizer.decode(p, skip_special_tokens=False)
+        echo_texts = [p if isinstance(p, str) else run.engine.tokenizer.decode(p, skip_special_tokens=False)
                       for p in prompts]
-    run = Run(state, request, prompts, params, f"cmpl-{uuid.uuid4().hex}")
 
     if body.stream:
         return await run.stream(CompletionStream(run.request_id, model, params.n, body.logprobs,
@@ -116,5 +118,5 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ]
     usage = usage_of(finals)
     record_usage(request, usage)
-    response = CompletionResponse(id=run.request_id, model=model, choices=choices, usage=usage)
-    return JSONResponse(response.model_dump(mode="json"))
+    response = CompletionResponse(id=run.request_id, model=run.route.reported, choices=choices, usage=usage)
+    return run.json(response.model_dump(mode="json"))

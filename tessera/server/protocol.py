@@ -453,7 +453,8 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tessera"
     root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = None  # None while the model is not loaded
+    status: Optional[str] = None  # tessera: unloaded, loading, ready or failed
 
 
 class ModelList(OpenAIModel):

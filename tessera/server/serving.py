@@ -12,15 +12,16 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Protocol, Union, runtime_checkable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
-from tessera.server.errors import APIError, api_error_from, model_not_found, request_timeout, shutting_down
+from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
+from tessera.server.models import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
 from tessera.server.protocol import UsageInfo
 
 if TYPE_CHECKING:
@@ -33,11 +34,16 @@ MIN_LOGPROB = -9999.0
 
 
 class ServerMetrics(Protocol):
-    """What the server needs from tessera.metrics.PrometheusStatLogger."""
-
-    def record_rejection(self) -> None: ...
+    """What GET /metrics needs: the Prometheus text of every model served (tessera.metrics)."""
 
     def render(self) -> tuple[bytes, str]: ...
+
+
+@runtime_checkable
+class RejectionSink(Protocol):
+    """Something counting a model's 429s (its PrometheusStatLogger, its LiveStats)."""
+
+    def record_rejection(self) -> None: ...
 
 
 class LiveView(Protocol):
@@ -52,11 +58,9 @@ class LiveView(Protocol):
 class ServerState:
     """Everything a handler needs, kept on app.state.tessera (one per app, never global)."""
 
-    engine: AsyncLLMEngine
-    model_names: list[str]
+    router: ModelRouter
     request_timeout: Optional[float] = None  # seconds; None or 0 = no deadline
     metrics: Optional[ServerMetrics] = None
-    live: Optional[LiveView] = None  # recent per-second stats for /dashboard
     active_requests: int = 0
     started: float = field(default_factory=time.time)
     generations: set[Generation] = field(default_factory=set)  # running now, for shut_down()
@@ -64,15 +68,21 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.model_names[0]
+        return self.router.default.name
 
-    def check_model(self, requested: Optional[str]) -> str:
-        """The name to report back; 404 for a model this server does not serve."""
-        if requested is None or requested == "":
-            return self.model_name
-        if requested not in self.model_names:
-            raise model_not_found(requested)
-        return requested
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        """The first model's engine (the one engine of a single-model server)."""
+        engine = self.router.default.engine
+        if engine is None:
+            raise APIError(503, f"Model {self.model_name!r} is not loaded.", type="server_error",
+                           code="model_unavailable")
+        return engine
+
+    async def route(self, requested: Optional[str], request: Request) -> Route:
+        """The loaded model that answers (fallback rules applied unless the request forbids it)."""
+        forbid = request.headers.get(NO_FALLBACK_HEADER, "").strip().lower() in ("1", "true", "yes")
+        return await self.router.route(requested, allow_fallback=not forbid)
 
     def deadline(self) -> Optional[float]:
         return time.monotonic() + self.request_timeout if self.request_timeout else None
@@ -82,10 +92,11 @@ class ServerState:
         for generation in list(self.generations):
             generation.shut_down()
 
-    def error(self, exc: BaseException) -> APIError:
+    def error(self, exc: BaseException, served: Optional[ServedModel] = None) -> APIError:
         err = api_error_from(exc)
         if err.status == 429:
-            for sink in (self.metrics, self.live):
+            served = served or self.router.default
+            for sink in (served.metrics, served.live):
                 if sink is not None:
                     sink.record_rejection()
         return err
@@ -112,14 +123,48 @@ class Run:
 
     state: ServerState
     request: Request
+    route: Route
     prompts: list[Union[str, list[int]]]
     params: SamplingParams
     request_id: str
+    # Re-tokenizes the prompts for another model's engine, so a request its model refuses at
+    # admission (queue full, forecast wait) can go to the fallback; None: no second chance.
+    reprompt: Optional[Callable[[AsyncLLMEngine], list[Union[str, list[int]]]]] = None
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        engine = self.route.model.engine
+        if engine is None:  # unloaded between routing and now
+            raise APIError(503, f"Model {self.route.model.name!r} was unloaded; retry.", type="server_error",
+                           code="model_unavailable")
+        return engine
 
     def generation(self) -> Generation:
         self.request.state.request_id = self.request_id
-        return Generation(self.state.engine, self.request, self.prompts, self.params, self.request_id,
+        return Generation(self.engine, self.request, self.prompts, self.params, self.request_id,
                           self.state.deadline(), self.state.generations)
+
+    def error(self, exc: BaseException) -> APIError:
+        return self.state.error(exc, self.route.model)
+
+    async def _fall_back(self, exc: BaseException) -> bool:
+        """After `exc` refused the request at admission: move it to the model's fallback if its
+        rule covers that refusal (queue_full, queue_wait); False if it does not."""
+        from tessera.engine.async_engine import PredictedWaitError, QueueFullError
+
+        if not isinstance(exc, QueueFullError) or self.reprompt is None:
+            return False
+        cause = "queue_wait" if isinstance(exc, PredictedWaitError) else "queue_full"
+        route = await self.state.router.fall_back(self.route, cause)
+        if route is None:
+            return False
+        self.route = route
+        self.prompts = self.reprompt(self.engine)
+        return True
+
+    def json(self, body: dict) -> Response:
+        """A whole response, saying which model answered."""
+        return JSONResponse(body, headers=self.route.headers())
 
     def _note(self, outcome: str) -> None:
         """Why the request ended early, for the access log line."""
@@ -146,7 +191,9 @@ class Run:
             self._note("server shutting down; aborted")
             raise shutting_down()
         except Exception as exc:
-            raise self.state.error(exc) from exc
+            if await self._fall_back(exc):
+                return await self.collect()
+            raise self.error(exc) from exc
         return finals
 
     async def stream(self, renderer: StreamRenderer) -> Response:
@@ -173,10 +220,14 @@ class Run:
                 self._note("server shutting down; aborted")
                 return shutting_down().response()
             if isinstance(exc, Exception):
-                return self.state.error(exc).response()
+                if await self._fall_back(exc):
+                    renderer.model = self.route.reported
+                    return await self.stream(renderer)
+                return self.error(exc).response()
             raise
         return StreamingResponse(self._events(gen, outputs, first, renderer), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          **self.route.headers()})
 
     async def _events(self, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
                       first: list[tuple[int, RequestOutput]], renderer: StreamRenderer) -> AsyncIterator[str]:
@@ -210,13 +261,15 @@ class Run:
             self._note("server shutting down; aborted")
             yield shutting_down().sse_event()
         except Exception as exc:
-            yield self.state.error(exc).sse_event()
+            yield self.error(exc).sse_event()
         finally:
             await gen.close()
 
 
 class StreamRenderer(Protocol):
     """Turns engine outputs into one endpoint's SSE events ("data: {...}\\n\\n" strings)."""
+
+    model: str  # the `model` of every chunk (changed if a fallback model takes the request over)
 
     def start(self) -> list[str]: ...
 

@@ -129,12 +129,19 @@
       const body = await r.json();
       const names = body.models.map((m) => m.model);
       if ([...els.model.options].map((o) => o.value).join() !== names.join()) {
+        const chosen = els.model.value;
         els.model.replaceChildren(...names.map((n) => new Option(n, n)));
+        if (names.includes(chosen)) els.model.value = chosen;
       }
       const m = body.models.find((x) => x.model === els.model.value) || body.models[0];
+      if (!m) {
+        const waiting = (body.configured || []).map((c) => `${c.id}: ${c.status}`).join(", ");
+        els.status.textContent = `No model is loaded yet (${waiting}); models load on their first request.`;
+        return;
+      }
       renderSummary(m);
       renderCharts(m);
-      renderSettings(body.settings);
+      renderSettings(m.settings);
       updates += 1;
       document.body.dataset.updates = String(updates);
       els.status.textContent = `Updated ${new Date(m.now * 1000).toLocaleTimeString()}`;

@@ -1,0 +1,82 @@
+"""Turning a request into engine input: tokenize, validate, size; no model needed.
+
+Kept apart from LLMEngine so the API process can do it when the engine runs in
+a process of its own (tessera/engine/core_client.py): the engine-core process
+then only receives token ids and checked parameters, and a request that can
+never run is refused (HTTP 400) before it crosses over.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.tokenizer import Tokenizer
+
+
+@dataclass
+class PreparedRequest:
+    """A request validated and tokenized off the engine thread, ready to enqueue."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    grammar: object = None  # the compiled structured-output constraint (xgrammar.CompiledGrammar)
+    grammar_compile_time: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What a request is checked against: the model's vocabulary and the engine's sizes."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int  # KV blocks in all: a request needing more can never run
+
+
+class InputProcessor:
+    """Tokenizes and checks requests; thread-safe (the tokenizer is)."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: InputLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def process(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
+                arrival_time: Optional[float] = None, add_special_tokens: bool = True) -> PreparedRequest:
+        """Tokenize and check a request; raises InvalidRequestError if it can never run."""
+        lim = self.limits
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt must not be empty")
+            text: Optional[str] = prompt
+            ids = self.tokenizer.encode_bounded(prompt, lim.max_model_len, add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+            if any((not isinstance(t, int)) or t < 0 or t >= lim.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {lim.vocab_size})")
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token")
+        if params.logit_bias and max(params.logit_bias) >= lim.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids below the vocabulary size {lim.vocab_size}")
+        limit = lim.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                f"tokens, which leaves no room to generate.")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                f"completion). Please reduce the prompt or max_tokens.")
+        if -(-(len(ids) + max_tokens) // lim.block_size) > lim.num_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache "
+                f"of {lim.num_blocks * lim.block_size} tokens; raise --kv-cache-memory")
+        return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())

@@ -1,0 +1,382 @@
+"""The models one server serves: their engines, loading and unloading, and where a request goes.
+
+A `ModelRouter` holds one `ServedModel` per configured model. A model's engine
+is built on first use (or at start with `preload`) on a thread of its own, so
+loading one model never stalls requests to the others; it is shut down after
+`keep_alive` seconds without requests, or when loading another needs room
+(least recently used first, never one with requests in flight), as Ollama's
+keep_alive and OLLAMA_MAX_LOADED_MODELS do. With several models each engine
+runs in its own process (tessera/engine/core_client.py), so a crash or an
+unload returns that model's memory and touches nobody else.
+
+Degradation: a model may name a `fallback` and the conditions (`when`) under
+which a request is answered by it instead of waiting or failing: its queue is
+full, its forecast wait is past a bound, its KV cache is nearly full, or it is
+unavailable (loading, restarting after a crash, failed). The answer says who
+answered (the response's `model`, `x-tessera-model`, and
+`x-tessera-fallback-from` / `x-tessera-fallback-cause`); a request can forbid
+it with `x-tessera-no-fallback: 1`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Literal, Optional
+
+from tessera.server.errors import APIError, model_not_found
+
+if TYPE_CHECKING:
+    from tessera.engine.async_engine import AsyncLLMEngine
+
+logger = logging.getLogger("tessera")
+
+ModelStatus = Literal["unloaded", "loading", "ready", "failed"]
+NO_FALLBACK_HEADER = "x-tessera-no-fallback"
+# Unloading for room skips a model used this recently: a request may be between choosing it and
+# handing its prompt to the engine.
+RECENT_USE_S = 2.0
+
+_CONDITION = re.compile(r"\s*(queue_full|unavailable|queue_wait\s*>\s*([0-9.]+)\s*(ms|s)?|kv_usage\s*>\s*([0-9.]+))\s*$")
+
+
+@dataclass(frozen=True)
+class FallbackCondition:
+    """One `when` clause: queue_full, unavailable, "queue_wait > 2s", "kv_usage > 0.9"."""
+
+    kind: Literal["queue_full", "unavailable", "queue_wait", "kv_usage"]
+    threshold: float = 0.0
+
+    @staticmethod
+    def parse(text: str) -> "FallbackCondition":
+        m = _CONDITION.fullmatch(text)
+        if m is None:
+            raise ValueError(f"unknown fallback condition {text!r}: use queue_full, unavailable, "
+                             "'queue_wait > 2s' or 'kv_usage > 0.9'")
+        if m.group(2) is not None:
+            value = float(m.group(2)) / (1000.0 if m.group(3) == "ms" else 1.0)
+            return FallbackCondition("queue_wait", value)
+        if m.group(4) is not None:
+            return FallbackCondition("kv_usage", float(m.group(4)))
+        return FallbackCondition(m.group(1))  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        if self.kind == "queue_wait":
+            return f"queue_wait > {self.threshold:g}s"
+        if self.kind == "kv_usage":
+            return f"kv_usage > {self.threshold:g}"
+        return self.kind
+
+
+@dataclass(frozen=True)
+class FallbackRule:
+    model: str  # served name of the model that answers instead
+    when: tuple[FallbackCondition, ...]
+
+
+@dataclass
+class ModelSpec:
+    """One served model as configured (command line or --config TOML)."""
+
+    name: str  # the name clients use (and the response reports)
+    model: str  # registry name, .gguf path or folder
+    aliases: list[str] = field(default_factory=list)
+    preload: bool = False
+    keep_alive: Optional[float] = None  # seconds idle before unloading; None = never
+    fallback: Optional[FallbackRule] = None
+    engine_overrides: dict = field(default_factory=dict)  # flag dests -> values, over the server's flags
+    max_num_queued_requests: Optional[int] = None
+    max_queue_wait: Optional[float] = None
+
+
+class ServedModel:
+    """A configured model and, while loaded, its engine."""
+
+    def __init__(self, spec: ModelSpec, engine: Optional[AsyncLLMEngine] = None) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.status: ModelStatus = "ready" if engine is not None else "unloaded"
+        self.error: Optional[str] = None
+        self.last_used = time.monotonic()
+        self.loaded_at: Optional[float] = time.time() if engine is not None else None
+        self.fixed = engine is not None  # handed in already built: never unloaded
+        self.load_event = threading.Event()
+        if engine is not None:
+            self.load_event.set()
+        self.live = None  # the model's LiveStats while loaded
+        self.metrics = None  # the model's PrometheusStatLogger (counts its 429s)
+        self.extras: dict = {}  # what the builder wants to keep with the engine (its stats thread)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def available(self) -> bool:
+        if self.status != "ready" or self.engine is None:
+            return False
+        try:
+            self.engine.check_health()
+        except Exception:  # noqa: BLE001 - any failure means "not now"
+            return False
+        return True
+
+    def trigger(self, conditions: tuple[FallbackCondition, ...]) -> Optional[str]:
+        """The first condition that holds now, as the cause to report; None if none does."""
+        for cond in conditions:
+            if cond.kind == "unavailable":
+                if not self.available():
+                    return "unavailable"
+                continue
+            engine = self.engine
+            if engine is None or not self.available():
+                continue  # "unavailable" covers it when asked for
+            if cond.kind == "queue_full":
+                limit = engine.max_num_queued_requests
+                if limit is not None and engine.num_queued() >= limit:
+                    return "queue_full"
+            elif cond.kind == "queue_wait":
+                wait = engine.predicted_wait(0)
+                if wait is not None and wait > cond.threshold:
+                    return "queue_wait"
+            elif cond.kind == "kv_usage":
+                if engine.get_scheduler_stats().kv_cache_usage > cond.threshold:
+                    return "kv_usage"
+        return None
+
+    def describe(self) -> dict:
+        return {"id": self.name, "model": self.spec.model, "aliases": list(self.spec.aliases),
+                "status": self.status, "error": self.error,
+                "fallback": None if self.spec.fallback is None else {
+                    "model": self.spec.fallback.model, "when": [str(c) for c in self.spec.fallback.when]},
+                "keep_alive_s": self.spec.keep_alive,
+                "engine_core": None if self.engine is None else self.engine.core_info()}
+
+
+# Builds a model's engine (blocking; on a thread) and tears it down.
+EngineBuilder = Callable[[ServedModel], "AsyncLLMEngine"]
+EngineCloser = Callable[[ServedModel], None]
+
+
+@dataclass
+class Route:
+    model: ServedModel  # who answers
+    requested: str  # the name the client asked for
+    cause: Optional[str] = None  # why another model answers, if one does
+    allow_fallback: bool = True  # False when the request forbids it
+
+    @property
+    def reported(self) -> str:
+        """The `model` of the response: the name asked for (an alias stays an alias), or the
+        fallback's name when another model answered."""
+        return self.requested if self.cause is None else self.model.name
+
+    def headers(self) -> dict[str, str]:
+        out = {"x-tessera-model": self.model.name}
+        if self.cause is not None:
+            out["x-tessera-fallback-from"] = self.requested
+            out["x-tessera-fallback-cause"] = self.cause
+        return out
+
+
+class ModelRouter:
+    """Resolves names, loads and unloads engines, applies fallback rules. Thread-safe."""
+
+    def __init__(self, models: list[ServedModel], *, builder: Optional[EngineBuilder] = None,
+                 closer: Optional[EngineCloser] = None, max_loaded: Optional[int] = None,
+                 on_degraded: Optional[Callable[[str, str, str], None]] = None) -> None:
+        if not models:
+            raise ValueError("a server needs at least one model")
+        self.models = models
+        self.builder = builder
+        self.closer = closer
+        self.max_loaded = max_loaded
+        self.on_degraded = on_degraded
+        self._by_name: dict[str, ServedModel] = {}
+        for m in models:
+            for name in [m.name, *m.spec.aliases]:
+                if name in self._by_name:
+                    raise ValueError(f"model name {name!r} is used twice")
+                self._by_name[name] = m
+        for m in models:
+            rule = m.spec.fallback
+            if rule is not None:
+                if rule.model not in self._by_name:
+                    raise ValueError(f"model {m.name!r} falls back to {rule.model!r}, which is not served")
+                if self._by_name[rule.model] is m:
+                    raise ValueError(f"model {m.name!r} cannot fall back to itself")
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: Optional[threading.Thread] = None
+
+    @classmethod
+    def single(cls, engine: AsyncLLMEngine, names: list[str], live=None) -> "ModelRouter":
+        """One engine built by the caller, answering to every name in `names` (the first reported)."""
+        served = ServedModel(ModelSpec(names[0], engine.config.model, aliases=list(names[1:])), engine)
+        served.live = live
+        return cls([served])
+
+    # -- names ------------------------------------------------------------------------------
+    @property
+    def default(self) -> ServedModel:
+        return self.models[0]
+
+    def resolve(self, requested: Optional[str]) -> ServedModel:
+        """The model a name (or alias) designates; the first model when none is given; 404 else."""
+        if requested is None or requested == "":
+            return self.default
+        served = self._by_name.get(requested)
+        if served is None:
+            raise model_not_found(requested)
+        return served
+
+    def names(self) -> list[tuple[str, ServedModel]]:
+        return list(self._by_name.items())
+
+    def loaded(self) -> list[ServedModel]:
+        return [m for m in self.models if m.engine is not None and m.status == "ready"]
+
+    # -- routing ----------------------------------------------------------------------------
+    async def route(self, requested: Optional[str], allow_fallback: bool = True) -> Route:
+        """The model that will answer, loaded; waits for a load (another model may answer meanwhile
+        if the rule says `unavailable`). Raises APIError 503 for a model that cannot load."""
+        served = self.resolve(requested)
+        name = requested or served.name
+        rule = served.spec.fallback
+        if allow_fallback and rule is not None:
+            if served.status in ("unloaded", "failed") and any(c.kind == "unavailable" for c in rule.when):
+                self._start_load(served)  # load it for later requests; this one goes elsewhere
+            cause = served.trigger(rule.when)
+            if cause is not None:
+                other = self._by_name[rule.model]
+                if other.status != "failed":
+                    await self._ensure_loaded(other)
+                    other.last_used = time.monotonic()
+                    if self.on_degraded is not None:
+                        self.on_degraded(served.name, other.name, cause)
+                    return Route(other, name, cause)
+        await self._ensure_loaded(served)
+        served.last_used = time.monotonic()
+        return Route(served, name, allow_fallback=allow_fallback)
+
+    async def fall_back(self, route: Route, cause: str) -> Optional[Route]:
+        """The route to `route`'s fallback after its model refused the request for `cause` at
+        admission (the check in `route` saw room, but others took it first); None when its rule
+        does not cover that cause or the request forbids falling back."""
+        served = route.model
+        rule = served.spec.fallback
+        if route.cause is not None or not route.allow_fallback or rule is None \
+                or cause not in {c.kind for c in rule.when}:
+            return None
+        other = self._by_name[rule.model]
+        if other.status == "failed":
+            return None
+        await self._ensure_loaded(other)
+        other.last_used = time.monotonic()
+        if self.on_degraded is not None:
+            self.on_degraded(served.name, other.name, cause)
+        return Route(other, route.requested, cause)
+
+    async def _ensure_loaded(self, served: ServedModel) -> None:
+        if served.status == "ready" and served.engine is not None:
+            return
+        self._start_load(served)
+        await asyncio.to_thread(served.load_event.wait)
+        if served.status != "ready":
+            raise APIError(503, f"Model {served.name!r} could not be loaded: {served.error}", type="server_error",
+                           code="model_unavailable")
+
+    def load(self, served: ServedModel) -> None:
+        """Load now, in this thread (start-up preloading)."""
+        self._start_load(served)
+        served.load_event.wait()
+
+    def _start_load(self, served: ServedModel) -> None:
+        with self._lock:
+            if served.status in ("loading", "ready"):
+                return
+            if self.builder is None:
+                raise APIError(503, f"Model {served.name!r} is not loaded.", type="server_error",
+                               code="model_unavailable")
+            served.status = "loading"
+            served.error = None
+            served.load_event.clear()
+        threading.Thread(target=self._load, args=(served,), name=f"tessera-load-{served.name}", daemon=True).start()
+
+    def _load(self, served: ServedModel) -> None:
+        assert self.builder is not None
+        self._make_room(served)
+        t0 = time.monotonic()
+        logger.info("loading model %r (%s)", served.name, served.spec.model)
+        try:
+            engine = self.builder(served)
+        except Exception as exc:  # noqa: BLE001 - reported to this model's requests, the server goes on
+            logger.exception("model %r failed to load", served.name)
+            with self._lock:
+                served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
+            served.load_event.set()
+            return
+        with self._lock:
+            served.engine, served.status = engine, "ready"
+            served.loaded_at, served.last_used = time.time(), time.monotonic()
+        served.load_event.set()
+        logger.info("model %r ready in %.1f s", served.name, time.monotonic() - t0)
+
+    def _make_room(self, incoming: ServedModel) -> None:
+        """Unload least recently used idle models until `incoming` fits under max_loaded."""
+        if self.max_loaded is None:
+            return
+        while True:
+            with self._lock:
+                loaded = [m for m in self.models if m.status in ("ready", "loading") and m is not incoming]
+                if len(loaded) < self.max_loaded:
+                    return
+                now = time.monotonic()
+                idle = [m for m in loaded if m.status == "ready" and not m.fixed and m.engine is not None
+                        and m.engine.num_active() == 0 and now - m.last_used > RECENT_USE_S]
+                victim = min(idle, key=lambda m: m.last_used, default=None)
+            if victim is None:
+                logger.warning("max_loaded_models %d reached and every loaded model is busy; loading %r anyway",
+                               self.max_loaded, incoming.name)
+                return
+            self.unload(victim, reason=f"room for {incoming.name!r}")
+
+    def unload(self, served: ServedModel, reason: str) -> None:
+        with self._lock:
+            if served.status != "ready" or served.fixed:
+                return
+            engine, served.engine, served.status = served.engine, None, "unloaded"
+            served.load_event.clear()
+        logger.info("unloading model %r (%s)", served.name, reason)
+        if self.closer is not None:
+            self.closer(served)
+        if engine is not None:
+            engine.shutdown()
+        served.extras.clear()
+        served.live = None
+
+    # -- keep_alive ---------------------------------------------------------------------------
+    def start_reaper(self, interval_s: float = 1.0) -> None:
+        """Unload models idle past their keep_alive, checked every `interval_s` on a thread."""
+        if self._reaper is not None or not any(m.spec.keep_alive is not None for m in self.models):
+            return
+
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                now = time.monotonic()
+                for m in self.models:
+                    ka = m.spec.keep_alive
+                    if ka is not None and m.status == "ready" and m.engine is not None \
+                            and m.engine.num_active() == 0 and now - m.last_used > ka:
+                        self.unload(m, reason=f"idle for {ka:g} s (keep_alive)")
+
+        self._reaper = threading.Thread(target=run, name="tessera-keep-alive", daemon=True)
+        self._reaper.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for m in self.models:
+            if m.engine is not None and not m.fixed:
+                self.unload(m, reason="server shutdown")
