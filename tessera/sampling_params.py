@@ -127,6 +127,13 @@ class SamplingParams:
             bad(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in self.stop):
             bad(f"each stop string may be at most {MAX_STOP_CHARS} characters")
+        # Integers travel to the engine process as msgpack (64 bits): larger ones are refused here.
+        for name in ("n", "max_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                bad(f"{name} must fit in 64 bits, got {value}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**63 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative token ids")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
             bad(f"stop_token_ids may hold at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}")
         if self.logit_bias is not None:

@@ -147,3 +147,15 @@ def test_killed_core_fails_its_requests_then_restarts(config):
         assert info["restarts"] == 1 and info["pid"] not in (pid, None)
     finally:
         engine.shutdown()
+
+
+def test_values_msgpack_cannot_carry_are_refused_not_crashed(remote):
+    """Found by the soak: a seed of 2**70 was a 500 once requests crossed to the engine process."""
+    with pytest.raises(InvalidRequestError, match="64 bits"):
+        SamplingParams(seed=2**70)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[2**70])
+    with pytest.raises(InvalidRequestError, match="cannot be passed to the engine"):
+        asyncio.run(final(remote, "x", SamplingParams(max_tokens=2, stop=["\ud800"]), "surrogate"))
+    out = asyncio.run(final(remote, "x", SamplingParams(max_tokens=2, seed=2**63 - 1), "big-seed"))
+    assert len(out.outputs[0].token_ids) == 2

@@ -170,8 +170,12 @@ class ProcessEngineCore:
     def add_prepared(self, p: PreparedRequest) -> None:
         if p.request_id in self.assembler:
             raise InvalidRequestError(f"request id {p.request_id!r} is already in use")
+        try:
+            frame = self._enc.encode(wire.AddRequest(p))
+        except (UnicodeEncodeError, OverflowError) as exc:  # lone surrogates, integers past 64 bits
+            raise InvalidRequestError(f"the request cannot be passed to the engine: {exc}") from None
         self.assembler.add(p.request_id, p.prompt, p.prompt_token_ids)
-        self._send(wire.AddRequest(p))
+        self._send_frame(frame)
         self._unseen_adds.append(self._sent)
 
     def abort_request(self, request_id: str) -> None:
@@ -180,8 +184,11 @@ class ProcessEngineCore:
             self._send(wire.AbortRequests([request_id]))
 
     def _send(self, msg: wire.CoreRequest) -> None:
+        self._send_frame(self._enc.encode(msg))
+
+    def _send_frame(self, frame: bytes) -> None:
         with self._send_lock:
-            self._to_core.send(self._enc.encode(msg), copy=False)
+            self._to_core.send(frame, copy=False)
             self._sent += 1
 
     def has_unfinished_requests(self) -> bool:
