@@ -285,8 +285,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                                    "num_blocks_free": stats.num_blocks_free}
             snapshot["settings"] = engine_settings(engine)
             snapshots.append(snapshot)
-        if not snapshots and all(m.live is None for m in state.router.models if m.engine is not None) \
-                and state.router.loaded():
+        loaded = state.router.loaded()
+        if loaded and all(m.live is None for m in loaded):
             return APIError(404, "Live stats are not enabled on this server.", code="live_stats_disabled").response()
         return JSONResponse({"models": snapshots,
                              "configured": [m.describe() for m in state.router.models]})
@@ -471,15 +471,14 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
         engine.warm_up()
         loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
         served.metrics, served.live = loggers.prometheus, loggers.live
-        served.extras["stats"] = consumer
+        served.stats_consumer = consumer
         return engine
 
     def close(served: ServedModel) -> None:
         if served.metrics is not None:
             served.metrics.watch_predicted_wait(lambda: None)
-        consumer = served.extras.get("stats")
-        if consumer is not None:
-            consumer.stop()
+        if served.stats_consumer is not None:
+            served.stats_consumer.stop()
 
     router = ModelRouter([ServedModel(s) for s in specs], builder=build, closer=close,
                          max_loaded=args.max_loaded_models,

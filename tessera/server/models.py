@@ -108,7 +108,7 @@ class ServedModel:
             self.load_event.set()
         self.live = None  # the model's LiveStats while loaded
         self.metrics = None  # the model's PrometheusStatLogger (counts its 429s)
-        self.extras: dict = {}  # what the builder wants to keep with the engine (its stats thread)
+        self.stats_consumer = None  # the StatsConsumer thread feeding its loggers, while loaded
 
     @property
     def name(self) -> str:
@@ -151,7 +151,7 @@ class ServedModel:
                 "status": self.status, "error": self.error,
                 "fallback": None if self.spec.fallback is None else {
                     "model": self.spec.fallback.model, "when": [str(c) for c in self.spec.fallback.when]},
-                "keep_alive_s": self.spec.keep_alive,
+                "keep_alive_s": self.spec.keep_alive, "loaded_at": self.loaded_at,
                 "engine_core": None if self.engine is None else self.engine.core_info()}
 
 
@@ -354,7 +354,7 @@ class ModelRouter:
             self.closer(served)
         if engine is not None:
             engine.shutdown()
-        served.extras.clear()
+        served.stats_consumer = None
         served.live = None
 
     # -- keep_alive ---------------------------------------------------------------------------
