@@ -8,7 +8,7 @@ One `tessera serve` (default smollm2-135m). Eight client workers loop until the 
 request drawn at random: completions or chat, streamed or not, 8-128 output tokens, n = 2 now and
 then, a JSON-schema constraint now and then (drawn from a fixed set of SCHEMAS, as an application
 has a few: every new schema adds ~2 MiB to xgrammar's compiled-grammar cache, bounded at 256 MiB),
-a hostile body now and then, and about a third of streams cut by the client at a random point. Every 10 s: the server's resident memory (its engine processes included)
+a hostile body now and then, and about a third of streams cut by the client at a random point. Every 10 s: the server's resident memory (its engine processes included; `rss_api`: the API process alone)
 (/proc/<pid>/status), the engine's free blocks and running/waiting requests (/v1/engine/stats).
 After a quiet moment at the end, every block must be free. Memory trend: least-squares slope of
 RSS over the second half of the run (the first half includes allocator warm-up), in MiB per
@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from tessera.bench.client import launch_server, stop_server
+from tessera.hostinfo import resident_bytes
 from tessera.hostinfo import tree_resident_bytes as process_rss
 from tessera.bench.datasets import VOCABULARY, random_json_schema
 from tessera.bench.hostile import hostile_cases
@@ -91,7 +92,8 @@ async def sampler(url: str, pid: int, t0: float, until: float, samples: list) ->
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         while time.monotonic() < until:
             stats = (await client.get("/v1/engine/stats")).json()["scheduler"]
-            samples.append({"t": time.monotonic() - t0, "rss": process_rss(pid), "free_blocks": stats["num_blocks_free"],
+            samples.append({"t": time.monotonic() - t0, "rss": process_rss(pid), "rss_api": resident_bytes(pid),
+                            "free_blocks": stats["num_blocks_free"],
                             "total_blocks": stats["num_blocks_total"], "running": stats["num_running"],
                             "waiting": stats["num_waiting"]})
             await asyncio.sleep(SAMPLE_S)
