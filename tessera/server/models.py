@@ -350,10 +350,10 @@ class ModelRouter:
             engine, served.engine, served.status = served.engine, None, "unloaded"
             served.load_event.clear()
         logger.info("unloading model %r (%s)", served.name, reason)
+        if engine is not None:
+            engine.shutdown()  # first, so its last steps' stats still reach the loggers the closer stops
         if self.closer is not None:
             self.closer(served)
-        if engine is not None:
-            engine.shutdown()
         served.stats_consumer = None
         served.live = None
 
