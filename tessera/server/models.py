@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tessera")
 
-ModelStatus = Literal["unloaded", "loading", "ready", "failed"]
+ModelStatus = Literal["unloaded", "loading", "ready", "unloading", "failed"]
 NO_FALLBACK_HEADER = "x-tessera-no-fallback"
 # Unloading for room skips a model used this recently: a request may be between choosing it and
 # handing its prompt to the engine.
@@ -104,6 +104,8 @@ class ServedModel:
         self.loaded_at: Optional[float] = time.time() if engine is not None else None
         self.fixed = engine is not None  # handed in already built: never unloaded
         self.load_event = threading.Event()
+        self.unloaded = threading.Event()  # clear while an unload is under way: a load waits for it
+        self.unloaded.set()
         if engine is not None:
             self.load_event.set()
         self.live = None  # the model's LiveStats while loaded
@@ -246,7 +248,8 @@ class ModelRouter:
         name = requested or served.name
         rule = served.spec.fallback
         if allow_fallback and rule is not None:
-            if served.status in ("unloaded", "failed") and any(c.kind == "unavailable" for c in rule.when):
+            if served.status in ("unloaded", "unloading", "failed") \
+                    and any(c.kind == "unavailable" for c in rule.when):
                 self._start_load(served)  # load it for later requests; this one goes elsewhere
             cause = served.trigger(rule.when)
             if cause is not None:
@@ -307,6 +310,7 @@ class ModelRouter:
 
     def _load(self, served: ServedModel) -> None:
         assert self.builder is not None
+        served.unloaded.wait()  # an unload still closing this model's loggers finishes first
         self._make_room(served)
         t0 = time.monotonic()
         logger.info("loading model %r (%s)", served.name, served.spec.model)
@@ -347,8 +351,11 @@ class ModelRouter:
         with self._lock:
             if served.status != "ready" or served.fixed:
                 return
-            engine, served.engine, served.status = served.engine, None, "unloaded"
+            # "unloading" until the engine is gone and its loggers are closed: "unloaded" promises
+            # the memory is free, and a load that starts meanwhile must not be clobbered below.
+            engine, served.engine, served.status = served.engine, None, "unloading"
             served.load_event.clear()
+            served.unloaded.clear()
         logger.info("unloading model %r (%s)", served.name, reason)
         if engine is not None:
             engine.shutdown()  # first, so its last steps' stats still reach the loggers the closer stops
@@ -356,6 +363,10 @@ class ModelRouter:
             self.closer(served)
         served.stats_consumer = None
         served.live = None
+        with self._lock:
+            if served.status == "unloading":
+                served.status = "unloaded"
+        served.unloaded.set()
 
     # -- keep_alive ---------------------------------------------------------------------------
     def start_reaper(self, interval_s: float = 1.0) -> None:
