@@ -11,8 +11,10 @@ has a few: every new schema adds ~2 MiB to xgrammar's compiled-grammar cache, bo
 a hostile body now and then, and about a third of streams cut by the client at a random point. Every 10 s: the server's resident memory (its engine processes included; `rss_api`: the API process alone)
 (/proc/<pid>/status), the engine's free blocks and running/waiting requests (/v1/engine/stats).
 After a quiet moment at the end, every block must be free. Memory trend: least-squares slope of
-RSS over the second half of the run (the first half includes allocator warm-up), in MiB per
-hour, with the spread of the samples around the fit. Writes soak.json and soak.png.
+resident memory over the second half of the run (the first half includes allocator warm-up), in
+MiB per hour, with the spread of the samples around the fit, for the whole server and for its
+engine and API processes apart; "flat" when the fitted rise over the second half is at most twice
+that spread or 0.5 % of the process's median size. Writes soak.json and soak.png.
 """
 from __future__ import annotations
 
@@ -92,17 +94,18 @@ async def sampler(url: str, pid: int, t0: float, until: float, samples: list) ->
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         while time.monotonic() < until:
             stats = (await client.get("/v1/engine/stats")).json()["scheduler"]
-            samples.append({"t": time.monotonic() - t0, "rss": process_rss(pid), "rss_api": resident_bytes(pid),
+            tree, api = process_rss(pid), resident_bytes(pid)
+            samples.append({"t": time.monotonic() - t0, "rss": tree, "rss_api": api, "rss_engine": tree - api,
                             "free_blocks": stats["num_blocks_free"],
                             "total_blocks": stats["num_blocks_total"], "running": stats["num_running"],
                             "waiting": stats["num_waiting"]})
             await asyncio.sleep(SAMPLE_S)
 
 
-def slope_mib_per_hour(samples: list) -> tuple[float, float]:
-    """Least-squares slope of RSS over time (MiB/h) and the residuals' standard deviation (MiB)."""
+def slope_mib_per_hour(samples: list, key: str = "rss") -> tuple[float, float]:
+    """Least-squares slope of `key` (bytes) over time (MiB/h) and the residuals' standard deviation (MiB)."""
     xs = [s["t"] for s in samples]
-    ys = [s["rss"] / 2**20 for s in samples]
+    ys = [s[key] / 2**20 for s in samples]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
@@ -118,8 +121,11 @@ def plot(samples: list, path: Path) -> None:
 
     t = [s["t"] / 60 for s in samples]
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    a.plot(t, [s["rss"] / 2**20 for s in samples])
-    a.set_ylabel("server RSS (MiB)")
+    a.plot(t, [s["rss"] / 2**20 for s in samples], label="server (all processes)")
+    a.plot(t, [s["rss_engine"] / 2**20 for s in samples], label="engine process")
+    a.plot(t, [s["rss_api"] / 2**20 for s in samples], label="API process")
+    a.set_ylabel("resident memory (MiB)")
+    a.legend(loc="center right")
     a.set_title("Soak: mixed traffic with cancellations")
     b.plot(t, [s["free_blocks"] for s in samples], label="free KV blocks")
     b.plot(t, [s["running"] for s in samples], label="running")
@@ -165,14 +171,20 @@ def main() -> int:
     half = [s for s in samples if s["t"] >= samples[-1]["t"] / 2]
     if len(half) < 3:  # a very short run: fit over all samples
         half = samples
-    slope, spread = slope_mib_per_hour(half)
-    rss = [s["rss"] / 2**20 for s in half]
+    span_h = (half[-1]["t"] - half[0]["t"]) / 3600
+    trends = {}
+    for key in ("rss", "rss_engine", "rss_api"):
+        slope, spread = slope_mib_per_hour(half, key)
+        values = [s[key] / 2**20 for s in half]
+        trends[key] = {"slope_mib_per_hour": slope, "residual_sd_mib": spread,
+                       "change_over_second_half_mib": slope * span_h,
+                       "min_mib": min(values), "max_mib": max(values), "median_mib": statistics.median(values),
+                       # flat: the fitted rise over the second half is within the samples' own noise
+                       # (twice their spread around the fit), or under 0.5 % of the process's size
+                       "flat": slope * span_h <= max(2 * spread, 0.005 * statistics.median(values))}
     result = {
         "kind": "soak", "machine": machine_info(), "model": args.model, "minutes": args.minutes,
-        "workers": args.workers, "counts": counts, "samples": samples,
-        "rss_second_half_mib": {"min": min(rss), "max": max(rss), "median": statistics.median(rss)},
-        "rss_slope_mib_per_hour": slope, "rss_residual_sd_mib": spread,
-        "rss_change_over_second_half_mib": slope * (half[-1]["t"] - half[0]["t"]) / 3600,
+        "workers": args.workers, "counts": counts, "samples": samples, "trends": trends,
         "blocks_free_at_end": final["num_blocks_free"], "blocks_total": final["num_blocks_total"],
         "running_at_end": final["num_running"], "waiting_at_end": final["num_waiting"],
         "server_exit_code": exit_code,

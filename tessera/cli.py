@@ -78,6 +78,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "32 concurrent requests, the same latency alone), and a crash of the engine fails only its "
                         "requests and restarts it; --no-engine-process steps it on the server's main thread "
                         "(default: on; always on with several models)")
+    g = parser.add_argument_group("replicas and Ray (see README, 'Scale-out on Ray')")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas per model behind one API, each an engine core with its own KV cache; "
+                        "requests are spread by --router-policy (default: %(default)s)")
+    g.add_argument("--router-policy", default="prefix-aware", choices=["round-robin", "least-loaded", "prefix-aware"],
+                   help="which replica takes a request: in turn, the one with the fewest unfinished requests, or "
+                        "the one that last served the prompt's first blocks unless it is much busier than the "
+                        "least-loaded (SGLang's cache-aware router) (default: %(default)s)")
+    g.add_argument("--ray", action="store_true",
+                   help="place the replicas as Ray actors (on any node of the cluster, restarted by Ray when they "
+                        "die) instead of local processes; needs `pip install tessera[ray]`")
+    g.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                   help="Ray cluster to join (`auto`: the one `ray start` set up on this machine); default: start "
+                        "a local Ray instance")
+    g.add_argument("--ray-num-cpus-per-replica", type=float, default=1.0,
+                   help="CPUs Ray reserves for each replica; also its torch thread count (default: %(default)s)")
+    g.add_argument("--ray-num-gpus-per-replica", type=float, default=0.0,
+                   help="GPUs Ray reserves for each replica (default: %(default)s)")
     g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the chat page at / and the live dashboard at /dashboard; --no-ui leaves only "
                         "the API (default: on)")
@@ -223,7 +241,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tessera.server.app import serve, serve_models
     from tessera.server.config import model_specs
 
-    if args.config is None and not args.more_models:
+    if args.replicas < 1:
+        raise TesseraError(f"--replicas must be at least 1, not {args.replicas}")
+    if args.ray_num_cpus_per_replica <= 0 or args.ray_num_gpus_per_replica < 0:
+        raise TesseraError("--ray-num-cpus-per-replica must be > 0 and --ray-num-gpus-per-replica >= 0")
+    if args.config is None and not args.more_models and args.replicas == 1 and not args.ray:
         if args.served_model_name is None:
             args.served_model_name = registry.display_name(args.model)
         args.model = _resolve_for_engine(args.model)  # pull with a progress bar before the server logs

@@ -88,26 +88,30 @@ class MetricFamilies:
 
 
 class PrometheusStatLogger:
-    """Engine stats as Prometheus metrics, labelled by `model_name`."""
+    """Engine stats as Prometheus metrics, labelled by `model_name` (and `replica` when a model
+    runs as several replicas: every logger of one registry must then have one)."""
 
     def __init__(self, model_name: str, *, max_model_len: Optional[int] = None, max_num_batched_tokens: int = 512,
-                 registry: Optional[CollectorRegistry] = None, families: Optional[MetricFamilies] = None) -> None:
+                 registry: Optional[CollectorRegistry] = None, families: Optional[MetricFamilies] = None,
+                 replica: Optional[str] = None) -> None:
         """`max_model_len` tops the token-count buckets; None (not resolved yet) means 100k tokens.
         Loggers of several models share one `families` (one registry, one /metrics)."""
         self.model_name = model_name
         token_buckets = buckets_1_2_5(max_model_len or UNKNOWN_MAX_MODEL_LEN)
         self.families = families if families is not None else MetricFamilies(registry)
         self.registry = self.families.registry
-        fam, labels = self.families.get, ["model_name"]
+        fam, labels = self.families.get, ["model_name"] + ([] if replica is None else ["replica"])
+        self._label_values = (model_name,) + (() if replica is None else (replica,))
+        values = self._label_values
 
         def gauge(name: str, doc: str) -> Gauge:
-            return fam(Gauge, PREFIX + name, doc, labels).labels(model_name)
+            return fam(Gauge, PREFIX + name, doc, labels).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return fam(Counter, PREFIX + name, doc, labels).labels(model_name)
+            return fam(Counter, PREFIX + name, doc, labels).labels(*values)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return fam(Histogram, PREFIX + name, doc, labels, buckets=buckets).labels(model_name)
+            return fam(Histogram, PREFIX + name, doc, labels, buckets=buckets).labels(*values)
 
         self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
@@ -118,7 +122,7 @@ class PrometheusStatLogger:
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self._request_success = fam(Counter, PREFIX + "request_success", "Count of finished requests by finish "
                                     "reason.", labels + ["finished_reason"])
-        self.request_success = {r: self._request_success.labels(model_name, r) for r in FINISH_REASONS}
+        self.request_success = {r: self._request_success.labels(*values, r) for r in FINISH_REASONS}
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions by the scheduler.")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in tokens (prompt tokens looked up).")
@@ -128,8 +132,8 @@ class PrometheusStatLogger:
             "instead of recomputed (prefix_cache_hits counts both tiers).")
         self._kv_offload_bytes = fam(Counter, PREFIX + "kv_offload_bytes", "Bytes moved to and from the disk tier.",
                                      labels + ["direction"])
-        self.kv_offload_bytes_read = self._kv_offload_bytes.labels(model_name, "read")
-        self.kv_offload_bytes_written = self._kv_offload_bytes.labels(model_name, "write")
+        self.kv_offload_bytes_read = self._kv_offload_bytes.labels(*values, "read")
+        self.kv_offload_bytes_written = self._kv_offload_bytes.labels(*values, "write")
         self.kv_offload_saved_seconds = counter(
             "kv_offload_saved_seconds", "Prefill time the disk tier's loads saved: the step-cost model's prediction "
             "for the loaded tokens less the time loading them took.")
@@ -226,7 +230,7 @@ class PrometheusStatLogger:
             self.spec_decode_num_draft_tokens.inc(proposed)
             self.spec_decode_num_accepted_tokens.inc(accepted)
             for pos in range(accepted):
-                self._spec_accepted_per_pos.labels(self.model_name, str(pos)).inc()
+                self._spec_accepted_per_pos.labels(*self._label_values, str(pos)).inc()
         for ttft in it.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in it.inter_token_latencies:
@@ -238,7 +242,7 @@ class PrometheusStatLogger:
         reason = f.finish_reason
         success = self.request_success.get(reason)
         if success is None:  # a reason vLLM does not have; still counted, under its own label
-            success = self._request_success.labels(self.model_name, reason)
+            success = self._request_success.labels(*self._label_values, reason)
         success.inc()
         if reason == "abort":
             self.request_aborts.inc()
@@ -261,7 +265,7 @@ class PrometheusStatLogger:
             self.spec_decode_request_acceptance_rate.observe(m.spec_accepted_tokens / m.spec_draft_tokens)
         structured = f.params.structured_outputs
         if structured is not None:
-            self._structured_requests.labels(self.model_name, structured.kind).inc()
+            self._structured_requests.labels(*self._label_values, structured.kind).inc()
             if m.grammar_compile_time is not None:
                 self.grammar_compile_time.observe(m.grammar_compile_time)
 

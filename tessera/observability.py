@@ -148,13 +148,16 @@ class StatLoggers:
 
 def build_stat_loggers(model_name: str, *, max_model_len: Optional[int] = None, max_num_batched_tokens: int = 512,
                        otlp_traces_endpoint: Optional[str] = None, log_stats: bool = True,
-                       families: Optional[MetricFamilies] = None) -> StatLoggers:
-    """The loggers a server needs for one model; raises TesseraError for a bad trace endpoint.
-    The models of one server share `families` (one /metrics)."""
+                       families: Optional[MetricFamilies] = None, replica: Optional[str] = None,
+                       live: Optional[LiveStats] = None) -> StatLoggers:
+    """The loggers a server needs for one model (one replica of it, with `replica`); raises
+    TesseraError for a bad trace endpoint. The models of one server share `families` (one
+    /metrics); the replicas of one model share its `live` record."""
     return StatLoggers(
         prometheus=PrometheusStatLogger(model_name, max_model_len=max_model_len,
-                                        max_num_batched_tokens=max_num_batched_tokens, families=families),
+                                        max_num_batched_tokens=max_num_batched_tokens, families=families,
+                                        replica=replica),
         tracer=RequestTracer.from_endpoint(otlp_traces_endpoint, model_name) if otlp_traces_endpoint else None,
         status=StatusLineLogger() if log_stats else None,
-        live=LiveStats(model_name),
+        live=live if live is not None else LiveStats(model_name),
     )

@@ -101,12 +101,16 @@ class AsyncLLMEngine:
         max_queue_wait: Optional[float] = None,
         engine_process: bool = False,
         log_level: str = "info",
+        core_factory: Optional[Callable[[EngineConfig, threading.Event], EngineCore]] = None,
     ) -> None:
         """`start_thread=False` leaves the loop to the caller's `run_until()`: `tessera serve`
         runs it on the main thread, where torch's OpenMP threads measured about 1.4x faster
         per step than from a secondary thread on this 2-core machine. `engine_process` runs the
-        engine in a process of its own (ProcessEngineCore); this object then only feeds it."""
+        engine in a process of its own (ProcessEngineCore); this object then only feeds it.
+        `core_factory(config, wakeup)` builds another kind of core (a Ray actor's, RayEngineCore)."""
         self._wakeup = threading.Event()
+        if engine is None and core_factory is not None:
+            engine = core_factory(config, self._wakeup)
         if engine is None and engine_process:
             from tessera.engine.core_client import ProcessEngineCore
 
@@ -178,6 +182,14 @@ class AsyncLLMEngine:
     def kv_cache_info(self) -> dict:
         return self.engine.kv_cache_info()
 
+    async def prepare(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+                      add_special_tokens: bool = True) -> PreparedRequest:
+        """Tokenize and check a request (in the caller: a bad one never reaches the engine)."""
+        if params.structured_outputs is not None:  # compiling a grammar may take a while: not on the event loop
+            return await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
+                                           add_special_tokens=add_special_tokens)
+        return self.engine.prepare_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+
     async def generate(
         self,
         prompt: Union[str, list[int]],
@@ -185,18 +197,20 @@ class AsyncLLMEngine:
         request_id: str,
         add_special_tokens: bool = True,
         deadline_s: Optional[float] = None,
+        prepared: Optional[PreparedRequest] = None,
+        restartable: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts the request.
 
         `deadline_s`: seconds the request may take in all; if the step-cost model forecasts a
         longer wait for its prompt alone, it is refused at once with PredictedWaitError.
+        `prepared`: the request already tokenized by `prepare` (a replica router reads its tokens).
+        `restartable`: the caller reads only the final output; a ReplicaSet may then rerun the
+        request elsewhere after its replica died mid-way (one engine has nowhere to: ignored).
         """
         self.check_health()
-        if params.structured_outputs is not None:  # compiling a grammar may take a while: not on the event loop
-            prepared = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
-                                               add_special_tokens=add_special_tokens)
-        else:
-            prepared = self.engine.prepare_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        if prepared is None:
+            prepared = await self.prepare(prompt, params, request_id, add_special_tokens)
         wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n)
         if deadline_s is not None and wait is not None and wait > deadline_s:
             raise PredictedWaitError(
@@ -317,6 +331,11 @@ class AsyncLLMEngine:
                     self._num_waiting = self.engine.num_waiting_requests()
                 if not self.engine.has_unfinished_requests():
                     self._step_started = None
+                    from tessera.engine.core_client import EngineCoreDiedError, ProcessEngineCore
+
+                    if isinstance(self.engine, ProcessEngineCore) and not self.engine.alive:  # died while idle
+                        self._restart_core(EngineCoreDiedError("the engine core exited while idle"))
+                        continue
                     self._stats = self.engine.get_scheduler_stats()
                     self._snapshot = self.engine.load_snapshot()
                     self._wakeup.wait(timeout=0.2)

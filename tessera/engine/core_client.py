@@ -72,6 +72,7 @@ class ProcessEngineCore:
         self._dec = wire.output_decoder()
         self._send_lock = threading.Lock()
         self.restarts = 0
+        self._closed = False
         self._generation = 0
         self.process: Optional[multiprocessing.process.BaseProcess] = None
         self._start()
@@ -79,19 +80,12 @@ class ProcessEngineCore:
     # -- process life ----------------------------------------------------------------------
     def _start(self) -> None:
         self._generation += 1
-        in_addr = f"ipc://{self._dir}/in-{self._generation}"
-        out_addr = f"ipc://{self._dir}/out-{self._generation}"
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.SNDHWM, 0)  # never drop or block an add: admission bounds the queue
-        self._to_core.bind(in_addr)
         self._from_core = self._ctx.socket(zmq.PULL)
         self._from_core.setsockopt(zmq.RCVHWM, 0)
-        self._from_core.bind(out_addr)
-        ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(
-            target=run_engine_core, name=f"tessera-core-{self.requested_config.model}", daemon=True,
-            args=(pickle.dumps(self.requested_config), in_addr, out_addr, os.getpid(), self.log_level))
-        self.process.start()
+        in_addr, out_addr = self._bind(self._to_core, "in"), self._bind(self._from_core, "out")
+        self._launch(pickle.dumps(self.requested_config), in_addr, out_addr)
         ready = self._wait_ready()
         self.pid = ready.pid
         self.config: EngineConfig = pickle.loads(ready.config)
@@ -111,47 +105,70 @@ class ProcessEngineCore:
         self._unseen_adds: deque[int] = deque()
         logger.info("engine core for %s running as process %d", self.config.model, self.pid)
 
+    def _bind(self, sock: zmq.Socket, direction: str) -> str:
+        """Bind one of the two sockets; returns the address the core connects to (a Unix socket
+        here; TCP for a core on another machine)."""
+        addr = f"ipc://{self._dir}/{direction}-{self._generation}"
+        sock.bind(addr)
+        return addr
+
+    def _launch(self, config_pickle: bytes, in_addr: str, out_addr: str) -> None:
+        """Start the core (it connects to the two addresses and reports Ready)."""
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(
+            target=run_engine_core, name=f"tessera-core-{self.requested_config.model}", daemon=True,
+            args=(config_pickle, in_addr, out_addr, os.getpid(), self.log_level))
+        self.process.start()
+
+    def _exit_code(self) -> Optional[int]:
+        return None if self.process is None else self.process.exitcode
+
     def _wait_ready(self) -> wire.Ready:
-        assert self.process is not None
         while True:
             if self._from_core.poll(500):
                 msg = self._dec.decode(self._from_core.recv())
                 if isinstance(msg, wire.Ready):
                     return msg
                 if isinstance(msg, wire.StartFailed):
-                    self.process.join(10)
+                    self._stop_core(kill=False)
                     raise TesseraError(f"the engine core for {self.requested_config.model} could not start: "
                                        f"{msg.message}")
                 continue
-            if not self.process.is_alive():
+            if not self.alive:
                 raise TesseraError(f"the engine core for {self.requested_config.model} exited with code "
-                                   f"{self.process.exitcode} while starting (see the log above)")
+                                   f"{self._exit_code()} while starting (see the log above)")
 
     def _close_sockets(self) -> None:
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
 
     def restart(self) -> None:
-        """Start a fresh engine-core process after the last one died (blocking: it loads the model)."""
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()
-        if self.process is not None:
-            self.process.join(10)
+        """Start a fresh engine core after the last one died (blocking: it loads the model)."""
+        self._stop_core(kill=True)
         self._close_sockets()
         self.restarts += 1
         self._start()
 
-    def close(self) -> None:
-        """Ask the core to stop (it flushes its disk tier), then make sure it has."""
+    def _stop_core(self, kill: bool) -> None:
+        """Make sure the core has exited (`kill`: at once; otherwise give it time to finish)."""
         if self.process is None:
             return
+        if kill and self.process.is_alive():
+            self.process.kill()
+        self.process.join(30)
         if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+    def close(self) -> None:
+        """Ask the core to stop (it flushes its disk tier), then make sure it has."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.alive:
             with self._send_lock:
                 self._to_core.send(self._enc.encode(wire.Shutdown()))
-            self.process.join(30)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(10)
+        self._stop_core(kill=False)
         self._close_sockets()
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -231,8 +248,8 @@ class ProcessEngineCore:
 
         while not self._from_core.poll(RESULT_POLL_MS):
             if not self.alive:
-                code = None if self.process is None else self.process.exitcode
-                raise EngineCoreDiedError(f"the engine-core process of {self.config.model} exited (code {code})")
+                raise EngineCoreDiedError(f"the engine-core process of {self.config.model} exited "
+                                          f"(code {self._exit_code()})")
             if self.wakeup is not None and self.wakeup.is_set():
                 self.wakeup.clear()
                 return [], None

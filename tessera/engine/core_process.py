@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -37,9 +38,13 @@ IDLE_POLL_MS = 200  # how long an idle core blocks on its socket before checking
 INFO_INTERVAL_S = 1.0  # how often the KV-cache and cost-model figures ride along with a step
 
 
-def run_engine_core(config_pickle: bytes, in_addr: str, out_addr: str, parent_pid: int, log_level: str) -> None:
-    """The process's entry point: build the engine, report Ready (or StartFailed), loop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which drains then stops us
+def run_engine_core(config_pickle: bytes, in_addr: str, out_addr: str, parent_pid: Optional[int],
+                    log_level: str) -> None:
+    """The process's entry point: build the engine, report Ready (or StartFailed), loop until
+    Shutdown or, with `parent_pid`, until that process is gone (a Ray actor has no such parent:
+    Ray ends it with its owner)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which drains then stops us
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s engine-core: %(message)s")
     logging.getLogger("tessera").setLevel(log_level.upper())
     ctx = zmq.Context()
@@ -76,7 +81,7 @@ def _info(engine) -> wire.EngineInfo:
 
 
 class _CoreLoop:
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: Optional[int]) -> None:
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -100,7 +105,7 @@ class _CoreLoop:
                 if self.poller.poll(timeout) and not self._drain_inbox():
                     return  # Shutdown
                 self._add_compiled()
-                if os.getppid() != self.parent_pid:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.error("the API process is gone; engine core exiting")
                     return
                 if self.engine.has_unfinished_requests():

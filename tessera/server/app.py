@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import threading
@@ -264,6 +265,32 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                              "server": {"active_requests": state.active_requests,
                                         "uptime_s": round(time.time() - state.started, 3)}})
 
+    @app.post("/v1/engine/replicas")
+    async def scale_replicas(request: Request) -> Response:
+        """Scale a replicated model (`tessera serve --replicas N`) at run time: {"model": name,
+        "replicas": n}. New replicas join rotation once loaded; removed ones drain first."""
+        from tessera.engine.replicas import ReplicaSet
+
+        state = _state(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "The body must be JSON: {\"model\": ..., \"replicas\": n}.") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "The body must be a JSON object: {\"model\": ..., \"replicas\": n}.")
+        n = body.get("replicas")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
+            raise APIError(400, "`replicas` must be an integer from 1 to 256.", param="replicas")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, "`model` must be a string.", param="model")
+        served = state.router.resolve(model)
+        engine = served.engine
+        if not isinstance(engine, ReplicaSet):
+            raise APIError(400, f"Model {served.name!r} is not served as replicas (start the server with "
+                           "--replicas or --ray).", param="model", code="not_replicated")
+        return JSONResponse({"model": served.name, **engine.scale(n)})
+
     @app.get("/v1/engine/live")
     async def engine_live(request: Request, seconds: int = 120) -> Response:
         """The last `seconds` of per-second stats of every loaded model (at most the 300 kept)
@@ -432,6 +459,45 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _SetLive:
+    """Feeds a replica's step stats to the model's LiveStats with the whole set's scheduler
+    gauges (running, waiting, KV use), so the dashboard does not flip between replicas."""
+
+    def __init__(self, live, replica_set: Callable[[], Any]) -> None:
+        self.live = live
+        self.replica_set = replica_set
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        replicas = self.replica_set()
+        self.live.record(replicas.get_scheduler_stats() if replicas is not None else scheduler_stats,
+                         iteration_stats)
+
+
+def _init_ray(args: argparse.Namespace) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise TesseraError("--ray needs Ray: pip install 'tessera[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True,
+                 logging_level=logging.WARNING)
+    logger.info("Ray cluster: %s", ", ".join(f"{k} {v:g}" for k, v in sorted(ray.cluster_resources().items())
+                                              if k in ("CPU", "GPU", "memory")))
+
+
+def _core_factory(args: argparse.Namespace, name: str, replica_id: int, level: str):
+    """How a replica's engine core starts: a Ray actor with --ray, a local process otherwise."""
+    from tessera.engine.core_client import ProcessEngineCore
+
+    if not args.ray:
+        return lambda config, wakeup: ProcessEngineCore(config, log_level=level, wakeup=wakeup)
+    from tessera.engine.ray_core import RayEngineCore, RayPlacement
+
+    placement = RayPlacement(num_cpus=args.ray_num_cpus_per_replica, num_gpus=args.ray_num_gpus_per_replica)
+    return lambda config, wakeup: RayEngineCore(config, placement, name=f"{name}/{replica_id}", log_level=level,
+                                                wakeup=wakeup)
+
+
 def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     """Serve several models from one port: each engine in its own process, loaded on first use
     (or at start with preload), unloaded after keep_alive or for room, routed by `model`."""
@@ -450,7 +516,13 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
                             "Requests answered by a fallback model instead of the one asked for, by cause "
                             "(queue_full, queue_wait, kv_usage, unavailable).", ["model_name", "fallback", "cause"])
 
+    replicated = args.replicas > 1 or args.ray
+    if args.ray:
+        _init_ray(args)
+
     def build(served: ServedModel) -> AsyncLLMEngine:
+        if replicated:
+            return build_replicas(served)
         config = engine_config(served.spec, args)
         loggers = build_stat_loggers(served.name, max_model_len=config.max_model_len,
                                      max_num_batched_tokens=config.max_num_batched_tokens or 512,
@@ -473,6 +545,61 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
         served.metrics, served.live = loggers.prometheus, loggers.live
         served.stats_consumer = consumer
         return engine
+
+    def build_replicas(served: ServedModel):
+        """The model as a ReplicaSet: each replica with its own stats thread and Prometheus
+        logger (a `replica` label), all feeding the model's one LiveStats (the dashboard)."""
+        from tessera.engine.replicas import ReplicaSet
+        from tessera.live_stats import LiveStats
+
+        config = engine_config(served.spec, args)
+        if config.num_threads is None:  # replicas must not fight over cores: each gets its share
+            threads = args.ray_num_cpus_per_replica if args.ray else (os.cpu_count() or 1) / args.replicas
+            config = dataclasses.replace(config, num_threads=max(1, int(threads)))
+        live = LiveStats(served.name)
+        consumers: dict[int, StatsConsumer] = {}
+        prometheus: dict = {}
+        queue = served.spec.max_num_queued_requests or args.max_num_queued_requests
+        if queue is None:
+            queue = PROFILE_SETTINGS[config.profile].max_num_queued_requests
+        wait = served.spec.max_queue_wait if served.spec.max_queue_wait is not None else args.max_queue_wait
+        replica_set: Optional[ReplicaSet] = None
+
+        def one(replica_id: int) -> AsyncLLMEngine:
+            loggers = build_stat_loggers(served.name, max_model_len=config.max_model_len,
+                                         max_num_batched_tokens=config.max_num_batched_tokens or 512,
+                                         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                                         log_stats=not getattr(args, "disable_log_stats", False), families=families,
+                                         replica=str(replica_id), live=live)
+            # the live record gets the whole set's gauges, not one replica's
+            sinks = [lg for lg in loggers.all() if lg is not live] + [_SetLive(live, lambda: replica_set)]
+            consumer = StatsConsumer(sinks, thread_name=f"tessera-stats-{served.name}-{replica_id}")
+            try:
+                engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer,
+                                        step_timeout=args.engine_step_timeout or None, max_queue_wait=wait,
+                                        log_level=level, core_factory=_core_factory(args, served.name, replica_id,
+                                                                                    level))
+            except BaseException:
+                consumer.stop()
+                raise
+            engine.warm_up()
+            loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
+            consumers[replica_id], prometheus[replica_id] = consumer, loggers.prometheus
+            return engine
+
+        def close_one(replica_id: int, engine: AsyncLLMEngine) -> None:
+            consumer = consumers.pop(replica_id, None)
+            if consumer is not None:
+                consumer.stop()
+            prometheus.pop(replica_id, None)
+
+        def rejected(replica_id: int) -> None:
+            if replica_id in prometheus:
+                prometheus[replica_id].record_rejection()
+
+        replica_set = ReplicaSet(one, args.replicas, args.router_policy, close=close_one, on_rejection=rejected)
+        served.metrics, served.live = None, live  # 429s are counted by the set (on_rejection) and here
+        return replica_set  # type: ignore[return-value]
 
     def close(served: ServedModel) -> None:
         if served.metrics is not None:

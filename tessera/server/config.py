@@ -74,6 +74,9 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     keep_alive = parse_duration(args.keep_alive)
     if args.config is None:
         names = [args.model, *args.more_models]
+        if len(names) == 1:  # one model (as replicas): loaded at start, as `tessera serve MODEL` does
+            name = args.served_model_name or registry.display_name(args.model)
+            return [ModelSpec(name, args.model, preload=True, keep_alive=keep_alive)]
         if args.served_model_name is not None:
             raise TesseraError("--served-model-name names one model; with several, use --config and `name`")
         return [ModelSpec(registry.display_name(m), m, preload=args.preload, keep_alive=keep_alive) for m in names]

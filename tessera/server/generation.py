@@ -59,9 +59,11 @@ class Generation:
 
     def __init__(self, engine: AsyncLLMEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
                  params: SamplingParams, request_id: str, deadline: Optional[float] = None,
-                 live: Optional[set[Generation]] = None) -> None:
+                 live: Optional[set[Generation]] = None, restartable: bool = False) -> None:
         """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;
-        `live` is the server's set of running generations, which this one joins while it runs."""
+        `live` is the server's set of running generations, which this one joins while it runs;
+        `restartable`: only final outputs are read (not streamed), so the engine may rerun a prompt
+        from scratch on another replica if the one running it dies."""
         self.engine = engine
         self.request = request
         self.prompts = prompts
@@ -69,6 +71,7 @@ class Generation:
         self.request_id = request_id
         self.deadline = deadline
         self.live = live if live is not None else set()
+        self.restartable = restartable
         self._queue: asyncio.Queue = asyncio.Queue()
         self._drains: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
@@ -122,7 +125,7 @@ class Generation:
             deadline_s = None if self.deadline is None else self.deadline - time.monotonic()
             async with contextlib.aclosing(
                     self.engine.generate(prompt, self.params, self.engine_request_id(index),
-                                         deadline_s=deadline_s)) as stream:
+                                         deadline_s=deadline_s, restartable=self.restartable)) as stream:
                 async for output in stream:
                     self._queue.put_nowait((index, output))
             self._queue.put_nowait((index, _ENDED))

@@ -139,10 +139,10 @@ class Run:
                            code="model_unavailable")
         return engine
 
-    def generation(self) -> Generation:
+    def generation(self, restartable: bool = False) -> Generation:
         self.request.state.request_id = self.request_id
         return Generation(self.engine, self.request, self.prompts, self.params, self.request_id,
-                          self.state.deadline(), self.state.generations)
+                          self.state.deadline(), self.state.generations, restartable=restartable)
 
     def error(self, exc: BaseException) -> APIError:
         return self.state.error(exc, self.route.model)
@@ -177,7 +177,7 @@ class Run:
         """Final output per prompt index, or the response to send instead (client gone)."""
         finals: dict[int, RequestOutput] = {}
         try:
-            async with self.generation() as gen:
+            async with self.generation(restartable=True) as gen:
                 async for index, output in gen.outputs():
                     if output.finished:
                         finals[index] = output

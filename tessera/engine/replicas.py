@@ -1,0 +1,309 @@
+"""Several replicas of one model behind the surface the server drives: `tessera serve --replicas N`.
+
+Each replica is an AsyncLLMEngine over its own engine core (a Ray actor with
+`--ray`, a local engine-core process otherwise), with its own queue, stats and
+restart-on-crash. A ReplicaSet tokenizes a request once, asks its routing
+policy (tessera/engine/routing.py) which replica in rotation takes it, and
+streams that replica's outputs. It keeps requests whole:
+- a replica that refuses at admission (queue full, forecast wait) hands the
+  request to the least-loaded other replica before the client sees a 429;
+- a replica that dies or stops answering leaves rotation (its engine reports
+  unhealthy while its core restarts); a request it was running is rerun once
+  elsewhere if nothing of it had been streamed to the client (no token yet, or
+  a non-streaming request), and fails otherwise;
+- scaling down drains: the replica leaves rotation at once and is closed when
+  its last request has finished.
+The server sees one engine (the same methods as AsyncLLMEngine), so routing,
+fallback rules and metrics above it do not change.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Literal, Optional, Union
+
+from tessera.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from tessera.engine.outputs import RequestOutput
+from tessera.engine.routing import ReplicaLoad, RouterPolicyName, make_policy
+from tessera.engine.stats import SchedulerStats
+from tessera.sampling_params import SamplingParams
+
+logger = logging.getLogger("tessera")
+
+ReplicaState = Literal["starting", "ready", "draining", "stopped", "failed"]
+DRAIN_TIMEOUT_S = 600.0  # a draining replica is closed after this even if requests remain (they fail)
+
+
+@dataclass
+class Replica:
+    replica_id: int
+    state: ReplicaState = "starting"
+    engine: Optional[AsyncLLMEngine] = None
+    error: Optional[str] = None
+    active: int = 0  # requests routed here and not finished
+    routed: int = 0  # requests routed here in all
+    retried_away: int = 0  # requests moved to another replica after this one failed or refused them
+
+    def healthy(self) -> bool:
+        if self.state != "ready" or self.engine is None:
+            return False
+        try:
+            self.engine.check_health()
+        except EngineDeadError:
+            return False
+        return True
+
+    def describe(self) -> dict:
+        core = self.engine.core_info() if self.engine is not None else {}
+        return {"replica": self.replica_id, "state": self.state, "healthy": self.healthy(), "error": self.error,
+                "active": self.active, "routed": self.routed, "retried_away": self.retried_away, **core}
+
+
+class NoReplicaError(EngineDeadError):
+    """No replica of the model is in rotation (all dead, restarting or draining): HTTP 503."""
+
+
+ReplicaBuilder = Callable[[int], AsyncLLMEngine]
+ReplicaCloser = Callable[[int, AsyncLLMEngine], None]
+
+
+class ReplicaSet:
+    """N replicas of one model; quacks like AsyncLLMEngine for the server."""
+
+    def __init__(self, build: ReplicaBuilder, replicas: int, policy: RouterPolicyName = "least-loaded", *,
+                 close: Optional[ReplicaCloser] = None, on_rejection: Optional[Callable[[int], None]] = None) -> None:
+        """`build(replica_id)` makes a replica's engine (on a thread; several at once);
+        `close(replica_id, engine)` releases what the builder made beside it (its stats thread);
+        `on_rejection(replica_id)` counts a 429 the client gets, by the replica that refused last."""
+        if replicas < 1:
+            raise ValueError("a replica set needs at least one replica")
+        self._build = build
+        self._close = close
+        self._on_rejection = on_rejection
+        self.policy_name = policy
+        self._lock = threading.Lock()
+        self._replicas: list[Replica] = []
+        self._next_id = 0
+        self._where: dict[str, Replica] = {}  # request id -> replica running it
+        self._threads: list[threading.Thread] = []
+        self.retries = 0
+        start = [self._new_replica() for _ in range(replicas)]
+        with ThreadPoolExecutor(max_workers=replicas) as pool:  # Ray places and loads them in parallel
+            list(pool.map(self._start_replica, start))
+        failed = [r for r in start if r.state == "failed"]
+        if failed:
+            self.shutdown()
+            raise RuntimeError(f"{len(failed)} of {replicas} replicas failed to start: {failed[0].error}")
+        first = start[0].engine
+        assert first is not None
+        self.config = first.config
+        self.tokenizer = first.tokenizer
+        self.model_config = first.model_config
+        self.policy = make_policy(policy, block_size=self.config.block_size)
+
+    # -- replicas ------------------------------------------------------------------------------
+    def _new_replica(self) -> Replica:
+        with self._lock:
+            replica = Replica(self._next_id)
+            self._next_id += 1
+            self._replicas.append(replica)
+        return replica
+
+    def _start_replica(self, replica: Replica) -> None:
+        try:
+            engine = self._build(replica.replica_id)
+        except Exception as exc:  # noqa: BLE001 - the replica is marked failed; the set decides
+            logger.exception("replica %d failed to start", replica.replica_id)
+            replica.state, replica.error = "failed", f"{type(exc).__name__}: {exc}"
+            return
+        replica.engine = engine
+        replica.state = "ready"
+        logger.info("replica %d ready (%s)", replica.replica_id, engine.core_info())
+
+    @property
+    def replicas(self) -> list[Replica]:
+        with self._lock:
+            return list(self._replicas)
+
+    def in_rotation(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy()]
+
+    def scale(self, replicas: int) -> dict:
+        """Start or drain replicas until `replicas` are ready or starting; returns at once (the
+        new ones load on threads of their own, the drained ones close after their last request)."""
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        live = [r for r in self.replicas if r.state in ("starting", "ready")]
+        added, drained = [], []
+        if replicas > len(live):
+            for _ in range(replicas - len(live)):
+                replica = self._new_replica()
+                t = threading.Thread(target=self._start_replica, args=(replica,), daemon=True,
+                                     name=f"tessera-replica-{replica.replica_id}-start")
+                t.start()
+                self._threads.append(t)
+                added.append(replica.replica_id)
+        else:
+            # drain the least busy ones (ties: the newest), so few requests wait on a drain
+            for replica in sorted(live, key=lambda r: (r.state == "ready", r.active, -r.replica_id))[:len(live) - replicas]:
+                replica.state = "draining"
+                self.policy.forget(replica.replica_id)
+                t = threading.Thread(target=self._drain, args=(replica,), daemon=True,
+                                     name=f"tessera-replica-{replica.replica_id}-drain")
+                t.start()
+                self._threads.append(t)
+                drained.append(replica.replica_id)
+        logger.info("scaling to %d replicas: starting %s, draining %s", replicas, added or "none", drained or "none")
+        return {"replicas": replicas, "starting": added, "draining": drained}
+
+    def _drain(self, replica: Replica) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while replica.engine is None and replica.state == "draining" and time.monotonic() < deadline:
+            time.sleep(0.1)  # drained while still starting: wait for it, then close it
+        while replica.engine is not None and replica.engine.num_active() > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._stop(replica)
+
+    def _stop(self, replica: Replica) -> None:
+        engine, replica.engine = replica.engine, None
+        replica.state = "stopped"
+        if engine is not None:
+            engine.shutdown()
+            if self._close is not None:
+                self._close(replica.replica_id, engine)
+        with self._lock:
+            if replica in self._replicas:
+                self._replicas.remove(replica)
+        logger.info("replica %d stopped", replica.replica_id)
+
+    # -- routing -------------------------------------------------------------------------------
+    def _choose(self, token_ids: list[int], exclude: set[int]) -> Replica:
+        candidates = [r for r in self.in_rotation() if r.replica_id not in exclude]
+        if not candidates:
+            states = ", ".join(f"{r.replica_id}: {r.state}" for r in self.replicas) or "none"
+            raise NoReplicaError(f"no replica of this model can take requests now ({states})")
+        chosen = self.policy.choose(token_ids, [ReplicaLoad(r.replica_id, r.active) for r in candidates])
+        return next(r for r in candidates if r.replica_id == chosen)
+
+    def _least_loaded_other(self, exclude: set[int]) -> Optional[Replica]:
+        candidates = [r for r in self.in_rotation() if r.replica_id not in exclude]
+        return min(candidates, key=lambda r: r.active, default=None)
+
+    async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+                       add_special_tokens: bool = True, deadline_s: Optional[float] = None,
+                       restartable: bool = False) -> AsyncIterator[RequestOutput]:
+        """AsyncLLMEngine.generate on the replica the policy picks (see the module's docstring).
+        `restartable` (the caller reads only the final output, e.g. a non-streaming HTTP request):
+        a request whose replica dies mid-way is rerun from its prompt on another replica."""
+        first = self._any_engine()
+        prepared = await first.prepare(prompt, params, request_id, add_special_tokens)
+        tried: set[int] = set()
+        replica = self._choose(prepared.prompt_token_ids, tried)
+        moved = False
+        while True:
+            tried.add(replica.replica_id)
+            replica.active += 1
+            replica.routed += 1
+            self._where[request_id] = replica
+            streamed = False
+            engine = replica.engine
+            try:
+                if engine is None:
+                    raise NoReplicaError(f"replica {replica.replica_id} stopped")
+                async for out in engine.generate(prompt, params, request_id, add_special_tokens, deadline_s,
+                                                 prepared=prepared):
+                    streamed = True
+                    yield out
+                return
+            except (EngineDeadError, QueueFullError) as exc:
+                retry = not moved and (not streamed or (restartable and isinstance(exc, EngineDeadError)))
+                other = self._least_loaded_other(tried) if retry else None
+                if other is None:
+                    if isinstance(exc, QueueFullError) and self._on_rejection is not None:
+                        self._on_rejection(replica.replica_id)
+                    raise
+                kind = "refused" if isinstance(exc, QueueFullError) else "failed"
+                logger.warning("replica %d %s request %s %s (%s); running it on replica %d",
+                               replica.replica_id, kind, request_id,
+                               "mid-way (not streamed)" if streamed else "before its first token", exc,
+                               other.replica_id)
+                replica.retried_away += 1
+                self.retries += 1
+                moved = True
+                replica = other
+            finally:
+                replica_now = self._where.pop(request_id, None)
+                if replica_now is not None:
+                    replica_now.active -= 1
+
+    def _any_engine(self) -> AsyncLLMEngine:
+        for r in self.replicas:
+            if r.engine is not None and r.state in ("ready", "draining"):
+                return r.engine
+        raise NoReplicaError("no replica of this model is running")
+
+    async def abort(self, request_id: str) -> None:
+        replica = self._where.get(request_id)
+        if replica is not None and replica.engine is not None:
+            await replica.engine.abort(request_id)
+
+    # -- the AsyncLLMEngine surface the server reads -----------------------------------------
+    def check_health(self) -> None:
+        if not self.in_rotation():
+            states = ", ".join(f"{r.replica_id}: {r.state}" for r in self.replicas) or "none"
+            raise NoReplicaError(f"no replica of this model is healthy ({states})")
+
+    @property
+    def max_num_queued_requests(self) -> Optional[int]:
+        limits = [r.engine.max_num_queued_requests for r in self.in_rotation() if r.engine is not None]
+        return None if not limits or any(v is None for v in limits) else sum(limits)  # type: ignore[misc]
+
+    def num_active(self) -> int:
+        return sum(r.engine.num_active() for r in self.replicas if r.engine is not None)
+
+    def num_queued(self) -> int:
+        return sum(r.engine.num_queued() for r in self.replicas if r.engine is not None)
+
+    def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]:
+        """The shortest forecast among replicas in rotation (where the least-loaded policy sends it)."""
+        waits = [w for r in self.in_rotation() if r.engine is not None
+                 and (w := r.engine.predicted_wait(prompt_tokens)) is not None]
+        return min(waits, default=None)
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """The sum over running replicas (KV usage: the share of all their blocks in use)."""
+        total = SchedulerStats()
+        for r in self.replicas:
+            if r.engine is None:
+                continue
+            s = r.engine.get_scheduler_stats()
+            for f in dataclasses.fields(SchedulerStats):
+                if f.name != "kv_cache_usage":
+                    setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
+        if total.num_blocks_total:
+            total.kv_cache_usage = 1.0 - total.num_blocks_free / total.num_blocks_total
+        return total
+
+    def cost_model_stats(self) -> dict:
+        return self._any_engine().cost_model_stats()
+
+    def kv_cache_info(self) -> dict:
+        return self._any_engine().kv_cache_info()
+
+    def core_info(self) -> dict:
+        return {"engine_process": True, "replicas": [r.describe() for r in self.replicas],
+                "router_policy": self.policy_name, "retries": self.retries}
+
+    def warm_up(self) -> None:
+        pass  # each replica warmed up when it was built
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.state = "draining"
+        for replica in self.replicas:
+            self._stop(replica)
