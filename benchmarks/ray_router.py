@@ -95,7 +95,9 @@ def main() -> int:
                  for k in ("hit_rate", "ttft_p50_s", "ttft_p95_s", "output_tokens_per_s")} for pol in POLICIES}
     result = {"kind": "ray_router", "machine": machine_info(), "model": args.model,
               "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "runs": runs, "median": med,
-              "hit_rate_ratio": med["prefix-aware"]["hit_rate"] / max(1e-9, med["round-robin"]["hit_rate"]),
+              # None: round-robin found nothing in its caches (each replica cycles through every document)
+              "hit_rate_ratio": (med["prefix-aware"]["hit_rate"] / med["round-robin"]["hit_rate"]
+                                 if med["round-robin"]["hit_rate"] > 0 else None),
               "ttft_p50_ratio": med["round-robin"]["ttft_p50_s"] / med["prefix-aware"]["ttft_p50_s"]}
     result["settings"]["out"] = str(args.out)
     (args.out / "summary.json").write_text(json.dumps(result, indent=1))

@@ -86,6 +86,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="which replica takes a request: in turn, the one with the fewest unfinished requests, or "
                         "the one that last served the prompt's first blocks unless it is much busier than the "
                         "least-loaded (SGLang's cache-aware router) (default: %(default)s)")
+    g.add_argument("--pd", default=None, metavar="prefill=N,decode=M",
+                   help="prefill/decode disaggregation: N replicas compute prompts and hand their KV blocks to M "
+                        "replicas that stream the answers, so long prompts do not stall running streams "
+                        "(replaces --replicas)")
     g.add_argument("--ray", action="store_true",
                    help="place the replicas as Ray actors (on any node of the cluster, restarted by Ray when they "
                         "die) instead of local processes; needs `pip install tessera[ray]`")
@@ -96,6 +100,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="CPUs Ray reserves for each replica; also its torch thread count (default: %(default)s)")
     g.add_argument("--ray-num-gpus-per-replica", type=float, default=0.0,
                    help="GPUs Ray reserves for each replica (default: %(default)s)")
+    g.add_argument("--ray-memory-per-replica", type=parse_size, default=None, metavar="SIZE",
+                   help="memory Ray reserves for each replica, e.g. 6GiB, so it places no more replicas on a node "
+                        "than fit (see `tessera size`) (default: no reservation)")
     g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the chat page at / and the live dashboard at /dashboard; --no-ui leaves only "
                         "the API (default: on)")
@@ -237,6 +244,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def parse_pd(value: str) -> tuple[int, int]:
+    """'prefill=1,decode=2' -> (1, 2)."""
+    counts: dict[str, int] = {}
+    for part in value.split(","):
+        key, sep, num = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("prefill", "decode") or key in counts or not num.strip().isdigit():
+            raise TesseraError(f"--pd: expected prefill=N,decode=M, not {value!r}")
+        counts[key] = int(num)
+    if set(counts) != {"prefill", "decode"} or min(counts.values()) < 1:
+        raise TesseraError(f"--pd: needs at least one prefill and one decode replica: {value!r}")
+    return counts["prefill"], counts["decode"]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tessera.server.app import serve, serve_models
     from tessera.server.config import model_specs
@@ -245,7 +266,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise TesseraError(f"--replicas must be at least 1, not {args.replicas}")
     if args.ray_num_cpus_per_replica <= 0 or args.ray_num_gpus_per_replica < 0:
         raise TesseraError("--ray-num-cpus-per-replica must be > 0 and --ray-num-gpus-per-replica >= 0")
-    if args.config is None and not args.more_models and args.replicas == 1 and not args.ray:
+    args.pd = parse_pd(args.pd) if isinstance(args.pd, str) else args.pd
+    if args.config is None and not args.more_models and args.replicas == 1 and not args.ray and args.pd is None:
         if args.served_model_name is None:
             args.served_model_name = registry.display_name(args.model)
         args.model = _resolve_for_engine(args.model)  # pull with a progress bar before the server logs

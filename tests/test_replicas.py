@@ -11,7 +11,7 @@ from typing import Optional
 import httpx
 import pytest
 
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.async_engine import AsyncLLMEngine, ServingEngine
 from tessera.engine.replicas import NoReplicaError, ReplicaSet
 from tessera.sampling_params import SamplingParams
 from tessera.server.app import create_app
@@ -52,6 +52,7 @@ def test_requests_spread_and_stats_add_up():
         info = rs.core_info()
         assert info["router_policy"] == "round-robin" and len(info["replicas"]) == 3
         assert rs.num_active() == 0 and all(r.active == 0 for r in rs.replicas)
+        assert isinstance(rs, ServingEngine) and isinstance(rs.replicas[0].engine, ServingEngine)
     finally:
         rs.shutdown()
 
@@ -178,5 +179,27 @@ def test_a_replica_dying_mid_decode_reruns_only_what_was_not_streamed():
     try:
         with pytest.raises(Exception, match="engine loop died"):
             asyncio.run(final(rs, "streamed", restartable=False))  # tokens already reached the client
+    finally:
+        rs.shutdown()
+
+
+def test_pd_flag_parsing_and_roles():
+    from tessera.cli import parse_pd
+    from tessera.errors import TesseraError
+
+    assert parse_pd("prefill=1,decode=2") == (1, 2) and parse_pd(" decode=1 , prefill=3") == (3, 1)
+    for bad in ("prefill=1", "prefill=0,decode=1", "prefill=1,decode=x", "p=1,d=1", "prefill=1,prefill=1,decode=1",
+                "prefill=1;decode=1"):
+        with pytest.raises(TesseraError, match="--pd"):
+            parse_pd(bad)
+    rs = ReplicaSet(lambda i: fake(), 5, "least-loaded", pd=(1, 2))  # `replicas` is ignored with pd
+    try:
+        assert [r.role for r in rs.replicas] == ["prefill", "decode", "decode"]
+        for i in range(4):  # a fake core returns no KV: the decode replica computes the prompt itself
+            assert asyncio.run(run(rs, "a prompt longer than sixteen bytes", f"pd{i}"))
+        assert rs.replicas[0].routed == 4 and rs.replicas[1].routed + rs.replicas[2].routed == 4
+        assert rs.core_info()["pd"]["kv_transfers"] == 0
+        with pytest.raises(ValueError, match="cannot be rescaled"):
+            rs.scale(4)
     finally:
         rs.shutdown()

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union
+from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from tessera.config import EngineConfig
 from tessera.engine.input_processor import PreparedRequest
@@ -81,6 +81,43 @@ class EngineCore(Protocol):
     def warm_up(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """What the HTTP server drives for one model: an AsyncLLMEngine, or a ReplicaSet of them
+    (tessera/engine/replicas.py)."""
+
+    config: EngineConfig
+    tokenizer: object
+    model_config: object
+    max_num_queued_requests: Optional[int]
+
+    def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+                 add_special_tokens: bool = True, deadline_s: Optional[float] = None,
+                 restartable: bool = False) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def check_health(self) -> None: ...
+
+    def num_active(self) -> int: ...
+
+    def num_queued(self) -> int: ...
+
+    def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]: ...
+
+    def get_scheduler_stats(self) -> SchedulerStats: ...
+
+    def cost_model_stats(self) -> dict: ...
+
+    def kv_cache_info(self) -> dict: ...
+
+    def core_info(self) -> dict: ...
+
+    def warm_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class StatLogger(Protocol):

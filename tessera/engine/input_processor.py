@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from tessera.engine.outputs import KVTransfer
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.tokenizer import Tokenizer
 
@@ -27,6 +28,10 @@ class PreparedRequest:
     arrival_time: float
     grammar: object = None  # the compiled structured-output constraint (xgrammar.CompiledGrammar)
     grammar_compile_time: Optional[float] = None
+    # Prefill/decode disaggregation: a prefill replica returns the prompt's KV blocks with the
+    # final output (kv_export); a decode replica loads them instead of computing them (kv_import).
+    kv_export: bool = False
+    kv_import: Optional[KVTransfer] = None
 
 
 @dataclass(frozen=True)

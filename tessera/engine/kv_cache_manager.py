@@ -89,13 +89,13 @@ class KVCacheManager:
         """After `num_cached` blocks found in RAM, the run of blocks the second tier holds, each
         read and verified (hash, payload; kept on the request until it is admitted, so waiting
         steps do not read them again); the same one-token-left rule as in RAM."""
-        if self.offload is None:
+        if self.offload is None and not req.offload_payloads:
             return []
         found: list[tuple[int, bytes]] = []
         for h in req.block_hashes[num_cached:(req.num_tokens - 1) // self.block_size]:
-            payload = req.offload_payloads.get(h)
+            payload = req.offload_payloads.get(h)  # read from the tier, or handed over (--pd)
             if payload is None:
-                if not self.offload.contains(h):
+                if self.offload is None or not self.offload.contains(h):
                     break
                 payload = self.offload.read(h)
                 if payload is None:

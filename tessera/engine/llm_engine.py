@@ -24,7 +24,7 @@ from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, sav
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
 from tessera.engine.kv_offload import DiskKVTier
-from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tessera.engine.outputs import CompletionOutput, KVTransfer, RequestOutput, TokenLogprob
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.runner import ModelRunner
 from tessera.engine.sampler import Sampler
@@ -381,6 +381,8 @@ class LLMEngine:
             req = Request(child_id, p.prompt_token_ids, p.params, p.max_tokens,
                           self.tokenizer.eos_token_ids, p.arrival_time, gen,
                           wait_for=first if self.config.enable_prefix_caching else None)
+            if first is None and p.kv_import is not None:  # the others wait for its blocks
+                req.offload_payloads = p.kv_import.blocks()
             first = first or req
             if p.grammar is not None:
                 assert p.params.structured_outputs is not None
@@ -475,6 +477,8 @@ class LLMEngine:
         )
         if self.offload is not None:
             self._offload_step(sched, stats, load_s)
+        elif sched.kv_loads:  # blocks a prefill replica computed (--pd)
+            stats.external_prefix_cache_hits = len(sched.kv_loads) * self.config.block_size
         for s in sched.scheduled:
             if s.request.request_id in result.spec_results:
                 proposed, accepted = result.spec_results[s.request.request_id]
@@ -570,6 +574,7 @@ class LLMEngine:
                 c.logprobs_sent = len(out.logprobs)
         finished = parent.finished
         first = parent.children[0].req
+        transfer = self._export_kv(first) if finished and p.kv_export else None
         if finished:
             del self.parents[p.request_id]
             for c in parent.children:
@@ -584,7 +589,20 @@ class LLMEngine:
             outputs=[replace(c.out, token_ids=list(c.out.token_ids),
                              logprobs=list(c.out.logprobs) if c.out.logprobs is not None else None)
                      for c in parent.children],
-            finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)
+            finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=first.metrics,
+            kv_transfer=transfer)
+
+    def _export_kv(self, req: Request) -> KVTransfer:
+        """The request's full prompt blocks still in the prefix cache (all of them, just after it
+        finished, unless caching is off), as a decode replica loads them (--pd)."""
+        hashes = req.block_hashes[:req.num_prompt_tokens // self.config.block_size]
+        ids: list[int] = []
+        for h in hashes:
+            block = self.kv.pool.lookup(h)
+            if block is None:
+                break
+            ids.append(block.block_id)
+        return KVTransfer(hashes[:len(ids)], self.runner.read_blocks(ids) if ids else b"")
 
 
 def _ranges(ids: list[int]) -> str:

@@ -33,6 +33,20 @@ class CompletionOutput:
 
 
 @dataclass
+class KVTransfer:
+    """A prompt's KV blocks handed from a prefill replica to a decode replica (`--pd`): the chain
+    hashes of its full leading blocks and their bytes, in the runner's block layout."""
+
+    block_hashes: list[int]
+    payload: bytes  # len(block_hashes) blocks of len(payload) // len(block_hashes) bytes, in order
+
+    def blocks(self) -> dict[int, bytes]:
+        n = len(self.block_hashes)
+        size = len(self.payload) // n if n else 0
+        return {h: self.payload[i * size:(i + 1) * size] for i, h in enumerate(self.block_hashes)}
+
+
+@dataclass
 class RequestMetrics:
     """Wall-clock timestamps (time.time()) of a request's life, for metrics and traces."""
 
@@ -57,3 +71,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: Optional[RequestMetrics] = None
+    kv_transfer: Optional[KVTransfer] = None  # on the final output of a request sent with kv_export

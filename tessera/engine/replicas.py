@@ -18,7 +18,7 @@ fallback rules and metrics above it do not change.
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Literal, Optional, Union
 
 from tessera.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from tessera.engine.outputs import RequestOutput
+from tessera.engine.input_processor import PreparedRequest
+from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.routing import ReplicaLoad, RouterPolicyName, make_policy
 from tessera.engine.stats import SchedulerStats
 from tessera.sampling_params import SamplingParams
@@ -36,12 +37,14 @@ from tessera.sampling_params import SamplingParams
 logger = logging.getLogger("tessera")
 
 ReplicaState = Literal["starting", "ready", "draining", "stopped", "failed"]
+ReplicaRole = Literal["mixed", "prefill", "decode"]
 DRAIN_TIMEOUT_S = 600.0  # a draining replica is closed after this even if requests remain (they fail)
 
 
 @dataclass
 class Replica:
     replica_id: int
+    role: ReplicaRole = "mixed"
     state: ReplicaState = "starting"
     engine: Optional[AsyncLLMEngine] = None
     error: Optional[str] = None
@@ -60,7 +63,7 @@ class Replica:
 
     def describe(self) -> dict:
         core = self.engine.core_info() if self.engine is not None else {}
-        return {"replica": self.replica_id, "state": self.state, "healthy": self.healthy(), "error": self.error,
+        return {"replica": self.replica_id, "role": self.role, "state": self.state, "healthy": self.healthy(), "error": self.error,
                 "active": self.active, "routed": self.routed, "retried_away": self.retried_away, **core}
 
 
@@ -73,15 +76,25 @@ ReplicaCloser = Callable[[int, AsyncLLMEngine], None]
 
 
 class ReplicaSet:
-    """N replicas of one model; quacks like AsyncLLMEngine for the server."""
+    """N replicas of one model, driven by the server as one engine (async_engine.ServingEngine)."""
 
     def __init__(self, build: ReplicaBuilder, replicas: int, policy: RouterPolicyName = "least-loaded", *,
-                 close: Optional[ReplicaCloser] = None, on_rejection: Optional[Callable[[int], None]] = None) -> None:
+                 close: Optional[ReplicaCloser] = None, on_rejection: Optional[Callable[[int], None]] = None,
+                 pd: Optional[tuple[int, int]] = None) -> None:
         """`build(replica_id)` makes a replica's engine (on a thread; several at once);
         `close(replica_id, engine)` releases what the builder made beside it (its stats thread);
-        `on_rejection(replica_id)` counts a 429 the client gets, by the replica that refused last."""
+        `on_rejection(replica_id)` counts a 429 the client gets, by the replica that refused last;
+        `pd=(prefill, decode)`: disaggregate, `replicas` is ignored (see `_prefill`)."""
+        if pd is not None:
+            if pd[0] < 1 or pd[1] < 1:
+                raise ValueError("prefill/decode disaggregation needs at least one replica of each")
+            replicas = pd[0] + pd[1]
         if replicas < 1:
             raise ValueError("a replica set needs at least one replica")
+        self.pd = pd
+        self.kv_transfers = 0  # prompts whose KV went from a prefill replica to a decode replica
+        self.kv_transfer_bytes = 0
+        self.prefill_seconds = 0.0  # wall time of the prefill stage, transfers included
         self._build = build
         self._close = close
         self._on_rejection = on_rejection
@@ -93,6 +106,9 @@ class ReplicaSet:
         self._threads: list[threading.Thread] = []
         self.retries = 0
         start = [self._new_replica() for _ in range(replicas)]
+        if pd is not None:
+            for i, replica in enumerate(start):
+                replica.role = "prefill" if i < pd[0] else "decode"
         with ThreadPoolExecutor(max_workers=replicas) as pool:  # Ray places and loads them in parallel
             list(pool.map(self._start_replica, start))
         failed = [r for r in start if r.state == "failed"]
@@ -138,6 +154,8 @@ class ReplicaSet:
         new ones load on threads of their own, the drained ones close after their last request)."""
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
+        if self.pd is not None:
+            raise ValueError("a prefill/decode-disaggregated model cannot be rescaled at run time yet")
         live = [r for r in self.replicas if r.state in ("starting", "ready")]
         added, drained = [], []
         if replicas > len(live):
@@ -182,16 +200,16 @@ class ReplicaSet:
         logger.info("replica %d stopped", replica.replica_id)
 
     # -- routing -------------------------------------------------------------------------------
-    def _choose(self, token_ids: list[int], exclude: set[int]) -> Replica:
-        candidates = [r for r in self.in_rotation() if r.replica_id not in exclude]
+    def _choose(self, token_ids: list[int], exclude: set[int], role: ReplicaRole = "mixed") -> Replica:
+        candidates = [r for r in self.in_rotation() if r.replica_id not in exclude and r.role == role]
         if not candidates:
             states = ", ".join(f"{r.replica_id}: {r.state}" for r in self.replicas) or "none"
             raise NoReplicaError(f"no replica of this model can take requests now ({states})")
         chosen = self.policy.choose(token_ids, [ReplicaLoad(r.replica_id, r.active) for r in candidates])
         return next(r for r in candidates if r.replica_id == chosen)
 
-    def _least_loaded_other(self, exclude: set[int]) -> Optional[Replica]:
-        candidates = [r for r in self.in_rotation() if r.replica_id not in exclude]
+    def _least_loaded_other(self, exclude: set[int], role: ReplicaRole = "mixed") -> Optional[Replica]:
+        candidates = [r for r in self.in_rotation() if r.replica_id not in exclude and r.role == role]
         return min(candidates, key=lambda r: r.active, default=None)
 
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
@@ -202,8 +220,15 @@ class ReplicaSet:
         a request whose replica dies mid-way is rerun from its prompt on another replica."""
         first = self._any_engine()
         prepared = await first.prepare(prompt, params, request_id, add_special_tokens)
+        role: ReplicaRole = "mixed"
+        if self.pd is not None:
+            role = "decode"
+            if len(prepared.prompt_token_ids) > self.config.block_size:  # at least one block to hand over
+                transfer = await self._prefill(prepared)
+                if transfer is not None:
+                    prepared = dataclasses.replace(prepared, kv_import=transfer)
         tried: set[int] = set()
-        replica = self._choose(prepared.prompt_token_ids, tried)
+        replica = self._choose(prepared.prompt_token_ids, tried, role)
         moved = False
         while True:
             tried.add(replica.replica_id)
@@ -215,14 +240,15 @@ class ReplicaSet:
             try:
                 if engine is None:
                     raise NoReplicaError(f"replica {replica.replica_id} stopped")
-                async for out in engine.generate(prompt, params, request_id, add_special_tokens, deadline_s,
-                                                 prepared=prepared):
-                    streamed = True
-                    yield out
+                async with contextlib.aclosing(engine.generate(prompt, params, request_id, add_special_tokens,
+                                                               deadline_s, prepared=prepared)) as stream:
+                    async for out in stream:
+                        streamed = True
+                        yield out
                 return
             except (EngineDeadError, QueueFullError) as exc:
                 retry = not moved and (not streamed or (restartable and isinstance(exc, EngineDeadError)))
-                other = self._least_loaded_other(tried) if retry else None
+                other = self._least_loaded_other(tried, role) if retry else None
                 if other is None:
                     if isinstance(exc, QueueFullError) and self._on_rejection is not None:
                         self._on_rejection(replica.replica_id)
@@ -240,6 +266,41 @@ class ReplicaSet:
                 replica_now = self._where.pop(request_id, None)
                 if replica_now is not None:
                     replica_now.active -= 1
+
+    async def _prefill(self, prepared: PreparedRequest) -> Optional[KVTransfer]:
+        """Prefill/decode disaggregation: a prefill replica computes the prompt (one token, which
+        is dropped) and returns its full blocks' KV with the final output; the decode replica
+        then loads them as prefix-cache hits and computes only the last partial block, so its
+        running streams see a short chunk instead of the whole prompt. The blocks travel as bytes
+        through this process (ZeroMQ over TCP both ways). None when no prefill replica can take
+        it or it fails: the decode replica then computes the prompt itself."""
+        replica = self._least_loaded_other(set(), "prefill")
+        if replica is None or replica.engine is None:
+            return None
+        pp = dataclasses.replace(prepared, request_id=prepared.request_id + ":prefill",
+                                 params=SamplingParams(max_tokens=1, temperature=0), max_tokens=1, grammar=None,
+                                 kv_export=True)
+        t0 = time.monotonic()
+        replica.active += 1
+        replica.routed += 1
+        final: Optional[RequestOutput] = None
+        try:
+            async with contextlib.aclosing(replica.engine.generate(pp.prompt_token_ids, pp.params, pp.request_id,
+                                                                   prepared=pp)) as stream:
+                async for out in stream:
+                    final = out
+        except (EngineDeadError, QueueFullError) as exc:
+            logger.warning("prefill replica %d could not take %s (%s); the decode replica computes the prompt",
+                           replica.replica_id, prepared.request_id, exc)
+            return None
+        finally:
+            replica.active -= 1
+        if final is None or final.kv_transfer is None or not final.kv_transfer.block_hashes:
+            return None
+        self.kv_transfers += 1
+        self.kv_transfer_bytes += len(final.kv_transfer.payload)
+        self.prefill_seconds += time.monotonic() - t0
+        return final.kv_transfer
 
     def _any_engine(self) -> AsyncLLMEngine:
         for r in self.replicas:
@@ -296,8 +357,13 @@ class ReplicaSet:
         return self._any_engine().kv_cache_info()
 
     def core_info(self) -> dict:
-        return {"engine_process": True, "replicas": [r.describe() for r in self.replicas],
-                "router_policy": self.policy_name, "retries": self.retries}
+        out = {"engine_process": True, "replicas": [r.describe() for r in self.replicas],
+               "router_policy": self.policy_name, "retries": self.retries}
+        if self.pd is not None:
+            out["pd"] = {"prefill": self.pd[0], "decode": self.pd[1], "kv_transfers": self.kv_transfers,
+                         "kv_transfer_bytes": self.kv_transfer_bytes,
+                         "prefill_seconds": round(self.prefill_seconds, 3)}
+        return out
 
     def warm_up(self) -> None:
         pass  # each replica warmed up when it was built

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from tessera.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from tessera.engine.outputs import CompletionOutput, KVTransfer, RequestMetrics, RequestOutput, TokenLogprob
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.engine.input_processor import PreparedRequest
 
@@ -56,6 +56,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     completions: list[CompletionDelta]
     metrics: Optional[RequestMetrics]
+    kv_transfer: Optional[KVTransfer] = None
 
 
 class EngineInfo(msgspec.Struct):
@@ -119,7 +120,7 @@ def to_delta(out: RequestOutput) -> OutputDelta:
     return OutputDelta(out.request_id, out.finished, out.num_cached_tokens,
                        [CompletionDelta(c.index, c.delta_text, c.delta_token_ids, c.delta_logprobs,
                                         c.finish_reason, c.stop_reason) for c in out.outputs],
-                       out.metrics)
+                       out.metrics, out.kv_transfer)
 
 
 @dataclass
@@ -176,4 +177,4 @@ class OutputAssembler:
                            logprobs=list(c.logprobs) if c.logprobs is not None else None)
                    for _, c in sorted(a.completions.items())]
         return RequestOutput(delta.request_id, a.prompt, a.prompt_token_ids, outputs, delta.finished,
-                             delta.num_cached_tokens, delta.metrics)
+                             delta.num_cached_tokens, delta.metrics, delta.kv_transfer)

@@ -289,7 +289,10 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
         if not isinstance(engine, ReplicaSet):
             raise APIError(400, f"Model {served.name!r} is not served as replicas (start the server with "
                            "--replicas or --ray).", param="model", code="not_replicated")
-        return JSONResponse({"model": served.name, **engine.scale(n)})
+        try:
+            return JSONResponse({"model": served.name, **engine.scale(n)})
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="replicas") from None
 
     @app.get("/v1/engine/live")
     async def engine_live(request: Request, seconds: int = 120) -> Response:
@@ -493,7 +496,8 @@ def _core_factory(args: argparse.Namespace, name: str, replica_id: int, level: s
         return lambda config, wakeup: ProcessEngineCore(config, log_level=level, wakeup=wakeup)
     from tessera.engine.ray_core import RayEngineCore, RayPlacement
 
-    placement = RayPlacement(num_cpus=args.ray_num_cpus_per_replica, num_gpus=args.ray_num_gpus_per_replica)
+    placement = RayPlacement(num_cpus=args.ray_num_cpus_per_replica, num_gpus=args.ray_num_gpus_per_replica,
+                             memory_bytes=getattr(args, "ray_memory_per_replica", None))
     return lambda config, wakeup: RayEngineCore(config, placement, name=f"{name}/{replica_id}", log_level=level,
                                                 wakeup=wakeup)
 
@@ -503,7 +507,7 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     (or at start with preload), unloaded after keep_alive or for room, routed by `model`."""
     from prometheus_client import Counter
 
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.async_engine import AsyncLLMEngine, ServingEngine
     from tessera.metrics import PREFIX, MetricFamilies
     from tessera.observability import StatsConsumer, build_stat_loggers
     from tessera.server.config import engine_config
@@ -516,11 +520,12 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
                             "Requests answered by a fallback model instead of the one asked for, by cause "
                             "(queue_full, queue_wait, kv_usage, unavailable).", ["model_name", "fallback", "cause"])
 
-    replicated = args.replicas > 1 or args.ray
+    pd = getattr(args, "pd", None)
+    replicated = args.replicas > 1 or args.ray or pd is not None
     if args.ray:
         _init_ray(args)
 
-    def build(served: ServedModel) -> AsyncLLMEngine:
+    def build(served: ServedModel) -> ServingEngine:
         if replicated:
             return build_replicas(served)
         config = engine_config(served.spec, args)
@@ -546,7 +551,7 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
         served.stats_consumer = consumer
         return engine
 
-    def build_replicas(served: ServedModel):
+    def build_replicas(served: ServedModel) -> ServingEngine:
         """The model as a ReplicaSet: each replica with its own stats thread and Prometheus
         logger (a `replica` label), all feeding the model's one LiveStats (the dashboard)."""
         from tessera.engine.replicas import ReplicaSet
@@ -554,7 +559,8 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
 
         config = engine_config(served.spec, args)
         if config.num_threads is None:  # replicas must not fight over cores: each gets its share
-            threads = args.ray_num_cpus_per_replica if args.ray else (os.cpu_count() or 1) / args.replicas
+            count = sum(pd) if pd is not None else args.replicas
+            threads = args.ray_num_cpus_per_replica if args.ray else (os.cpu_count() or 1) / count
             config = dataclasses.replace(config, num_threads=max(1, int(threads)))
         live = LiveStats(served.name)
         consumers: dict[int, StatsConsumer] = {}
@@ -597,9 +603,10 @@ def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
             if replica_id in prometheus:
                 prometheus[replica_id].record_rejection()
 
-        replica_set = ReplicaSet(one, args.replicas, args.router_policy, close=close_one, on_rejection=rejected)
+        replica_set = ReplicaSet(one, args.replicas, args.router_policy, close=close_one, on_rejection=rejected,
+                                 pd=pd)
         served.metrics, served.live = None, live  # 429s are counted by the set (on_rejection) and here
-        return replica_set  # type: ignore[return-value]
+        return replica_set
 
     def close(served: ServedModel) -> None:
         if served.metrics is not None:

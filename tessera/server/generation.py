@@ -21,7 +21,7 @@ from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.async_engine import ServingEngine
 
 
 class ClientDisconnected(Exception):
@@ -57,7 +57,7 @@ class Generation:
     left, aborts whatever is still running.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
+    def __init__(self, engine: ServingEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
                  params: SamplingParams, request_id: str, deadline: Optional[float] = None,
                  live: Optional[set[Generation]] = None, restartable: bool = False) -> None:
         """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;

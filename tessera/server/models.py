@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional
 from tessera.server.errors import APIError, model_not_found
 
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.async_engine import ServingEngine
 
 logger = logging.getLogger("tessera")
 
@@ -95,7 +95,7 @@ class ModelSpec:
 class ServedModel:
     """A configured model and, while loaded, its engine."""
 
-    def __init__(self, spec: ModelSpec, engine: Optional[AsyncLLMEngine] = None) -> None:
+    def __init__(self, spec: ModelSpec, engine: Optional[ServingEngine] = None) -> None:
         self.spec = spec
         self.engine = engine
         self.status: ModelStatus = "ready" if engine is not None else "unloaded"
@@ -158,7 +158,7 @@ class ServedModel:
 
 
 # Builds a model's engine (blocking; on a thread) and tears it down.
-EngineBuilder = Callable[[ServedModel], "AsyncLLMEngine"]
+EngineBuilder = Callable[[ServedModel], "ServingEngine"]
 EngineCloser = Callable[[ServedModel], None]
 
 
@@ -214,7 +214,7 @@ class ModelRouter:
         self._reaper: Optional[threading.Thread] = None
 
     @classmethod
-    def single(cls, engine: AsyncLLMEngine, names: list[str], live=None) -> "ModelRouter":
+    def single(cls, engine: ServingEngine, names: list[str], live=None) -> "ModelRouter":
         """One engine built by the caller, answering to every name in `names` (the first reported)."""
         served = ServedModel(ModelSpec(names[0], engine.config.model, aliases=list(names[1:])), engine)
         served.live = live

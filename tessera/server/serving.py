@@ -25,7 +25,7 @@ from tessera.server.models import NO_FALLBACK_HEADER, ModelRouter, Route, Served
 from tessera.server.protocol import UsageInfo
 
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.async_engine import ServingEngine
 
 # nginx's "client closed request"; only ever seen in the access log, the client is gone.
 CLIENT_CLOSED_REQUEST = 499
@@ -71,7 +71,7 @@ class ServerState:
         return self.router.default.name
 
     @property
-    def engine(self) -> AsyncLLMEngine:
+    def engine(self) -> ServingEngine:
         """The first model's engine (the one engine of a single-model server)."""
         engine = self.router.default.engine
         if engine is None:
@@ -129,10 +129,10 @@ class Run:
     request_id: str
     # Re-tokenizes the prompts for another model's engine, so a request its model refuses at
     # admission (queue full, forecast wait) can go to the fallback; None: no second chance.
-    reprompt: Optional[Callable[[AsyncLLMEngine], list[Union[str, list[int]]]]] = None
+    reprompt: Optional[Callable[[ServingEngine], list[Union[str, list[int]]]]] = None
 
     @property
-    def engine(self) -> AsyncLLMEngine:
+    def engine(self) -> ServingEngine:
         engine = self.route.model.engine
         if engine is None:  # unloaded between routing and now
             raise APIError(503, f"Model {self.route.model.name!r} was unloaded; retry.", type="server_error",
