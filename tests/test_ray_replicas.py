@@ -93,3 +93,33 @@ def test_a_killed_replica_costs_no_5xx_and_comes_back(server):
         assert all(pool.map(ask, range(8)))
     assert {r["replica"]: r for r in replicas(server)}[0]["routed"] > routed  # back in rotation
     assert "restarting" in server.log() or "exited" in server.log()
+
+
+def test_scaling_down_and_up_at_run_time_drops_nothing(server):
+    c = client(server)
+
+    def ask(i: int) -> str:
+        return c.completions.create(model="smollm2-135m", prompt=f"List {i} colours:", max_tokens=32,
+                                    temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(ask, i) for i in range(12)]
+        time.sleep(1.5)
+        r = httpx.post(f"{server.url}/v1/engine/replicas", json={"replicas": 1}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["draining"]) == 1
+        assert all(f.result() for f in futures)  # the drained replica finished what it had
+    deadline = time.monotonic() + 120
+    while len(replicas(server)) != 1:
+        assert time.monotonic() < deadline, replicas(server)
+        time.sleep(0.5)
+    r = httpx.post(f"{server.url}/v1/engine/replicas", json={"replicas": 2}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["starting"]) == 1
+    deadline = time.monotonic() + 300
+    while sum(x["healthy"] for x in replicas(server)) < 2:  # Ray places it on the node just freed
+        assert time.monotonic() < deadline, f"{replicas(server)}\n{server.log()[-3000:]}"
+        time.sleep(1)
+    nodes = {x["node_id"] for x in replicas(server)}
+    assert len(nodes) == 2
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(ask, range(8)))
+    assert all(x["routed"] > 0 for x in replicas(server))
