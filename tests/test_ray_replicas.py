@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray", reason="Ray is installed with the test extras (
 def cluster() -> Iterator[object]:
     from ray.cluster_utils import Cluster
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network here; the server inherits it
     node = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
     c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     c.add_node(**node)
