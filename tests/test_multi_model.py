@@ -270,3 +270,27 @@ keep_alive = -1
         toml.write_text(bad)
         with pytest.raises(TesseraError, match=re.escape(needle)):
             model_specs(serve_args(argv=["--config", str(toml)]))
+
+
+def test_keep_alive_counts_from_the_end_of_the_last_request():
+    from tessera.sampling_params import SamplingParams
+
+    model = ServedModel(ModelSpec("a", "m", keep_alive=0.5))
+    router = ModelRouter([model], builder=lambda s: fake_engine(step_s=0.05), closer=lambda s: None)
+    router.start_reaper(interval_s=0.05)
+    try:
+        async def long_request() -> None:
+            route = await router.route("a")
+            params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+            async for _ in route.model.engine.generate("hi", params, "long"):  # ~1.5 s, past keep_alive
+                pass
+
+        asyncio.run(long_request())
+        time.sleep(0.2)  # several reaper rounds, less than keep_alive since the request ended
+        assert model.status == "ready"
+        deadline = time.monotonic() + 5
+        while model.status != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert model.status == "unloaded"
+    finally:
+        router.shutdown()

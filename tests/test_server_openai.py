@@ -315,7 +315,7 @@ def test_non_streaming_disconnect_aborts(server):
 
 
 def test_request_timeout(tmp_path):
-    proc = ServerProcess(tmp_path / "server.log", "--request-timeout", "1")
+    proc = ServerProcess(tmp_path / "server.log", "--request-timeout", "3")  # admitted well within it
     try:
         proc.wait_healthy()
         body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True}

@@ -379,8 +379,11 @@ class ModelRouter:
                 now = time.monotonic()
                 for m in self.models:
                     ka = m.spec.keep_alive
-                    if ka is not None and m.status == "ready" and m.engine is not None \
-                            and m.engine.num_active() == 0 and now - m.last_used > ka:
+                    if ka is None or m.status != "ready" or m.engine is None:
+                        continue
+                    if m.engine.num_active() > 0:  # idle time counts from the end of the last request
+                        m.last_used = now
+                    elif now - m.last_used > ka:
                         self.unload(m, reason=f"idle for {ka:g} s (keep_alive)")
 
         self._reaper = threading.Thread(target=run, name="tessera-keep-alive", daemon=True)
