@@ -44,7 +44,8 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(5, 300)))
 
 
-async def worker(client: httpx.AsyncClient, model: str, rng: random.Random, until: float, counts: dict) -> None:
+async def worker(client: httpx.AsyncClient, model: str, rng: random.Random, until: float, counts: dict,
+                 hostile_share: float = 0.05) -> None:
     hostile = [c for c in hostile_cases(model) if len(c.body) < 2**20]
     while time.monotonic() < until:
         kind = rng.random()
@@ -56,7 +57,7 @@ async def worker(client: httpx.AsyncClient, model: str, rng: random.Random, unti
             body["messages"] = [{"role": "user", "content": _prompt(rng)}]
         else:
             body["prompt"] = _prompt(rng)
-        if kind < 0.05:
+        if kind < hostile_share:
             case = rng.choice(hostile)
             r = await client.request(case.method, case.path, content=case.body,
                                      headers={"content-type": case.content_type})
@@ -145,8 +146,8 @@ async def soak(url: str, pid: int, args) -> tuple[list, dict]:
     until = t0 + args.minutes * 60
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=32)) as client:
         await asyncio.gather(sampler(url, pid, t0, until, samples),
-                             *(worker(client, args.model, random.Random(rng.random()), until, counts)
-                               for _ in range(args.workers)))
+                             *(worker(client, args.model, random.Random(rng.random()), until, counts,
+                                      args.hostile_share) for _ in range(args.workers)))
     return samples, counts
 
 
@@ -157,6 +158,9 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--port", type=int, default=8115)
     p.add_argument("--seed", type=int, default=14)
+    p.add_argument("--hostile-share", type=float, default=0.05,
+                   help="share of requests drawn from the hostile corpus (bodies under 1 MiB); 0 isolates "
+                        "what normal traffic does to memory")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
