@@ -15,6 +15,7 @@ import time
 from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from tessera.config import EngineConfig
+from tessera.engine.core_client import EngineCoreDiedError, ProcessEngineCore
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.llm_engine import LLMEngine, StepFailedError
 from tessera.engine.outputs import RequestOutput
@@ -149,8 +150,6 @@ class AsyncLLMEngine:
         if engine is None and core_factory is not None:
             engine = core_factory(config, self._wakeup)
         if engine is None and engine_process:
-            from tessera.engine.core_client import ProcessEngineCore
-
             engine = ProcessEngineCore(config, log_level=log_level, wakeup=self._wakeup)
         self.engine: EngineCore = engine or LLMEngine(config)
         self.config = self.engine.config
@@ -330,8 +329,6 @@ class AsyncLLMEngine:
     def _restart_core(self, exc: BaseException) -> None:
         """The engine-core process died: fail what it was running, start a new one (health 503
         meanwhile); if that fails too, the engine is dead."""
-        from tessera.engine.core_client import ProcessEngineCore
-
         core = self.engine
         assert isinstance(core, ProcessEngineCore), "only an engine-core process dies on its own"
         lost = core.in_flight()
@@ -350,8 +347,6 @@ class AsyncLLMEngine:
 
     def core_info(self) -> dict:
         """Where the engine runs, for /v1/engine/stats."""
-        from tessera.engine.core_client import ProcessEngineCore
-
         if isinstance(self.engine, ProcessEngineCore):
             return self.engine.describe()
         return {"engine_process": False, "pid": None}
@@ -368,8 +363,6 @@ class AsyncLLMEngine:
                     self._num_waiting = self.engine.num_waiting_requests()
                 if not self.engine.has_unfinished_requests():
                     self._step_started = None
-                    from tessera.engine.core_client import EngineCoreDiedError, ProcessEngineCore
-
                     if isinstance(self.engine, ProcessEngineCore) and not self.engine.alive:  # died while idle
                         self._restart_core(EngineCoreDiedError("the engine core exited while idle"))
                         continue
@@ -392,8 +385,6 @@ class AsyncLLMEngine:
                     self._snapshot = self.engine.load_snapshot()
                     continue
                 except Exception as exc:
-                    from tessera.engine.core_client import EngineCoreDiedError
-
                     if not isinstance(exc, EngineCoreDiedError):
                         raise
                     self._step_started = None
