@@ -203,3 +203,30 @@ def test_pd_flag_parsing_and_roles():
             rs.scale(4)
     finally:
         rs.shutdown()
+
+
+def test_a_replica_drained_while_it_loads_never_enters_rotation():
+    import threading
+
+    gate = threading.Event()
+
+    def build(i: int) -> AsyncLLMEngine:
+        if i == 2:
+            gate.wait(10)  # still loading when the set is scaled back down
+        return fake()
+
+    closed: list[int] = []
+    rs = ReplicaSet(build, 2, "round-robin", close=lambda i, e: closed.append(i))
+    try:
+        assert rs.scale(3)["starting"] == [2]
+        assert rs.scale(2)["draining"] == [2]  # the one not ready yet goes first
+        gate.set()
+        seen_in_rotation = False
+        deadline = time.monotonic() + 5
+        while closed != [2] and time.monotonic() < deadline:
+            seen_in_rotation |= any(r.replica_id == 2 for r in rs.in_rotation())
+            time.sleep(0.002)
+        assert closed == [2] and [r.replica_id for r in rs.replicas] == [0, 1]
+        assert not seen_in_rotation
+    finally:
+        rs.shutdown()

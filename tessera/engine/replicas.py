@@ -138,8 +138,10 @@ class ReplicaSet:
             replica.state, replica.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         replica.engine = engine
-        replica.state = "ready"
-        logger.info("replica %d ready (%s)", replica.replica_id, engine.core_info())
+        with self._lock:
+            if replica.state == "starting":  # not drained while it loaded: into rotation
+                replica.state = "ready"
+        logger.info("replica %d %s (%s)", replica.replica_id, replica.state, engine.core_info())
 
     @property
     def replicas(self) -> list[Replica]:
