@@ -161,12 +161,15 @@ def test_closed_loop_measures_known_timings(server):
 
 
 def test_concurrency_keeps_n_in_flight_and_scales_throughput(server):
-    st = server.reset(ttft=0.05, itl=0.02)
-    one = asyncio.run(run_closed_loop(target(server), fixed_sessions(4, 5), 1, progress=False))
+    def one_client() -> float:
+        server.reset(ttft=0.05, itl=0.02)
+        one = asyncio.run(run_closed_loop(target(server), fixed_sessions(4, 5), 1, progress=False))
+        return summarize(one.results, one.duration, SLO())["output_tokens_per_s"]
+
+    t1 = max(one_client(), one_client())  # the better of two: a busy machine only ever slows a run
     st = server.reset(ttft=0.05, itl=0.02)
     four = asyncio.run(run_closed_loop(target(server), fixed_sessions(16, 5), 4, progress=False))
     assert st.max_in_flight == 4
-    t1 = summarize(one.results, one.duration, SLO())["output_tokens_per_s"]
     t4 = summarize(four.results, four.duration, SLO())["output_tokens_per_s"]
     assert 2.5 < t4 / t1 < 4.8
 
