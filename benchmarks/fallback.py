@@ -1,31 +1,30 @@
 """Degradation to a smaller model under load (issue 13): a saturated model's overflow answered by its
-fallback instead of 429, measured against the same load without the rule.
+fallback instead of 429, measured with `tessera bench serve` and a model mix against the same load
+without the rule.
 
     flock /tmp/tessera-bench.lock python benchmarks/fallback.py --out benchmarks/results/wave3/fallback
 
 Two servers in turn, each serving BIG and SMALL from one port (`--config`, both preloaded, each in
 its own engine process). BIG is kept small on purpose (`max_num_seqs`, `max_num_queued_requests`)
-so that the offered load, Poisson arrivals all asking for BIG, saturates it; each engine gets one
-torch thread (two engines share 2 cores) and SMALL its own `max_queue_wait`, so it refuses what it
-could not start in time rather than queueing past the SLO. Arm `no-rule`: BIG has
-no fallback, its overflow is refused with 429. Arm `rule`: `fallback = SMALL`, `when =
-["queue_full", "queue_wait > W"]`. Every request streams; the script records its status, who
-answered (`x-tessera-model`, `x-tessera-fallback-cause`) and its time to first token. Writes
-fallback.json and prints the table for benchmarks/README.md.
+so that the offered load, Poisson arrivals with a mix of models (`--mix`, mostly BIG), saturates
+it; each engine gets one torch thread (two engines share 2 cores) and SMALL its own
+`max_queue_wait`, so it refuses what it could not start in time rather than queueing past the SLO.
+Arm `no-rule`: BIG has no fallback, its overflow is refused with 429. Arm `rule`: `fallback =
+SMALL`, `when = ["queue_full", "queue_wait > W"]`. The load is `tessera bench serve --model
+BIG=a,SMALL=b --request-rate R` (same seed in both arms: the same requests ask for the same model
+at the same times); its JSON records, per request, the model asked for, who answered
+(`x-tessera-model`) and why (`x-tessera-fallback-cause`). Writes <arm>.json, fallback.json and
+prints the table for benchmarks/README.md.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import random
-import time
+import subprocess
+import sys
 from pathlib import Path
 
-import httpx
-
 from tessera.bench.client import launch_server, stop_server
-from tessera.bench.datasets import VOCABULARY
 from tessera.bench.machine import machine_info
 
 
@@ -39,65 +38,40 @@ def toml(args: argparse.Namespace, rule: bool) -> str:
             f"max_queue_wait = {args.small_max_wait}\n[model.engine]\nnum_threads = {args.threads}\n")
 
 
-async def one(client: httpx.AsyncClient, model: str, rng: random.Random, max_tokens: int) -> dict:
-    prompt = " ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(50, 200)))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    t0 = time.monotonic()
-    rec: dict = {"status": None, "model": None, "cause": None, "ttft_s": None, "e2e_s": None}
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            rec["status"] = r.status_code
-            rec["model"] = r.headers.get("x-tessera-model")
-            rec["cause"] = r.headers.get("x-tessera-fallback-cause")
-            async for line in r.aiter_lines():
-                if rec["ttft_s"] is None and line.startswith("data: {") and '"text":""' not in line:
-                    rec["ttft_s"] = time.monotonic() - t0
-    except httpx.HTTPError as exc:
-        rec["status"] = f"transport: {type(exc).__name__}"
-    rec["e2e_s"] = time.monotonic() - t0
-    return rec
+def bench_serve(args: argparse.Namespace, url: str, arm: str) -> dict:
+    """One `tessera bench serve` run of the mix; its JSON document."""
+    out = args.out / f"{arm}.json"
+    cmd = [sys.executable, "-m", "tessera", "bench", "serve", "--base-url", url,
+           "--model", f"{args.big}={args.mix[0]},{args.small}={args.mix[1]}",
+           "--request-rate", str(args.rate), "--num-prompts", str(args.num_prompts),
+           "--prompt-words", "50:200", "--max-tokens", str(args.max_tokens), "--slo-ttft", str(args.slo_ttft),
+           "--seed", str(args.seed), "--label", arm, "--no-progress", "--output", str(out)]
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
 
 
-async def load(url: str, model: str, rate: float, duration: float, max_tokens: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    tasks = []
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        end = time.monotonic() + duration
-        while time.monotonic() < end:
-            tasks.append(asyncio.create_task(one(client, model, random.Random(rng.random()), max_tokens)))
-            await asyncio.sleep(rng.expovariate(rate))
-        return await asyncio.gather(*tasks)
-
-
-def pct(values: list[float], q: float):
-    if not values:
-        return None
-    s = sorted(values)
-    return round(s[min(len(s) - 1, int(q / 100 * len(s)))], 3)
-
-
-def summarize(records: list[dict], big: str, slo: float) -> dict:
-    ok = [r for r in records if r["status"] == 200]
-    degraded = [r for r in ok if r["model"] != big]
-    direct = [r for r in ok if r["model"] == big]
-    ttft = lambda rs: [r["ttft_s"] for r in rs if r["ttft_s"] is not None]  # noqa: E731
-    return {
-        "requests": len(records), "answered": len(ok), "by_big": len(direct), "by_fallback": len(degraded),
-        "429": sum(r["status"] == 429 for r in records),
-        "other_errors": sum(r["status"] not in (200, 429) for r in records),
-        "causes": {c: sum(r["cause"] == c for r in degraded) for c in sorted({r["cause"] for r in degraded})},
-        "ttft_p50_s": pct(ttft(ok), 50), "ttft_p95_s": pct(ttft(ok), 95),
-        "ttft_p95_big_s": pct(ttft(direct), 95), "ttft_p95_fallback_s": pct(ttft(degraded), 95),
-        "fallback_within_slo": (round(sum(t <= slo for t in ttft(degraded)) / len(ttft(degraded)), 3)
-                                if ttft(degraded) else None),
-        "answered_within_slo": round(sum(t <= slo for t in ttft(ok)) / len(records), 3) if records else None,
-    }
+def row(arm: str, doc: dict, big: str, small: str) -> str:
+    run = doc["runs"][0]
+    m = run["models"]
+    a_big, a_small = m["asked"].get(big, {}), m["asked"].get(small, {})
+    deg = m["degraded"]
+    fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
+    within = "-" if deg["within_slo"] is None else f"{deg['within_slo']:.0%}"
+    by = a_big.get("answered_by", {})
+    causes = ", ".join(f"{n} {c}" for c, n in sorted(deg["causes"].items()))
+    return (f"| {arm} | {run['summary']['num_requests']} | {a_big.get('requests', 0)} | {by.get(big, 0)} | "
+            f"{by.get(small, 0)}{f' ({causes})' if causes else ''} | {a_big.get('rejected_429', 0)} | "
+            f"{a_small.get('requests', 0)} / {a_small.get('rejected_429', 0)} | {fmt(deg['ttft_s']['p95'])} | "
+            f"{within} | "
+            f"{fmt(m['answered'].get(big, {}).get('ttft_s', {}).get('p95'))} |")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--big", default="qwen2.5-coder-0.5b")
     p.add_argument("--small", default="smollm2-135m")
+    p.add_argument("--mix", type=float, nargs=2, default=(4.0, 1.0), metavar=("BIG", "SMALL"),
+                   help="weights of the two models in the requests (default: 4 1)")
     p.add_argument("--big-seqs", type=int, default=4)
     p.add_argument("--big-queue", type=int, default=2)
     p.add_argument("--max-wait", type=float, default=1.0, help="the rule's queue_wait bound, seconds")
@@ -105,8 +79,8 @@ def main() -> int:
                    help="the fallback's own --max-queue-wait: it refuses what it could not start in time")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per engine: two engines share the machine's cores")
-    p.add_argument("--rate", type=float, default=1.5, help="requests per second, all for --big")
-    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
+    p.add_argument("--num-prompts", type=int, default=90)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--port", type=int, default=8119)
@@ -115,18 +89,22 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
-    results = {"machine": machine_info(), "settings": {k: v for k, v in vars(args).items() if k != "out"}}
+    results: dict = {"machine": machine_info(), "settings": {k: str(v) for k, v in vars(args).items()}}
+    lines = ["| arm | requests | asked BIG | BIG answered by BIG | BIG answered by SMALL (cause) | BIG 429 | "
+             "asked SMALL / 429 | TTFT p95, degraded | degraded within SLO | TTFT p95, BIG |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm in ("no-rule", "rule"):
         config = args.out / f"{arm}.toml"
         config.write_text(toml(args, arm == "rule"))
         proc = launch_server(args.big, args.port, args.out / f"server_{arm}.log", "--config", str(config))
         try:
-            records = asyncio.run(load(url, args.big, args.rate, args.duration, args.max_tokens, args.seed))
+            doc = bench_serve(args, url, arm)
         finally:
             stop_server(proc)
-        results[arm] = {"summary": summarize(records, args.big, args.slo_ttft), "requests": records}
-        print(arm, json.dumps(results[arm]["summary"]), flush=True)
+        results[arm] = doc["runs"][0]["models"] | {"summary": doc["runs"][0]["summary"]}
+        lines.append(row(arm, doc, args.big, args.small))
     (args.out / "fallback.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
     return 0
 
 

@@ -34,6 +34,10 @@ class FakeBehaviour:
     fail_every: int = 0  # every Nth request answers HTTP 500
     send_usage: bool = True
     tokens_per_chunk: int = 1
+    # A model that takes at most `big_limit` requests at once: past it, 429, or an answer from
+    # `fallback` with Tessera's headers when one is set.
+    big_limit: int = 0
+    fallback: Optional[str] = None
 
 
 @dataclass
@@ -43,6 +47,7 @@ class FakeState:
     in_flight: int = 0
     max_in_flight: int = 0
     count: int = 0
+    big_in_flight: int = 0
 
 
 class FakeServer:
@@ -71,10 +76,18 @@ class FakeServer:
         b = st.behaviour
         if b.fail_every and n % b.fail_every == 0:
             return web.json_response({"error": {"message": f"boom {n}"}}, status=500)
+        headers = {"Content-Type": "text/event-stream", "x-tessera-model": body["model"]}
+        big = b.big_limit and body["model"] == "big"
+        if big and st.big_in_flight >= b.big_limit:
+            if b.fallback is None:
+                return web.json_response({"error": {"message": "queue full", "code": 429}}, status=429)
+            headers.update({"x-tessera-model": b.fallback, "x-tessera-fallback-cause": "queue_full"})
+            big = False
         st.in_flight += 1
+        st.big_in_flight += bool(big)
         st.max_in_flight = max(st.max_in_flight, st.in_flight)
         try:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            resp = web.StreamResponse(headers=headers)
             await resp.prepare(request)
 
             async def send(obj) -> None:
@@ -101,6 +114,7 @@ class FakeServer:
             return resp
         finally:
             st.in_flight -= 1
+            st.big_in_flight -= bool(big)
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -325,6 +339,51 @@ def test_serve_command_writes_json_and_plots(server, tmp_path, capsys):
     assert run_cli(["report", str(out), "--output", str(md), "--plot", str(tmp_path / "cmp.png")]) == 0
     table = md.read_text()
     assert "| fake | random | c=2 |" in table and (tmp_path / "cmp.png").exists()
+
+
+@pytest.mark.parametrize("fallback", [None, "small"])
+def test_model_mix_is_seeded_and_broken_down_by_who_answered(server, tmp_path, fallback):
+    """`--model big=3,small=1`: sessions draw their model (seeded), the big model's overflow is
+    counted as 429s, or as degraded answers with their cause when the server falls back."""
+    server.reset(ttft=0.05, itl=0.005, big_limit=2, fallback=fallback)
+    out = tmp_path / "mix.json"
+    rc = run_cli(["serve", "--base-url", server.url, "--model", "big=3,small=1", "--concurrency", "6",
+                  "--num-prompts", "40", "--max-tokens", "4", "--prompt-words", "5", "--no-progress",
+                  "--output", str(out)])
+    assert rc == 0
+    asked = [b["model"] for b in server.state.bodies]
+    assert set(asked) == {"big", "small"} and asked.count("big") > asked.count("small")
+    run = json.loads(out.read_text())["runs"][0]
+    m = run["models"]
+    assert m["asked"]["big"]["requests"] + m["asked"]["small"]["requests"] == 40
+    assert m["asked"]["small"]["answered_by"] == {"small": m["asked"]["small"]["requests"]}
+    big = m["asked"]["big"]
+    if fallback is None:
+        assert big["rejected_429"] > 0 and run["summary"]["rejected_429"] == big["rejected_429"]
+        assert big["answered_by"] == {"big": big["completed"]} and m["degraded"]["requests"] == 0
+    else:
+        assert big["rejected_429"] == 0 and big["answered_by"]["small"] > 0
+        assert m["degraded"] == {**m["degraded"], "requests": big["answered_by"]["small"],
+                                 "causes": {"queue_full": big["answered_by"]["small"]}, "within_slo": 1.0}
+        assert [r["fallback_cause"] for r in run["requests"] if r["served_model"] != r["model"]]
+    assert m["answered"]["big"]["ttft_s"]["p50"] >= 0.05
+    # The same seed asks the same models in the same order on another run.
+    server.reset(ttft=0.01, itl=0.001)
+    assert run_cli(["serve", "--base-url", server.url, "--model", "big=3,small=1", "--concurrency", "1",
+                    "--num-prompts", "40", "--max-tokens", "1", "--prompt-words", "5", "--no-progress",
+                    "--warmup", "0"]) == 0
+    assert [b["model"] for b in server.state.bodies] == [r["model"] for r in sorted(
+        run["requests"], key=lambda r: r["session"])]
+
+
+def test_model_mix_argument_is_validated():
+    from tessera.bench.options import model_mix
+
+    assert model_mix("m") == [("m", 1.0)]
+    assert model_mix("a=3, b=1") == [("a", 0.75), ("b", 0.25)]
+    for bad in ("a=0", "a=x", "=2", "a,a", ",", "a=inf"):
+        with pytest.raises(Exception):
+            model_mix(bad)
 
 
 def test_capacity_command_against_a_fast_server(server, tmp_path):

@@ -38,6 +38,10 @@ class RequestResult:
     max_tokens: int = 0
     session_id: int = 0
     turn: int = 0
+    status: int = 0  # HTTP status of the response (0: no response)
+    model: str = ""  # the model asked for
+    served_model: str = ""  # who answered: x-tessera-model, else the chunks' `model` field
+    fallback_cause: str = ""  # x-tessera-fallback-cause when a fallback model answered
 
     @property
     def tpot(self) -> Optional[float]:
@@ -78,7 +82,7 @@ def _chunk_text(payload: dict[str, Any], chat: bool) -> str:
 async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *,
                          chat: bool, headers: Optional[dict[str, str]] = None) -> RequestResult:
     """Send one streaming request and time it; errors are recorded, never raised."""
-    result = RequestResult(max_tokens=int(body.get("max_tokens") or 0))
+    result = RequestResult(max_tokens=int(body.get("max_tokens") or 0), model=str(body.get("model") or ""))
     chunks = 0
     last = None
     text_parts: list[str] = []
@@ -86,6 +90,9 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
     result.start = start
     try:
         async with session.post(url, json=body, headers=headers) as resp:
+            result.status = resp.status
+            result.served_model = resp.headers.get("x-tessera-model", "")
+            result.fallback_cause = resp.headers.get("x-tessera-fallback-cause", "")
             if resp.status != 200:
                 detail = (await resp.text())[:300].strip().replace("\n", " ")
                 result.error = f"HTTP {resp.status}: {detail}"
@@ -107,6 +114,8 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
                     if "error" in payload and not payload.get("choices"):
                         err = payload["error"]
                         raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                    if not result.served_model and isinstance(payload.get("model"), str):
+                        result.served_model = payload["model"]
                     usage = payload.get("usage")
                     if usage:
                         result.usage_reported = "completion_tokens" in usage

@@ -77,6 +77,7 @@ class Session:
     chat: bool = False
     system: Optional[str] = None
     meta: dict = field(default_factory=dict)
+    model: Optional[str] = None  # the model its requests ask for; None: the target's
 
     @property
     def num_requests(self) -> int:

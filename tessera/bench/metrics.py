@@ -66,6 +66,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: SLO,
         "num_requests": len(results),
         "completed": len(ok),
         "failed": len(failed),
+        "rejected_429": sum(1 for r in failed if r.status == 429),
         "errors": errors,
         "duration_s": duration,
         "requests_per_s": len(ok) / duration,
@@ -83,4 +84,41 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: SLO,
         "goodput": good / len(results) if results else 0.0,
         "goodput_requests_per_s": good / duration,
         "slo": {"ttft_s": slo.ttft, "itl_s": slo.itl, "itl_criterion": "per-request median ITL"},
+    }
+
+
+def model_breakdown(results: Sequence[RequestResult], duration: float, slo: SLO) -> dict[str, Any]:
+    """A model mix taken apart: per model asked for, who answered it and how many were refused
+    (429); per model that answered, its latencies; and the degraded requests (answered by a
+    fallback model, as the server's `x-tessera-fallback-cause` says): their causes, TTFT and the
+    share of them within the TTFT SLO."""
+    asked: dict[str, dict[str, Any]] = {}
+    for r in results:
+        a = asked.setdefault(r.model, {"requests": 0, "completed": 0, "rejected_429": 0, "failed": 0,
+                                       "answered_by": {}})
+        a["requests"] += 1
+        if r.ok:
+            a["completed"] += 1
+            who = r.served_model or r.model
+            a["answered_by"][who] = a["answered_by"].get(who, 0) + 1
+        elif r.status == 429:
+            a["rejected_429"] += 1
+        else:
+            a["failed"] += 1
+    answered: dict[str, Any] = {}
+    for who in sorted({r.served_model or r.model for r in results if r.ok}):
+        mine = [r for r in results if r.ok and (r.served_model or r.model) == who]
+        s = summarize(mine, duration, slo)
+        answered[who] = {k: s[k] for k in ("completed", "output_tokens_per_s", "ttft_s", "itl_s", "e2e_s", "goodput")}
+    degraded = [r for r in results if r.ok and r.fallback_cause]
+    causes: dict[str, int] = {}
+    for r in degraded:
+        causes[r.fallback_cause] = causes.get(r.fallback_cause, 0) + 1
+    return {
+        "asked": asked,
+        "answered": answered,
+        "degraded": {"requests": len(degraded), "causes": causes,
+                     "ttft_s": distribution([r.ttft for r in degraded]),
+                     "within_slo": (sum(1 for r in degraded if meets_slo(r, slo)) / len(degraded)
+                                    if degraded else None)},
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 from typing import Any
 
 from tessera.bench.datasets import CHAT_DATASETS, DATASETS, Session, build_workload
@@ -55,11 +56,42 @@ def positive_float(text: str) -> float:
     return v
 
 
+def model_mix(text: str) -> list[tuple[str, float]]:
+    """'big' -> [('big', 1.0)]; 'big=3,small=1' -> [('big', 0.75), ('small', 0.25)]: the share of
+    sessions that ask for each model (weights need not sum to one)."""
+    mix: list[tuple[str, float]] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, weight = part.rpartition("=") if "=" in part else (part, "", "1")
+        try:
+            w = float(weight)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"model mix: weight of {name!r} is not a number: {weight!r}") from None
+        if not name.strip() or not (w > 0) or math.isinf(w):
+            raise argparse.ArgumentTypeError(f"model mix: need NAME or NAME=WEIGHT with a positive weight, got {part!r}")
+        if any(n == name.strip() for n, _ in mix):
+            raise argparse.ArgumentTypeError(f"model mix: {name.strip()!r} given twice")
+        mix.append((name.strip(), w))
+    if not mix:
+        raise argparse.ArgumentTypeError(f"no model in {text!r}")
+    total = sum(w for _, w in mix)
+    return [(n, w / total) for n, w in mix]
+
+
+def _model_arg(text: str) -> str:
+    model_mix(text)  # validated here, parsed where used
+    return text
+
+
 def add_target_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", required=True,
                    help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 (with or without /v1)")
-    g.add_argument("--model", required=True, help="model name to put in each request")
+    g.add_argument("--model", required=True, type=_model_arg, metavar="NAME[=WEIGHT][,NAME=WEIGHT...]",
+                   help="model name to put in each request, or a mix: each session (request or conversation) "
+                        "asks for one model drawn with these weights, e.g. qwen2.5-coder-1.5b=3,smollm2-135m=1; "
+                        "results are then broken down by model asked for and model that answered")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="API for single-turn workloads; multi-turn always uses chat (default: %(default)s)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -102,7 +134,8 @@ def uses_chat(args: argparse.Namespace) -> bool:
 
 
 def target_from_args(args: argparse.Namespace) -> Target:
-    return Target(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+    """The server; its `model` is the mix's first, the one warm-ups and single-model runs use."""
+    return Target(base_url=args.base_url, model=model_mix(args.model)[0][0], endpoint=args.endpoint,
                   temperature=args.temperature, api_key=args.api_key, request_timeout=args.request_timeout)
 
 
@@ -112,12 +145,26 @@ def slo_from_args(args: argparse.Namespace) -> SLO:
 
 def workload_from_args(args: argparse.Namespace, num_prompts: int, seed: int) -> list[Session]:
     try:
-        return build_workload(args.dataset, num_prompts, seed, input_words=args.prompt_words,
+        sessions = build_workload(args.dataset, num_prompts, seed, input_words=args.prompt_words,
                               output_tokens=args.max_tokens, prefix_words=args.prefix_words,
                               num_prefixes=args.num_prefixes, turns=args.turns,
                               constrained=args.constrained)
     except ValueError as exc:
         raise TesseraError(f"workload: {exc}") from None
+    assign_models(sessions, model_mix(args.model), seed)
+    return sessions
+
+
+def assign_models(sessions: list[Session], mix: list[tuple[str, float]], seed: int) -> None:
+    """Give each session a model drawn from `mix` (seeded: the same sessions ask for the same
+    models on every server compared); a one-model mix leaves them on the target's model."""
+    if len(mix) < 2:
+        return
+    rng = random.Random(seed + 424_242)
+    names = [n for n, _ in mix]
+    weights = [w for _, w in mix]
+    for s in sessions:
+        s.model = rng.choices(names, weights)[0]
 
 
 def workload_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -68,15 +68,16 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 async def _run_session(http: aiohttp.ClientSession, target: Target, session: Session,
                        results: list[RequestResult], bar: Optional[tqdm]) -> None:
     chat = session.chat or target.endpoint == "chat"
+    model = session.model or target.model
     messages: list[dict[str, str]] = []
     if chat and session.system:
         messages.append({"role": "system", "content": session.system})
     for i, turn in enumerate(session.turns):
         if chat:
             messages.append({"role": "user", "content": turn.prompt})
-            body = chat_body(target.model, list(messages), turn.max_tokens, target.temperature)
+            body = chat_body(model, list(messages), turn.max_tokens, target.temperature)
         else:
-            body = completion_body(target.model, turn.prompt, turn.max_tokens, target.temperature)
+            body = completion_body(model, turn.prompt, turn.max_tokens, target.temperature)
         if turn.extra:
             body = {**body, "ignore_eos": False, **turn.extra}
         r = await stream_request(http, target.url(chat), body, chat=chat, headers=target.headers)
@@ -89,7 +90,7 @@ async def _run_session(http: aiohttp.ClientSession, target: Target, session: Ses
             for j in range(i + 1, len(session.turns)):
                 results.append(RequestResult(error="skipped: an earlier turn of its conversation failed",
                                              start=time.perf_counter(), max_tokens=session.turns[j].max_tokens,
-                                             session_id=session.session_id, turn=j))
+                                             session_id=session.session_id, turn=j, model=model))
                 if bar is not None:
                     bar.update(1)
             return
@@ -177,5 +178,5 @@ async def run_open_loop(target: Target, sessions: Sequence[Session], rate: float
                 results.append(RequestResult(error=f"unfinished {drain_timeout:g} s after the last arrival "
                                                    f"(time limit {time_limit:.0f} s)",
                                              start=start + duration, max_tokens=turn.max_tokens,
-                                             session_id=s.session_id, turn=i))
+                                             session_id=s.session_id, turn=i, model=s.model or target.model))
     return RunOutput(results, duration, start)

@@ -13,7 +13,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -22,7 +22,7 @@ from tessera.bench import options
 from tessera.bench.client import RequestResult
 from tessera.bench.datasets import random_workload
 from tessera.bench.machine import machine_info
-from tessera.bench.metrics import SLO, summarize
+from tessera.bench.metrics import SLO, model_breakdown, summarize
 from tessera.bench.runner import RunOutput, Target, run_closed_loop, run_open_loop
 from tessera.errors import TesseraError
 
@@ -72,7 +72,10 @@ def request_records(run: RunOutput) -> list[dict[str, Any]]:
     for r in run.results:
         rec: dict[str, Any] = {"ok": r.ok, "start": round(r.start - run.started, 6), "ttft": r.ttft,
                                "e2e": r.e2e, "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
-                               "max_tokens": r.max_tokens, "session": r.session_id, "turn": r.turn}
+                               "max_tokens": r.max_tokens, "session": r.session_id, "turn": r.turn,
+                               "status": r.status, "model": r.model, "served_model": r.served_model}
+        if r.fallback_cause:
+            rec["fallback_cause"] = r.fallback_cause
         if r.itls:
             rec["itl_p50"] = statistics.median(r.itls)
             rec["itl_max"] = max(r.itls)
@@ -86,19 +89,23 @@ def request_records(run: RunOutput) -> list[dict[str, Any]]:
     return out
 
 
-async def warm_up(target: Target, n: int, seed: int, chat: bool = False) -> Optional[RequestResult]:
-    """Send `n` short unrelated requests, through the chat API when the workload uses it (a
-    server's first chat request may pay for its template, which must not land in a measurement);
-    returns a failed result if none succeeded."""
+async def warm_up(target: Target, n: int, seed: int, chat: bool = False,
+                  models: Sequence[str] = ()) -> Optional[RequestResult]:
+    """Send `n` short unrelated requests to each of `models` (default: the target's), through the
+    chat API when the workload uses it (a server's first chat request may pay for its template,
+    and a multi-model server's first request to a model may load it: neither must land in a
+    measurement); returns a failed result if none succeeded for some model."""
     if n <= 0:
         return None
-    sessions = random_workload(n, seed + 7_777_777, input_words=(16, 32), output_tokens=(8, 8))
-    for s in sessions:
-        s.chat = chat
-    run = await run_closed_loop(target, sessions, 1, progress=False)
-    if any(r.ok for r in run.results):
-        return None
-    return run.results[0]
+    for model in models or [target.model]:
+        sessions = random_workload(n, seed + 7_777_777, input_words=(16, 32), output_tokens=(8, 8))
+        for s in sessions:
+            s.chat = chat
+            s.model = model
+        run = await run_closed_loop(target, sessions, 1, progress=False)
+        if not any(r.ok for r in run.results):
+            return run.results[0]
+    return None
 
 
 async def run_level(target: Target, args: argparse.Namespace, mode: str, value: float, num_prompts: int,
@@ -111,9 +118,12 @@ async def run_level(target: Target, args: argparse.Namespace, mode: str, value: 
     else:
         run = await run_open_loop(target, sessions, value, seed, max_concurrency=args.max_concurrency,
                                   progress=progress, desc=name)
-    return {"load": {"mode": mode, "value": json_number(value), "name": name}, "seed": seed,
-            "num_prompts": num_prompts, "summary": summarize(run.results, run.duration, slo),
-            "requests": request_records(run)}
+    out = {"load": {"mode": mode, "value": json_number(value), "name": name}, "seed": seed,
+           "num_prompts": num_prompts, "summary": summarize(run.results, run.duration, slo),
+           "requests": request_records(run)}
+    if len(options.model_mix(args.model)) > 1 or any(r.fallback_cause for r in run.results):
+        out["models"] = model_breakdown(run.results, run.duration, slo)
+    return out
 
 
 def make_console() -> Console:
@@ -137,7 +147,34 @@ def results_table(runs: list[dict[str, Any]], title: str) -> Table:
                   "/".join(_fmt(s["itl_s"][k], 1000) for k in ("p50", "p95")),
                   _fmt(s["tpot_s"]["p50"], 1000),
                   "/".join(_fmt(s["e2e_s"][k]) for k in ("p50", "p95")),
-                  f"{s['goodput']:.0%}", str(s["failed"]))
+                  f"{s['goodput']:.0%}",
+                  f"{s['failed']} ({s['rejected_429']} 429)" if s.get("rejected_429") else str(s["failed"]))
+    return t
+
+
+def models_table(runs: list[dict[str, Any]], title: str) -> Optional[Table]:
+    """Per load level and model asked for: who answered, 429s, and the degraded answers' TTFT."""
+    if not any("models" in r for r in runs):
+        return None
+    t = Table(title=title)
+    for col in ("load", "model asked", "requests", "answered by", "429", "other failures",
+                "TTFT p50/p95 (s) by answering model", "degraded: causes", "degraded TTFT p95", "degraded in SLO"):
+        t.add_column(col, justify="right")
+    for r in runs:
+        m = r.get("models")
+        if m is None:
+            continue
+        deg = m["degraded"]
+        for i, (asked, a) in enumerate(sorted(m["asked"].items())):
+            by = ", ".join(f"{who} {n}" for who, n in sorted(a["answered_by"].items())) or "-"
+            lat = ", ".join(f"{who} {_fmt(m['answered'][who]['ttft_s']['p50'])}/{_fmt(m['answered'][who]['ttft_s']['p95'])}"
+                            for who in sorted(a["answered_by"]))
+            first = i == 0
+            t.add_row(r["load"]["name"] if first else "", asked, str(a["requests"]), by, str(a["rejected_429"]),
+                      str(a["failed"]), lat or "-",
+                      (", ".join(f"{c} {n}" for c, n in sorted(deg["causes"].items())) or "-") if first else "",
+                      _fmt(deg["ttft_s"]["p95"]) if first else "",
+                      ("-" if deg["within_slo"] is None else f"{deg['within_slo']:.0%}") if first else "")
     return t
 
 
@@ -176,7 +213,8 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> dict[str, Any
     counts = args.num_prompts
     if len(counts) not in (1, len(levels)):
         raise TesseraError(f"--num-prompts: give one value or one per level ({len(levels)}), not {len(counts)}")
-    failed = await warm_up(target, args.warmup, args.seed, chat=options.uses_chat(args))
+    failed = await warm_up(target, args.warmup, args.seed, chat=options.uses_chat(args),
+                           models=[m for m, _ in options.model_mix(args.model)])
     if failed is not None:
         raise TesseraError(f"cannot get a completion from {target.url(args.endpoint == 'chat')}: {failed.error}")
     runs = []
@@ -204,5 +242,8 @@ def main(args: argparse.Namespace) -> int:
     doc = asyncio.run(run_sweep(args, console))
     title = f"{args.label or args.model}, {args.dataset}"
     console.print(results_table(doc["runs"], title))
+    by_model = models_table(doc["runs"], f"{title}: by model")
+    if by_model is not None:
+        console.print(by_model)
     write_outputs(doc, args.output, args.plot_dir, lambda prefix: plot_sweep(doc["runs"], prefix, title), console)
     return 0
