@@ -4,7 +4,8 @@
         --out benchmarks/results/wave3/kv_offload
 
 A RAM KV budget far below what the conversations hold (--kv-cache-memory), so a conversation's
-history is evicted between its turns. Three servers, one after the other, same seeded workload:
+history is evicted between its turns when other conversations' turns come in between
+(--max-active-conversations: the conversations take turns, as users who read and type do). Three servers, one after the other, same seeded workload:
   none     no disk tier: a later turn recomputes the conversation whose blocks were evicted;
   tier     --kv-offload-dir on an empty folder: evicted blocks are loaded back;
   restart  a fresh server on the folder `tier` filled: even first turns (the system prompt and
@@ -33,7 +34,7 @@ def run(mode: str, args, tier_dir: Path, out: Path) -> dict:
     port = args.port
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tessera", "serve", args.model, "--port", str(port),
-           "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.concurrency)]
+           "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.concurrency), "--dtype", args.dtype]
     if mode != "none":
         cmd += ["--kv-offload-dir", str(tier_dir), "--kv-offload-size", "8GiB"]
     log = open(out / f"server-{mode}.log", "w")
@@ -44,6 +45,8 @@ def run(mode: str, args, tier_dir: Path, out: Path) -> dict:
         subprocess.run([sys.executable, "-m", "tessera", "bench", "serve", "--base-url", url, "--model", args.model,
                         "--dataset", "multi-turn", "--turns", str(args.turns), "--max-tokens", args.max_tokens, "--concurrency", str(args.concurrency),
                         "--num-prompts", str(args.requests), "--warmup", "0", "--seed", str(args.seed),
+                        *(["--max-active-conversations", str(args.max_active_conversations)]
+                          if args.max_active_conversations else []),
                         "--no-progress", "--label", mode, "--output", str(result)], check=True)
         hits = metric(url, "tessera:external_prefix_cache_hits_total")
         ram_hits = metric(url, "tessera:prefix_cache_hits_total")
@@ -76,6 +79,11 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", default="16:32")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-active-conversations", type=int, default=0,
+                   help="conversations under way at once, their turns sent round-robin (tessera bench serve's "
+                        "option): a conversation's next turn waits behind the others', as a user's does; 0: each "
+                        "client runs one conversation to its end, turns back to back")
+    p.add_argument("--dtype", default="auto", help="the servers' --dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--out", type=Path, required=True)

@@ -413,3 +413,34 @@ def test_add_bench_subparsers_registers_serve_and_capacity():
     assert args.func is capacity_mod.main and args.slo_ttft == 2.0 and args.slo_itl == 0.05
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "serve", "--base-url", "http://x", "--model", "m", "--concurrency", "0"])
+
+
+def test_max_active_conversations_interleaves_turns_round_robin(server):
+    """Multi-turn with --max-active-conversations: conversations take turns (a conversation's next
+    turn waits behind the other active ones'), each turn still resends its whole conversation, and
+    no more than N conversations are under way at once."""
+    server.reset(ttft=0.005, itl=0.001)
+    sessions = build_workload("multi-turn", 5 * 3, seed=3, output_tokens=(2, 2), turns=3)
+    assert len(sessions) == 5
+    run = asyncio.run(run_closed_loop(target(server), sessions, 1, progress=False, max_active_conversations=3))
+    assert all(r.ok for r in run.results) and len(run.results) == 15
+    order = [(r.session_id, r.turn) for r in run.results]
+    ids = [s.session_id for s in sessions]
+    assert order[:6] == [(ids[0], 0), (ids[1], 0), (ids[2], 0), (ids[0], 1), (ids[1], 1), (ids[2], 1)]
+    under_way, most = set(), 0
+    for sid, turn in order:
+        under_way.add(sid)
+        most = max(most, len(under_way))
+        if turn == 2:
+            under_way.discard(sid)
+    assert most == 3
+    for body in server.state.bodies:  # turn k carries k earlier exchanges
+        users = [m for m in body["messages"] if m["role"] == "user"]
+        assistants = [m for m in body["messages"] if m["role"] == "assistant"]
+        assert len(assistants) == len(users) - 1
+    server.reset(ttft=0.005, itl=0.001)
+    run = asyncio.run(run_closed_loop(target(server), sessions, 2, progress=False, max_active_conversations=4))
+    assert sorted((r.session_id, r.turn) for r in run.results) == sorted((i, t) for i in ids for t in range(3))
+    with pytest.raises(Exception):
+        run_cli(["serve", "--base-url", server.url, "--model", "m", "--request-rate", "1",
+                 "--max-active-conversations", "2", "--dataset", "multi-turn", "--no-progress"])

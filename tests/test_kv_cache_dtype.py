@@ -259,37 +259,99 @@ def test_stats_report_int8_capacity(loaded):
     assert info["tokens_per_gib"] == pytest.approx(16 * 2**30 / (2 * 2 * 2 * (16 * 16 + 4)), rel=1e-3)
 
 
-@pytest.mark.parametrize("rows", [12, 100])  # transforms inside the kernels / as matrix products
-def test_key_smoothing_and_rotation_paths_agree_and_float_caches_ignore_them(rows):
-    """The paged backend transforms keys and queries in its C kernels for small steps and with
-    matrix products for large ones; both match the reference loop's PyTorch transform on the same
-    int8 cache. (What smoothing buys on a real model is benchmarks/kv_cache_dtype.py's job.)"""
-    from tessera.layers.attention import Attention, key_smoothing_from_bias
+@pytest.mark.parametrize("layout", ["decode-12", "decode-100", "prefill"])  # kernels / matrix products / SDPA
+def test_key_bias_share_is_kept_out_of_an_int8_cache_and_added_back(layout):
+    """Keys RoPE_p(u + b) with a few bias channels 100x the rest (Qwen2's shape): the paged backend
+    (write and decode kernels, or matrix products and the prefill path) and the reference loop agree
+    on the same int8 cache, and with the bias share taken out the result is several times closer to
+    exact float attention than rounding the whole keys; float caches ignore the key bias."""
+    from tessera.attention.base import KeyBias
+    from tessera.layers import RotaryEmbedding, apply_rope
+    from tessera.layers.attention import Attention
 
     gen = torch.Generator().manual_seed(5)
     hq, hkv, d, bs = 4, 2, 64, 16
-    bias = torch.randn(hkv * d, generator=gen)
-    bias[[3, 3 + d // 2, d + 10]] = torch.tensor([80.0, 60.0, -120.0])
-    q = torch.randn(rows, hq, d, generator=gen)
-    k = torch.randn(rows, hkv, d, generator=gen) + bias.view(hkv, d)
-    v = torch.randn(rows, hkv, d, generator=gen)
-    divisors = key_smoothing_from_bias(bias, hkv, d)
-    assert divisors[0, 3] == divisors[0, 3 + d // 2] == 16 and divisors[1, 10] == 16  # RoPE pairs share one; capped
-    assert divisors.min() == 1.0
+    rows = 100 if layout != "decode-12" else 12
+    bias = torch.randn(hkv, d, generator=gen)
+    bias[0, [3, 3 + d // 2]] = torch.tensor([300.0, 200.0])
+    bias[1, 10] = -400.0
+    rotary = RotaryEmbedding(d, 10000.0, None, 512, torch.float32)
     lens = [rows // 2, rows - rows // 2]
-    qlens, seqs, tabs = [], [], []
-    for n, t in zip(lens, [[0, 1, 2, 3], [4, 5, 6, 7]]):
-        qlens += [1] * n
-        seqs += list(range(1, n + 1))
-        tabs += [t] * n
+    if layout == "prefill":
+        qlens, seqs, tabs = lens, lens, [[0, 1, 2, 3], [4, 5, 6, 7]]
+        positions = torch.cat([torch.arange(n) for n in lens])
+    else:
+        qlens, seqs, tabs = [], [], []
+        for n, t in zip(lens, [[0, 1, 2, 3], [4, 5, 6, 7]]):
+            qlens += [1] * n
+            seqs += list(range(1, n + 1))
+            tabs += [t] * n
+        positions = torch.tensor(seqs) - 1
+    cos, sin = rotary(positions)
+    q = apply_rope(torch.randn(rows, hq, d, generator=gen), cos, sin, d // 2)
+    k = apply_rope(torch.randn(rows, hkv, d, generator=gen) + bias, cos, sin, d // 2)
+    v = torch.randn(rows, hkv, d, generator=gen)
+    lo, hi, pairs = KeyBias.outliers(bias.flatten(), hkv, d)
+    where = {p: i for i, p in enumerate(pairs.tolist())}
+    assert lo[0, where[3]] == 300 and hi[0, where[3]] == 200 and lo[1, where[10]] == -400
+    norms = torch.sqrt(bias[:, :d // 2] ** 2 + bias[:, d // 2:] ** 2)
+    for h in range(hkv):  # a pair is taken out where its norm is over the head's median, else left in the keys
+        taken = norms[h] > norms[h].median()
+        assert [p for p in range(d // 2) if p in where and (lo[h, where[p]] != 0 or hi[h, where[p]] != 0)] == \
+            taken.nonzero().flatten().tolist()
+    key_bias = KeyBias(lo, hi, pairs, rotary.cos, rotary.sin)
+    # Its share of each key is RoPE_p of the bias on those pairs.
+    outlier = torch.zeros(hkv, d)
+    outlier[:, pairs], outlier[:, d // 2 + pairs] = lo, hi
+    cos40, sin40 = rotary(torch.arange(40))
+    torch.testing.assert_close(key_bias.at(torch.arange(40)), apply_rope(outlier.expand(40, -1, -1), cos40, sin40, d // 2))
     layer = Attention(hq, d, 0.125, hkv)
-    layer.set_key_smoothing(divisors)
-    outs = {}
-    for backend in (get_backend("paged", "int8"), ReferenceBackend("int8"), get_backend("paged", "auto")):
+
+    def run(backend, kb):
         cache = backend.allocate(1, 8, bs, hkv, d, torch.float32)[0]
-        outs[backend.name, backend.quantized] = layer(q, k, v, cache, backend.build_metadata(qlens, seqs, tabs, bs))
-    torch.testing.assert_close(outs["paged", True], outs["reference", True], atol=5e-3, rtol=0)
-    plain = get_backend("paged", "auto")
-    want = plain.forward(q, k, v, plain.allocate(1, 8, bs, hkv, d, torch.float32)[0],
-                         plain.build_metadata(qlens, seqs, tabs, bs), 0.125, None)
-    assert torch.equal(outs["paged", False], want)
+        return layer(q, k, v, cache, backend.build_metadata(qlens, seqs, tabs, bs), kb)
+
+    exact = run(get_backend("paged", "auto"), None)
+    assert torch.equal(run(get_backend("paged", "auto"), key_bias), exact)
+    paged = run(get_backend("paged", "int8"), key_bias)
+    torch.testing.assert_close(paged, run(ReferenceBackend("int8"), key_bias), atol=5e-3, rtol=0)
+    with_share = (paged - exact).abs().max().item()
+    whole = (run(get_backend("paged", "int8"), None) - exact).abs().max().item()
+    assert with_share < whole / 4, (with_share, whole)
+
+
+@pytest.mark.parametrize("rows", ["decode", "prefill"])
+def test_qwen2_key_bias_outliers_do_not_cost_an_int8_cache_its_precision(tiny_model_dir, rows):
+    """A tiny Qwen2 whose key bias has one pair 100x the rest (the real models' shape): its logits over
+    an int8 cache stay several times closer to the float cache's than when the whole keys are rounded
+    (the layers' outlier pairs forced off), through the decode kernel and the prefill path alike."""
+    from tessera.models.loader import load_model
+
+    loaded = load_model(tiny_model_dir("qwen2"), "float32")
+    c = loaded.config
+    with torch.no_grad():
+        for layer in loaded.model.model.layers:
+            a = layer.self_attn
+            a.qkv_proj.bias[a.q_size + 5] = 80.0
+            a.qkv_proj.bias[a.q_size + 5 + c.head_dim // 2] = -60.0
+    n, bs = 60, 16
+    ids = torch.tensor([(7 * i) % 290 + 3 for i in range(n)])
+    table = list(range(-(-n // bs)))
+
+    def logits(kv_dtype: str) -> torch.Tensor:
+        backend = get_backend("paged", kv_dtype)
+        caches = backend.allocate(c.num_layers, len(table), bs, c.num_kv_heads, c.head_dim, torch.float32)
+        if rows == "decode":
+            meta = backend.build_metadata([1] * n, list(range(1, n + 1)), [table] * n, bs)
+        else:
+            meta = backend.build_metadata([n], [n], [table], bs)
+        with torch.inference_mode():
+            return loaded.model.compute_logits(loaded.model(ids, torch.arange(n), caches, meta))
+
+    exact = logits("auto")
+    with_share = (logits("int8") - exact).abs().max().item()
+    for layer in loaded.model.model.layers:
+        assert layer.self_attn._key_bias_outliers  # the boosted pair was found
+        layer.self_attn._key_bias_outliers = ()
+    whole = (logits("int8") - exact).abs().max().item()
+    assert with_share < whole / 3, (with_share, whole)

@@ -156,13 +156,99 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
-                smoothing: Optional[Smoothing] = None) -> torch.Tensor:
+                key_bias: Optional[KeyBias] = None) -> torch.Tensor:
         """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`.
-        `smoothing` (quantized caches only): per-channel multipliers of q and k, q.k unchanged."""
+        `key_bias` (quantized caches only; others ignore it): the keys' bias share, kept out of the
+        cache and added back exactly."""
 
 
-# (query multipliers [Hq, D], key multipliers [Hkv, D]), float32: see layers/attention.py.
-Smoothing = tuple[torch.Tensor, torch.Tensor]
+# A RoPE pair's bias is taken out of the keys when its norm is over this many times its head's
+# median (measured on qwen2.5-coder-1.5b / -0.5b, int8 perplexity against bfloat16: 4x +0.8 / +2.1 %,
+# 2x +0.85 / -0.03 %, 1x +0.34 / -0.24 %, every pair +0.35 / +0.20 %; the decode term costs in
+# proportion to the pairs: 1x takes 47 of 64 on the 1.5B).
+KEY_BIAS_OUTLIER = 1.0
+
+
+@dataclass(frozen=True)
+class KeyBias:
+    """The share of a layer's keys that its key projection's bias contributes on its outlier RoPE
+    pairs, RoPE_p(b) at position p (Qwen2), kept out of an int8 cache and added back exactly.
+
+    Why: Qwen2's key bias puts a few channels at 20-500x the median (qwen2.5-coder-1.5b's first
+    layer: 540x), so whatever scale a block gets, those channels set it and the others round to
+    a few levels (+7.5 % / +5.4 % perplexity on the 0.5B / 1.5B with plain per-block scales).
+    Dividing those channels down before rounding (and multiplying the queries' back) trades that
+    for their own error, multiplied back (+1.5 % / +16 %). But a key's bias share is known from
+    its position alone: the cache stores k - RoPE_p(b_out) (b_out: the bias on the pairs whose
+    norm is over KEY_BIAS_OUTLIER times the head's median, zero elsewhere), whose channels are
+    alike, and attention adds q . RoPE_p(b_out) back in float32 -- on a dense read as keys
+    (prefill), in the decode kernel as a term of each score -- so q.k is what the model computed
+    up to the rounding of the residual (benchmarks/README.md, "int8 KV cache"). Only the outlier
+    pairs are carried so that the decode term costs a few multiply-adds per key (carrying all of
+    them, a second q.k in PyTorch, made qwen2.5-coder-1.5b's decode step 1.2x slower).
+    """
+
+    lo: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[i] per KV head (zero where not an outlier)
+    hi: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[i] + D/2
+    pairs: torch.Tensor  # [m] int64: the RoPE pairs that are an outlier for some head
+    cos: torch.Tensor  # rotary tables [N, D] in layers/rotary.py's rotate-by-roll layout, N > every position
+    sin: torch.Tensor
+
+    @staticmethod
+    def outliers(bias: torch.Tensor, num_kv_heads: int,
+                 head_dim: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(`lo`, `hi`, `pairs`) for a key bias [Hkv * D], or None when no pair stands out."""
+        b = bias.detach().float().view(num_kv_heads, head_dim)
+        h = head_dim // 2
+        norm = torch.sqrt(b[:, :h] ** 2 + b[:, h:2 * h] ** 2)
+        big = norm > KEY_BIAS_OUTLIER * norm.median(dim=1, keepdim=True).values.clamp_min(1e-6)
+        pairs = big.any(dim=0).nonzero().flatten()
+        if pairs.numel() == 0:
+            return None
+        keep = big[:, pairs]
+        zero = torch.zeros(())
+        return (torch.where(keep, b[:, pairs], zero).contiguous(), torch.where(keep, b[:, h + pairs], zero).contiguous(),
+                pairs.contiguous())
+
+    def kernel_args(self, length: int, cache: dict) -> kernels.KeyBiasArgs:
+        """What the int8 kernels take, its table covering positions [0, length) (built once per step,
+        shared by every layer through `cache`, the step metadata's)."""
+        d = self.cos.shape[-1]
+        key = ("rope_table", length, self.cos.data_ptr())
+        table = cache.get(key)
+        if table is None:
+            n = -(-length // 16) * 16
+            rows = torch.zeros(n, d)
+            rows[:length] = torch.cat([self.cos[:length, :d // 2], self.sin[:length, d // 2:]], dim=-1)
+            table = cache[key] = rows.view(n // 16, 16, d).transpose(1, 2).contiguous()
+        return kernels.KeyBiasArgs(self.lo, self.hi, self.pairs, table)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE_p(b) at each of `positions` [T]: [T, Hkv, D] float32, zero off the outlier pairs."""
+        d = self.cos.shape[-1]
+        h = d // 2
+        c = self.cos[positions][:, self.pairs].float().unsqueeze(1)  # [T, 1, m]
+        s = self.sin[positions][:, h + self.pairs].float().unsqueeze(1)
+        out = torch.zeros(positions.shape[0], self.lo.shape[0], d)
+        out[:, :, self.pairs] = self.lo * c - self.hi * s
+        out[:, :, h + self.pairs] = self.hi * c + self.lo * s
+        return out
+
+    def context_keys(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE_p(b) for p in [0, length), transformed as the cache stores keys: [Hkv, 1, length, D],
+        to add to dequantized keys [Hkv, B, length, D]."""
+        rows = self.at(torch.arange(length)) @ key_rotation(self.cos.shape[-1])
+        return rows.transpose(0, 1).unsqueeze(1).to(dtype)
+
+
+def step_positions(meta: "AttentionMetadata") -> torch.Tensor:
+    """Position of each of the step's tokens [T] (a request's queries end at its context length)."""
+    pos = meta._cache.get("positions")
+    if pos is None:
+        qsl, lens = meta.query_start_loc, meta.seq_lens
+        pos = meta._cache["positions"] = torch.cat(
+            [torch.arange(lens[i] - (qsl[i + 1] - qsl[i]), lens[i]) for i in range(len(lens))])
+    return pos
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,21 +268,28 @@ def key_rotation(head_dim: int) -> torch.Tensor:
     return r.float().contiguous()
 
 
-def transform_for_cache(x: torch.Tensor, mul: Optional[torch.Tensor]) -> torch.Tensor:
-    """Queries or keys [T, H, D] as an int8 cache meets them: (x * mul) @ R, in x's dtype."""
-    if mul is not None:
-        x = x * mul.to(x.dtype)
+def transform_for_cache(x: torch.Tensor) -> torch.Tensor:
+    """Queries or keys [T, H, D] as an int8 cache meets them: x @ R, in x's dtype."""
     return x @ key_rotation(x.shape[-1]).to(x.dtype)
 
 
-def rotate_for_cache(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     smoothing: Optional[Smoothing]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k transformed as an int8 cache stores and reads keys; unchanged for other caches.
-    Every read of an int8 cache goes through the stored keys, so every query is transformed."""
+def rotate_for_cache(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, meta: "AttentionMetadata",
+                     key_bias: Optional[KeyBias]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as an int8 cache stores and reads keys (k less its bias share, both rotated);
+    unchanged for other caches. Every read of an int8 cache goes through the stored keys, so every
+    query is transformed."""
     if not is_quantized(kv_cache):
         return q, k
-    qm, km = smoothing if smoothing is not None else (None, None)
-    return transform_for_cache(q, qm), transform_for_cache(k, km)
+    if key_bias is not None:
+        k = k.float() - key_bias.at(step_positions(meta))
+    return transform_for_cache(q), transform_for_cache(k)
+
+
+def add_key_bias(keys: torch.Tensor, key_bias: Optional[KeyBias]) -> torch.Tensor:
+    """Dequantized keys [Hkv, B, L, D] (positions 0..L-1) with their bias share put back."""
+    if key_bias is None:
+        return keys
+    return keys + key_bias.context_keys(keys.shape[2], keys.dtype)
 
 
 def is_quantized(kv_cache: torch.Tensor) -> bool:

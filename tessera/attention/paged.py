@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tessera import kernels
-from tessera.attention.base import is_quantized, key_rotation, transform_for_cache, write_kv
+from tessera.attention.base import is_quantized, key_rotation, step_positions, transform_for_cache, write_kv
 from tessera.attention.sdpa import SdpaBackend
 
 
@@ -29,19 +29,22 @@ class PagedBackend(SdpaBackend):
             raise kernels.KernelUnavailable(why)
         super().__init__(kv_cache_dtype)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, smoothing=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None):
         if not kernels.supports(q.shape[1], kv_cache):
-            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, smoothing)
+            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias)
         quantized = is_quantized(kv_cache)
-        qm, km = smoothing if quantized and smoothing is not None else (None, None)
+        key_bias = key_bias if quantized else None
         if quantized:
             # Decode-sized steps transform keys (and below, queries) inside the kernels, saving two
             # PyTorch ops per layer; prefill-sized ones in one matrix product.
             rot = key_rotation(q.shape[-1])
+            positions = step_positions(meta) if key_bias is not None else None
             if k.shape[0] <= KERNEL_TRANSFORM_ROWS:
-                kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, km)
+                args = key_bias.kernel_args(max(meta.seq_lens), meta._cache) if key_bias is not None else None
+                kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, args, positions)
             else:
-                kernels.kv_write_int8(kv_cache, transform_for_cache(k, km), v, meta.slot_mapping, meta.block_size)
+                kt = transform_for_cache(k if key_bias is None else k.float() - key_bias.at(positions))
+                kernels.kv_write_int8(kv_cache, kt, v, meta.slot_mapping, meta.block_size)
         else:
             write_kv(kv_cache, k, v, meta)
         nd = meta.num_decodes
@@ -58,8 +61,9 @@ class PagedBackend(SdpaBackend):
                 meta._cache["paged_decode"] = cached
             seq_lens, tables, max_len, scratch = cached
             if quantized:
+                args = key_bias.kernel_args(max(meta.seq_lens), meta._cache) if key_bias is not None else None
                 o = kernels.paged_decode_attention_int8(q[:nd], kv_cache, tables, seq_lens, max_len,
-                                                        meta.block_size, scale, sliding_window, scratch, rot, qm)
+                                                        meta.block_size, scale, sliding_window, scratch, rot, args)
             else:
                 o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale,
                                                    sliding_window, scratch)
@@ -67,6 +71,6 @@ class PagedBackend(SdpaBackend):
                 return o.to(q.dtype).view(nd, hq * d)
             out[:nd] = o
         if nd < meta.num_reqs:
-            self._prefill(transform_for_cache(q, qm) if quantized else q, k, v, kv_cache, meta, scale,
-                          sliding_window, out)
+            self._prefill(transform_for_cache(q) if quantized else q, k, v, kv_cache, meta, scale,
+                          sliding_window, out, key_bias)
         return out.view(q.shape[0], hq * d)

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from tessera.attention.base import AttentionBackend, read_blocks, rotate_for_cache, write_kv
+from tessera.attention.base import AttentionBackend, add_key_bias, is_quantized, read_blocks, rotate_for_cache, write_kv
 
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, smoothing=None):
-        q, k = rotate_for_cache(kv_cache, q, k, smoothing)
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None):
+        key_bias = key_bias if is_quantized(kv_cache) else None
+        q, k = rotate_for_cache(kv_cache, q, k, meta, key_bias)
         write_kv(kv_cache, k, v, meta)
         bs = meta.block_size
         out = torch.empty_like(q)
@@ -21,7 +22,8 @@ class ReferenceBackend(AttentionBackend):
             nblk = (seq_len + bs - 1) // bs
             blocks = meta.block_tables[i, :nblk]
             kv = read_blocks(kv_cache, blocks, bs, torch.float32).reshape(2, hkv, -1, d)[:, :, :seq_len]
-            keys, vals = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+            keys = add_key_bias(kv[0].unsqueeze(1), key_bias).squeeze(1).transpose(0, 1)
+            vals = kv[1].transpose(0, 1)
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             vals = vals.repeat_interleave(hq // hkv, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale

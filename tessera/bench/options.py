@@ -46,6 +46,16 @@ def rate_list(text: str) -> list[float]:
     return values
 
 
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return v
+
+
 def positive_float(text: str) -> float:
     try:
         v = float(text)

@@ -12,6 +12,7 @@ import asyncio
 import math
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -65,37 +66,65 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _run_session(http: aiohttp.ClientSession, target: Target, session: Session,
-                       results: list[RequestResult], bar: Optional[tqdm]) -> None:
+@dataclass
+class _Conversation:
+    """A session under way: the chat history so far and its next turn."""
+
+    session: Session
+    messages: list[dict[str, str]]
+    turn: int = 0
+
+    @staticmethod
+    def start(session: Session, target: Target) -> "_Conversation":
+        chat = session.chat or target.endpoint == "chat"
+        messages = [{"role": "system", "content": session.system}] if chat and session.system else []
+        return _Conversation(session, messages)
+
+    @property
+    def done(self) -> bool:
+        return self.turn >= len(self.session.turns)
+
+
+async def _run_turn(http: aiohttp.ClientSession, target: Target, conv: _Conversation,
+                    results: list[RequestResult], bar: Optional[tqdm]) -> bool:
+    """Send a conversation's next turn; False (and its remaining turns recorded as skipped) on failure."""
+    session, i = conv.session, conv.turn
+    turn = session.turns[i]
     chat = session.chat or target.endpoint == "chat"
     model = session.model or target.model
-    messages: list[dict[str, str]] = []
-    if chat and session.system:
-        messages.append({"role": "system", "content": session.system})
-    for i, turn in enumerate(session.turns):
-        if chat:
-            messages.append({"role": "user", "content": turn.prompt})
-            body = chat_body(model, list(messages), turn.max_tokens, target.temperature)
-        else:
-            body = completion_body(model, turn.prompt, turn.max_tokens, target.temperature)
-        if turn.extra:
-            body = {**body, "ignore_eos": False, **turn.extra}
-        r = await stream_request(http, target.url(chat), body, chat=chat, headers=target.headers)
-        r.session_id, r.turn = session.session_id, i
-        results.append(r)
-        if bar is not None:
-            bar.update(1)
-        if not r.ok:
-            # The conversation cannot go on without the reply; count the rest as failed too.
-            for j in range(i + 1, len(session.turns)):
-                results.append(RequestResult(error="skipped: an earlier turn of its conversation failed",
-                                             start=time.perf_counter(), max_tokens=session.turns[j].max_tokens,
-                                             session_id=session.session_id, turn=j, model=model))
-                if bar is not None:
-                    bar.update(1)
-            return
-        if chat:
-            messages.append({"role": "assistant", "content": r.text})
+    if chat:
+        conv.messages.append({"role": "user", "content": turn.prompt})
+        body = chat_body(model, list(conv.messages), turn.max_tokens, target.temperature)
+    else:
+        body = completion_body(model, turn.prompt, turn.max_tokens, target.temperature)
+    if turn.extra:
+        body = {**body, "ignore_eos": False, **turn.extra}
+    r = await stream_request(http, target.url(chat), body, chat=chat, headers=target.headers)
+    r.session_id, r.turn = session.session_id, i
+    results.append(r)
+    conv.turn += 1
+    if bar is not None:
+        bar.update(1)
+    if not r.ok:
+        # The conversation cannot go on without the reply; count the rest as failed too.
+        for j in range(i + 1, len(session.turns)):
+            results.append(RequestResult(error="skipped: an earlier turn of its conversation failed",
+                                         start=time.perf_counter(), max_tokens=session.turns[j].max_tokens,
+                                         session_id=session.session_id, turn=j, model=model))
+            if bar is not None:
+                bar.update(1)
+        conv.turn = len(session.turns)
+        return False
+    if chat:
+        conv.messages.append({"role": "assistant", "content": r.text})
+    return True
+
+
+async def _run_session(http: aiohttp.ClientSession, target: Target, session: Session,
+                       results: list[RequestResult], bar: Optional[tqdm]) -> None:
+    conv = _Conversation.start(session, target)
+    while not conv.done and await _run_turn(http, target, conv, results, bar):
+        pass
 
 
 def _client(target: Target, limit: int) -> aiohttp.ClientSession:
@@ -108,10 +137,18 @@ def _bar(total: int, desc: str, show: bool) -> Optional[tqdm]:
 
 
 async def run_closed_loop(target: Target, sessions: Sequence[Session], concurrency: int,
-                          progress: bool = True, desc: str = "") -> RunOutput:
-    """`concurrency` workers, each sending its next session as soon as the last one finished."""
+                          progress: bool = True, desc: str = "",
+                          max_active_conversations: Optional[int] = None) -> RunOutput:
+    """`concurrency` workers, each sending its next session as soon as the last one finished.
+
+    With `max_active_conversations` (multi-turn), up to that many conversations are under way at
+    once and the workers take their turns round-robin (vLLM's multi-turn benchmark's option of
+    the same name): a conversation's next turn waits behind the other active conversations' turns,
+    as a user's does while they read and type, so its KV cache may be evicted in between."""
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
+    if max_active_conversations is not None:
+        return await _run_interleaved(target, sessions, concurrency, max_active_conversations, progress, desc)
     queue: asyncio.Queue[Session] = asyncio.Queue()
     for s in sessions:
         queue.put_nowait(s)
@@ -129,6 +166,49 @@ async def run_closed_loop(target: Target, sessions: Sequence[Session], concurren
     async with _client(target, concurrency) as http:
         start = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(min(concurrency, len(sessions)))))
+        duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return RunOutput(results, duration, start)
+
+
+async def _run_interleaved(target: Target, sessions: Sequence[Session], concurrency: int, max_active: int,
+                           progress: bool, desc: str) -> RunOutput:
+    if max_active < 1:
+        raise ValueError("max active conversations must be at least 1")
+    waiting = deque(sessions)
+    ready: deque[_Conversation] = deque()  # under way, next turn not in flight
+    active = 0
+    changed = asyncio.Event()
+    results: list[RequestResult] = []
+    bar = _bar(sum(s.num_requests for s in sessions), desc or f"concurrency {concurrency}", progress)
+
+    def activate() -> None:
+        nonlocal active
+        while active < max_active and waiting:
+            ready.append(_Conversation.start(waiting.popleft(), target))
+            active += 1
+
+    async def worker(http: aiohttp.ClientSession) -> None:
+        nonlocal active
+        while True:
+            while not ready:
+                if active == 0 and not waiting:
+                    return
+                changed.clear()
+                await changed.wait()
+            conv = ready.popleft()
+            if await _run_turn(http, target, conv, results, bar) and not conv.done:
+                ready.append(conv)  # behind the other active conversations
+            else:
+                active -= 1
+                activate()
+            changed.set()
+
+    activate()
+    async with _client(target, concurrency) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         duration = time.perf_counter() - start
     if bar is not None:
         bar.close()

@@ -44,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="open loop: Poisson arrivals per second, e.g. 0.5,1,2,inf")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="open loop: cap on requests in flight (default: none)")
+    g.add_argument("--max-active-conversations", type=options.positive_int, default=None, metavar="N",
+                   help="closed loop, multi-turn: keep N conversations under way and send their turns "
+                        "round-robin, so a conversation's next turn waits behind the others' as a user "
+                        "thinking does (default: each client runs one conversation to its end)")
     g.add_argument("--num-prompts", type=options.int_list, default=[64], metavar="N[,N...]",
                    help="requests per level; one value, or one per level (default: 64)")
     o = p.add_argument_group("output")
@@ -114,7 +118,8 @@ async def run_level(target: Target, args: argparse.Namespace, mode: str, value: 
     name = level_name(mode, value)
     progress = not args.no_progress
     if mode == "concurrency":
-        run = await run_closed_loop(target, sessions, int(value), progress=progress, desc=name)
+        run = await run_closed_loop(target, sessions, int(value), progress=progress, desc=name,
+                                    max_active_conversations=args.max_active_conversations)
     else:
         run = await run_open_loop(target, sessions, value, seed, max_concurrency=args.max_concurrency,
                                   progress=progress, desc=name)
@@ -210,6 +215,9 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> dict[str, Any
     target = options.target_from_args(args)
     slo = options.slo_from_args(args)
     levels = levels_from_args(args)
+    if args.max_active_conversations is not None and args.request_rate:
+        raise TesseraError("--max-active-conversations interleaves conversations in a closed loop (--concurrency); "
+                           "with --request-rate each conversation arrives on its own")
     counts = args.num_prompts
     if len(counts) not in (1, len(levels)):
         raise TesseraError(f"--num-prompts: give one value or one per level ({len(levels)}), not {len(counts)}")
@@ -230,6 +238,7 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> dict[str, Any
         runs.append(run)
     config = options.workload_config(args)
     config.update(num_prompts=counts, max_concurrency=args.max_concurrency,
+                  max_active_conversations=args.max_active_conversations,
                   levels=[{"mode": m, "value": json_number(v)} for m, v in levels])
     return {"kind": "tessera-bench-serve", "version": 1, "label": args.label,
             "machine": machine_info(args.label), "config": config, "runs": runs}

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -89,11 +89,11 @@ def load() -> ctypes.CDLL:
     f.argtypes = [p, i64, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f.restype = None
     w8 = lib.kv_write_int8
-    w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, p]
+    w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, p, p, p, i64, p, i64, p]
     w8.restype = ctypes.c_int
     a8 = lib.paged_decode_attention_int8
     a8.argtypes = [p, i64, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64,
-                   p, p]
+                   p, p, p, p, i64, p, i64]
     a8.restype = None
     g = lib.rms_norm_bf16
     g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -145,11 +145,42 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+class KeyBiasArgs(NamedTuple):
+    """A key bias's share on its outlier RoPE pairs, as the int8 kernels take it (kv_int8.c's
+    key_bias_t): pair i is channels (pairs[i], pairs[i] + D/2) with bias (lo[h, i], hi[h, i]) for
+    KV head h; `table` float32 [N / 16, D, 16]: the rotary tables in chunks of 16 positions, entry
+    (p // 16, j, p % 16) = cos(p f_j) for j < D/2, sin(p f_{j - D/2}) above."""
+
+    lo: torch.Tensor  # [Hkv, m] float32
+    hi: torch.Tensor  # [Hkv, m] float32
+    pairs: torch.Tensor  # [m] int64, m <= MAX_KEY_BIAS_PAIRS
+    table: torch.Tensor  # [N / 16, D, 16] float32, N > every position involved
+
+
+MAX_KEY_BIAS_PAIRS = 64
+
+
+def _key_bias_ptrs(kb: Optional[KeyBiasArgs]) -> tuple:
+    if kb is None:
+        return None, None, None, 0, None, 0
+    if kb.pairs.numel() > MAX_KEY_BIAS_PAIRS:
+        raise KernelUnavailable(f"at most {MAX_KEY_BIAS_PAIRS} key-bias pairs, not {kb.pairs.numel()}")
+    for t in kb:
+        if not t.is_contiguous():
+            raise ValueError("KeyBiasArgs tensors must be contiguous")
+    return (kb.lo.data_ptr(), kb.hi.data_ptr(), kb.pairs.data_ptr(), kb.pairs.numel(), kb.table.data_ptr(),
+            kb.table.shape[0] * 16)
+
+
 def kv_write_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                  block_size: int, k_rot: Optional[torch.Tensor] = None, k_mul: Optional[torch.Tensor] = None) -> None:
+                  block_size: int, k_rot: Optional[torch.Tensor] = None, key_bias: Optional[KeyBiasArgs] = None,
+                  positions: Optional[torch.Tensor] = None) -> None:
     """Quantize k, v [T, Hkv, D] (bfloat16 or float32, row-strided views allowed) into an int8 cache
     [2, Hkv, blocks, block_size * D + 4] at `slots` [T] (int64), growing block scales (kv_int8.c).
-    Keys are first transformed to (k * k_mul) @ k_rot (contiguous float32 [Hkv, D] and [D, D]) if given."""
+    Keys first lose `key_bias`'s share at their `positions` [T] (int64), then are transformed to
+    k @ k_rot (float32 [D, D]) if given."""
+    if key_bias is not None and (positions is None or positions.shape[0] != k.shape[0]):
+        raise ValueError("a key bias needs the keys' positions")
     lib = load()
     t, hkv, d = k.shape
     if v.dtype != k.dtype or k.dtype not in (torch.bfloat16, torch.float32):
@@ -158,7 +189,8 @@ def kv_write_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     slots = slots.contiguous()
     if lib.kv_write_int8(kv_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                          int(k.dtype == torch.bfloat16), slots.data_ptr(), t, hkv, d, kv_cache.shape[2],
-                         block_size, _ptr(k_rot), _ptr(k_mul)) != 0:
+                         block_size, _ptr(k_rot), *_key_bias_ptrs(key_bias),
+                         _ptr(None if positions is None else positions.contiguous())) != 0:
         raise KernelUnavailable(f"kv_write_int8 takes head_dim <= {MAX_HEAD_DIM}, not {d}")
 
 
@@ -172,10 +204,11 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
                                 seq_lens: torch.Tensor, max_len: int, block_size: int, scale: float,
                                 window: Optional[int], scratch: Optional[torch.Tensor] = None,
                                 q_rot: Optional[torch.Tensor] = None,
-                                q_mul: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                key_bias: Optional[KeyBiasArgs] = None) -> torch.Tensor:
     """`paged_decode_attention` over an int8 cache [2, Hkv, blocks, block_size * D + 4]; -> [B, Hq, D]
     in q's dtype (bfloat16 or float32). `scratch` from `decode_int8_scratch` (reused across layers);
-    q is first transformed like the stored keys, (q * q_mul) @ q_rot (float32 [Hq, D], [D, D])."""
+    q is first transformed like the stored keys, q @ q_rot (float32 [D, D]); `key_bias`'s share of the
+    keys (kept out of the cache) is added back to each score ([table] rows must cover max_len)."""
     lib = load()
     b, hq, d = q.shape
     hkv = kv_cache.shape[1]
@@ -189,10 +222,12 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
     out = torch.empty(b, hq, d, dtype=q.dtype)
     if scratch is None or scratch.nbytes < b * hq * 4 * (-(-max_len // block_size) * block_size):
         scratch = decode_int8_scratch(b, hq, max_len, block_size)
+    if key_bias is not None and key_bias.table.shape[0] * 16 < max_len:
+        raise ValueError(f"the key bias's table covers {key_bias.table.shape[0] * 16} positions, not {max_len}")
     lib.paged_decode_attention_int8(
         q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), kv_cache.data_ptr(), tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, kv_cache.shape[2], block_size, tables.shape[1],
-        scale, window or 0, scratch.data_ptr(), max_len, _ptr(q_rot), _ptr(q_mul))
+        scale, window or 0, scratch.data_ptr(), max_len, _ptr(q_rot), *_key_bias_ptrs(key_bias))
     return out
 
 

@@ -52,10 +52,8 @@ static inline int64_t val_at(int64_t t, int64_t i, int64_t D) { return (t >> 1) 
 /* k, v: [T] rows of k_stride / v_stride elements, each starting with [Hkv][D] (bf16 if is_bf16,
  * else float32); slots: [T] int64 cache slots (block * block_size + offset), in order of position
  * within each request. Returns 0, or -1 if D > 512 or D or block_size is odd. */
-static inline void transform_row(float *x, const float *mul, const float *rot, int64_t D) {
-    /* x <- (x * mul) @ rot, rot row-major [D][D]; either may be NULL. */
-    if (mul)
-        for (int64_t i = 0; i < D; i++) x[i] *= mul[i];
+static inline void transform_row(float *x, const float *rot, int64_t D) {
+    /* x <- x @ rot, rot row-major [D][D] (NULL: unchanged). */
     if (!rot) return;
     float y[512];
     for (int64_t j = 0; j < D; j++) y[j] = 0.f;
@@ -68,11 +66,42 @@ static inline void transform_row(float *x, const float *mul, const float *rot, i
     memcpy(x, y, sizeof(float) * D);
 }
 
-/* k_rot / k_mul: the keys' transform before rounding (see transform_row), NULL for none; k_mul is
- * [Hkv][D]. Values are stored as they come. */
+/* A key bias's share on its outlier RoPE pairs (attention/base.py's KeyBias): pair i is channels
+ * (pairs[i], pairs[i] + D/2), its bias (lo[h][i], hi[h][i]) for KV head h; table: float32
+ * [N/16][D][16], the model's rotary tables in chunks of 16 positions: entry (p / 16, j, p % 16) is
+ * cos(p f_j) for j < D/2 and sin(p f_{j - D/2}) above (so one chunk's values of every pair are
+ * together, 16 positions to a vector). The share of a key at position p is RoPE_p of that bias.
+ * m == 0: no key bias. */
+typedef struct {
+    const float *lo, *hi, *table;
+    const int64_t *pairs;
+    int64_t m, n;
+} key_bias_t;
+
+static inline float kb_at(const float *table, int64_t D, int64_t row, int64_t pos) {
+    return table[((pos >> 4) * D + row) * 16 + (pos & 15)];
+}
+
+/* x -= RoPE_pos(bias of head h) on the outlier pairs. */
+static inline void take_out_key_bias(float *x, const key_bias_t *kb, int64_t h, int64_t pos, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < kb->m; i++) {
+        const int64_t p = kb->pairs[i];
+        const float c = kb_at(kb->table, D, p, pos), s = kb_at(kb->table, D, half + p, pos);
+        const float bl = kb->lo[h * kb->m + i], bh = kb->hi[h * kb->m + i];
+        x[p] -= bl * c - bh * s;
+        x[half + p] -= bh * c + bl * s;
+    }
+}
+
+/* k_rot: the keys' transform before rounding (see transform_row), NULL for none; kb_* (kb_m 0 for
+ * none) and positions [T]: the key bias's share, taken out of each key first (see key_bias_t).
+ * Values are stored as they come. */
 int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v, int64_t v_stride, int is_bf16,
                   const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size,
-                  const float *k_rot, const float *k_mul) {
+                  const float *k_rot, const float *kb_lo, const float *kb_hi, const int64_t *kb_pairs,
+                  int64_t kb_m, const float *kb_table, int64_t kb_n, const int64_t *positions) {
+    const key_bias_t kb = {kb_lo, kb_hi, kb_table, kb_pairs, kb_m, kb_n};
     if (D > 512 || D % 2 || block_size % 2) return -1;
     const int64_t bs = block_size, data = bs * D, row = data + 4;
 #pragma omp parallel for schedule(static)
@@ -86,7 +115,10 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
             const int64_t at = t * stride + h * D;
             for (int64_t i = 0; i < D; i++)
                 x[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)src)[at + i]) : ((const float *)src)[at + i];
-            if (!which) transform_row(x, k_mul ? k_mul + h * D : NULL, k_rot, D);
+            if (!which) {
+                if (kb.m) take_out_key_bias(x, &kb, h, positions[t], D);
+                transform_row(x, k_rot, D);
+            }
             float amax = 0.f;
             for (int64_t i = 0; i < D; i++) {
                 const float a = fabsf(x[i]);
@@ -116,13 +148,18 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
 
 /* Decode attention over the int8 cache, one query row per request (see paged_attention.c for the
  * bfloat16 version and the argument conventions); q and out in bf16 (q_is_bf16) or float32.
- * scratch: B * Hq * P float32 (P = max_len rounded up to whole blocks): scores, then weights. q_rot / q_mul ([Hq][D]): the queries' transform, matching the keys'. Limits (checked by the
- * caller): D <= 512 and even, G <= 16, block_size even. */
+ * scratch: B * Hq * P float32 (P = max_len rounded up to whole blocks): scores, then weights. q_rot
+ * ([D][D]): the queries' transform, matching the keys'. kb_* (kb_m 0 for none): a key bias's share
+ * kept out of the cached keys (key_bias_t; kb_n >= max_len positions), added back
+ * to each score as q . RoPE_t(bias) = sum_i c (q_i lo_i + q_i' hi_i) + s (q_i' lo_i - q_i hi_i) over
+ * the outlier pairs (i' = i + D/2; c, s at key position t). Limits (checked by the caller): D <= 512
+ * and even, G <= 16, block_size even, kb_m <= 64. */
 void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16, const int8_t *cache,
                                  const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B,
                                  int64_t Hq, int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size,
                                  int64_t max_blocks, float scale, int64_t window, void *scratch, int64_t max_len,
-                                 const float *q_rot, const float *q_mul) {
+                                 const float *q_rot, const float *kb_lo, const float *kb_hi,
+                                 const int64_t *kb_pairs, int64_t kb_m, const float *kb_table, int64_t kb_n) {
     const int64_t G = Hq / Hkv, bs = block_size;
     const int64_t data = bs * D, row = data + 4;
     const int64_t plane = num_blocks * row;
@@ -138,13 +175,19 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
         const int64_t first_block = start / bs, end_block = (len + bs - 1) / bs;
         const int64_t *table = block_tables + b * max_blocks;
         float *scores = (float *)scratch + pair * G * P;
-        float qf[16 * 512], maxs[16], sums[16];
+        float qf[16 * 512], maxs[16], sums[16], ka[16 * 64], kbb[16 * 64];
         for (int64_t g = 0; g < G; g++) {
             for (int64_t i = 0; i < D; i++) {
                 const int64_t at = b * q_stride + (h * G + g) * D + i;
                 qf[g * D + i] = q_is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
             }
-            transform_row(qf + g * D, q_mul ? q_mul + (h * G + g) * D : NULL, q_rot, D);
+            for (int64_t i = 0; i < kb_m; i++) { /* the bias term's coefficients, from the untransformed q */
+                const float ql = qf[g * D + kb_pairs[i]], qh = qf[g * D + D / 2 + kb_pairs[i]];
+                const float bl = kb_lo[h * kb_m + i], bh = kb_hi[h * kb_m + i];
+                ka[g * 64 + i] = ql * bl + qh * bh;
+                kbb[g * 64 + i] = qh * bl - ql * bh;
+            }
+            transform_row(qf + g * D, q_rot, D);
             maxs[g] = -INFINITY;
         }
         /* Scores: every token of the touched blocks (those outside [start, len) are ignored below). */
@@ -179,6 +222,38 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
                     float dot = 0.f;
                     for (int64_t i = 0; i < D; i++) dot += qf[g * D + i] * (float)blk[key_at(t, i, bs)];
                     scores[g * P + j * bs + t] = dot * sk;
+                }
+        }
+        if (kb_m) { /* the key bias's term, 16 positions at a time (scores outside [start, len) are unused) */
+#ifdef HAVE_AVX512_Q8
+            if (vector) {
+                for (int64_t t0 = start & ~(int64_t)15; t0 < len; t0 += 16) {
+                    const float *chunk = kb_table + (t0 >> 4) * D * 16;
+                    __m512 acc[16];
+                    for (int64_t g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < kb_m; i++) {
+                        const __m512 c = _mm512_loadu_ps(chunk + kb_pairs[i] * 16);
+                        const __m512 sn = _mm512_loadu_ps(chunk + (D / 2 + kb_pairs[i]) * 16);
+                        for (int64_t g = 0; g < G; g++) {
+                            acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(ka[g * 64 + i]), c, acc[g]);
+                            acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(kbb[g * 64 + i]), sn, acc[g]);
+                        }
+                    }
+                    const __m512 sc = _mm512_set1_ps(scale);
+                    for (int64_t g = 0; g < G; g++) {
+                        float *sg = scores + g * P + t0;
+                        _mm512_storeu_ps(sg, _mm512_fmadd_ps(acc[g], sc, _mm512_loadu_ps(sg)));
+                    }
+                }
+            } else
+#endif
+            for (int64_t t = start; t < len; t++)
+                for (int64_t g = 0; g < G; g++) {
+                    float term = 0.f;
+                    for (int64_t i = 0; i < kb_m; i++)
+                        term += ka[g * 64 + i] * kb_at(kb_table, D, kb_pairs[i], t) +
+                                kbb[g * 64 + i] * kb_at(kb_table, D, D / 2 + kb_pairs[i], t);
+                    scores[g * P + t] += term * scale;
                 }
         }
         for (int64_t g = 0; g < G; g++) {

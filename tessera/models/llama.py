@@ -13,10 +13,9 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from tessera.attention.base import AttentionMetadata
+from tessera.attention.base import AttentionMetadata, KeyBias
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
-from tessera.layers.attention import key_smoothing_from_bias
 from tessera.layers.weights import AnyWeight
 from tessera.models.weights import load_named_weights, as_float_tensor
 
@@ -30,15 +29,27 @@ class LlamaAttention(nn.Module):
                                bias=c.attention_bias, shard_names=["q", "k", "v"], prefix=prefix + ".qkv_proj")
         self.o_proj = Linear(self.q_size, c.hidden_size, quant, prefix=prefix + ".o_proj")
         self.attn = Attention(c.num_heads, c.head_dim, 1.0 / math.sqrt(c.head_dim), c.num_kv_heads)
+        # The key bias's outlier pairs for an int8 cache (attention/base.py's KeyBias), derived from
+        # the loaded bias on first use (private: a model restored from the weight cache derives it too).
+        self._key_bias_outliers: Optional[tuple] = None
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, half: int, cache: Tensor,
-                meta: AttentionMetadata) -> Tensor:
+                meta: AttentionMetadata, rotary: RotaryEmbedding) -> Tensor:
+        """`cos`/`sin`: the step's rows of `rotary`'s tables, whose whole tables a quantized cache
+        needs for the key bias's share of each cached key."""
         t = h.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(h)
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, nq + nkv, d), cos, sin, half)
         v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, d)
-        return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], v, cache, meta))
+        key_bias = None
+        if meta.backend.quantized and self.qkv_proj.bias is not None:  # qwen2
+            if self._key_bias_outliers is None:  # (bias, pairs), or () when none stands out
+                k_bias = self.qkv_proj.bias[self.q_size:self.q_size + self.kv_size]
+                self._key_bias_outliers = KeyBias.outliers(k_bias, nkv, d) or ()
+            if self._key_bias_outliers:
+                key_bias = KeyBias(*self._key_bias_outliers, rotary.cos, rotary.sin)
+        return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], v, cache, meta, key_bias))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,11 +95,6 @@ class LlamaForCausalLM(nn.Module):
         if freqs is not None:
             self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
                                               self.dtype, as_float_tensor(freqs))
-        if c.attention_bias:  # qwen2: even out the keys' bias-driven channels for an int8 cache
-            for layer in self.model.layers:
-                a = layer.self_attn
-                k_bias = a.qkv_proj.bias[a.q_size:a.q_size + a.kv_size]
-                a.attn.set_key_smoothing(key_smoothing_from_bias(k_bias, c.num_kv_heads, c.head_dim))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:
@@ -105,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
                 h = layer.input_layernorm(x)
             else:
                 h, residual = layer.input_layernorm(x, residual)
-            x = layer.self_attn(h, cos, sin, half, cache, attn_meta)
+            x = layer.self_attn(h, cos, sin, half, cache, attn_meta, self.rotary_emb)
             h, residual = layer.post_attention_layernorm(x, residual)
             x = layer.mlp(h)
         return self.model.norm(x, residual)[0]
