@@ -351,3 +351,21 @@ def test_packed_weight_cache_maps_identical_weights(tiny_gguf, tessera_home, cap
     assert torch.equal(forward_single(first, ids), forward_single(third, ids))
     load_model(tiny_gguf, "float32", quantization="int8", weight_cache=True)
     assert len(list((tessera_home / "packed").glob("*.pt"))) == 1  # other settings replace the file
+
+
+def test_packed_weight_cache_keeps_aliased_buffers(tiny_gguf, tessera_home, monkeypatch):
+    """In float32 an int8 layer's kernel scales are the same tensor as its scales; the cache must
+    keep both names, or a restored model fails its first one-row step (found on a real server:
+    AttributeError 'scales_f32' after a restart with --dtype float32)."""
+    from tessera.layers import quantization
+
+    monkeypatch.setattr(quantization, "GEMV_KERNEL_MIN_WEIGHTS", 0)  # the tiny layers take the kernel path
+    first = load_model(tiny_gguf, "float32", quantization="int8", weight_cache=True)
+    second = load_model(tiny_gguf, "float32", quantization="int8", weight_cache=True)
+
+    def names(model):
+        return {(m, n) for m, mod in model.named_modules() for n, _ in mod.named_buffers(recurse=False,
+                                                                                           remove_duplicate=False)}
+
+    assert any(n == "scales_f32" for _, n in names(first.model)) and names(second.model) == names(first.model)
+    assert torch.equal(forward_single(first, [3]), forward_single(second, [3]))  # one row: the kernel's path

@@ -200,7 +200,8 @@ def main(args: argparse.Namespace) -> int:
 
     console = make_console()
     target = options.target_from_args(args)
-    failed = asyncio.run(warm_up(target, args.warmup, args.seed, chat=options.uses_chat(args)))
+    failed = asyncio.run(warm_up(target, args.warmup, args.seed, chat=options.uses_chat(args),
+                                 models=options.mix_models(args)))
     if failed is not None:
         raise TesseraError(f"cannot get a completion from {target.url(args.endpoint == 'chat')}: {failed.error}")
     try:

@@ -89,6 +89,11 @@ def model_mix(text: str) -> list[tuple[str, float]]:
     return [(n, w / total) for n, w in mix]
 
 
+def mix_models(args: argparse.Namespace) -> list[str]:
+    """The models `--model` names, in order (one, or a mix's)."""
+    return [name for name, _ in model_mix(args.model)]
+
+
 def _model_arg(text: str) -> str:
     model_mix(text)  # validated here, parsed where used
     return text

@@ -222,7 +222,7 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> dict[str, Any
     if len(counts) not in (1, len(levels)):
         raise TesseraError(f"--num-prompts: give one value or one per level ({len(levels)}), not {len(counts)}")
     failed = await warm_up(target, args.warmup, args.seed, chat=options.uses_chat(args),
-                           models=[m for m, _ in options.model_mix(args.model)])
+                           models=options.mix_models(args))
     if failed is not None:
         raise TesseraError(f"cannot get a completion from {target.url(args.endpoint == 'chat')}: {failed.error}")
     runs = []

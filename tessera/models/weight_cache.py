@@ -44,7 +44,9 @@ def cache_path(root: Path, model_sha256: str, quant: QuantConfig, extra: str = "
 
 def _module_state(module: nn.Module) -> dict[str, Any]:
     """What loading set on one module: its buffers, tensor attributes, method and simple flags."""
-    state: dict[str, Any] = {"buffers": {n: b for n, b in module.named_buffers(recurse=False)},
+    # Every name, aliases included: in float32 an int8 layer's `scales_f32` is its `scales` tensor,
+    # which named_buffers' default de-duplication drops (the restored layer then lacks it).
+    state: dict[str, Any] = {"buffers": {n: b for n, b in module.named_buffers(recurse=False, remove_duplicate=False)},
                              "tensors": {}, "attrs": {}, "method": None}
     for name, value in vars(module).items():
         if name.startswith("_") or name == "training":
