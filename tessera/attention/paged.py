@@ -39,8 +39,9 @@ class PagedBackend(SdpaBackend):
             # PyTorch ops per layer; prefill-sized ones in one matrix product.
             rot = key_rotation(q.shape[-1])
             positions = step_positions(meta) if key_bias is not None else None
+            # The key bias as the kernels take it: one table for the step's writes and reads.
+            args = key_bias.kernel_args(max(meta.seq_lens), meta._cache) if key_bias is not None else None
             if k.shape[0] <= KERNEL_TRANSFORM_ROWS:
-                args = key_bias.kernel_args(max(meta.seq_lens), meta._cache) if key_bias is not None else None
                 kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, args, positions)
             else:
                 kt = transform_for_cache(k if key_bias is None else k.float() - key_bias.at(positions))
@@ -61,7 +62,6 @@ class PagedBackend(SdpaBackend):
                 meta._cache["paged_decode"] = cached
             seq_lens, tables, max_len, scratch = cached
             if quantized:
-                args = key_bias.kernel_args(max(meta.seq_lens), meta._cache) if key_bias is not None else None
                 o = kernels.paged_decode_attention_int8(q[:nd], kv_cache, tables, seq_lens, max_len,
                                                         meta.block_size, scale, sliding_window, scratch, rot, args)
             else:
