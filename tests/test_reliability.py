@@ -120,7 +120,7 @@ def test_cancel_storm_leaks_no_block(tiny):
     the first token, mid-output. Afterwards every block is free and nothing is left scheduled."""
     report = run_cancel_storm(tiny.url, NAME, n=1000, concurrency=48, seed=14)
     assert report.leaked_blocks == 0 and report.blocks_total > 0
-    assert (report.running_after, report.waiting_after, report.errors) == (0, 0, 0)
+    assert (report.running_after, report.waiting_after, report.errors) == (0, 0, 0), report.error_samples
     assert not tiny.core.scheduler.requests and not tiny.core.parents
     assert tiny.metric("tessera:num_requests_running") == 0 and tiny.metric("tessera:kv_cache_usage_perc") == 0
     assert report.aborts_counted >= report.cut_after_output > 300

@@ -40,15 +40,23 @@ class StormReport:
     running_after: int
     waiting_after: int
     aborts_counted: float  # tessera:request_aborts_total during the storm (None-safe 0 elsewhere)
+    error_samples: list[str]  # the first few distinct errors, to tell a server fault from a client one
 
     @property
     def leaked_blocks(self) -> int:
         return self.blocks_total - self.blocks_free
 
 
-async def _storm(url: str, model: str, n: int, concurrency: int, seed: int, max_tokens: int) -> dict:
+async def _storm(url: str, model: str, n: int, concurrency: int, seed: int,
+                 max_tokens: int) -> tuple[dict, list[str]]:
     rng = random.Random(seed)
     counts = {"before": 0, "after": 0, "completed": 0, "errors": 0, "429": 0}
+    samples: list[str] = []
+
+    def error(what: str) -> None:
+        counts["errors"] += 1
+        if what not in samples and len(samples) < 5:
+            samples.append(what)
 
     async def one(client: httpx.AsyncClient, plan: str, sem: asyncio.Semaphore) -> None:
         body = {"model": model, "prompt": " ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(5, 300))),
@@ -67,7 +75,7 @@ async def _storm(url: str, model: str, n: int, concurrency: int, seed: int, max_
                         counts["429"] += 1
                         return
                     if r.status_code >= 500:
-                        counts["errors"] += 1
+                        error(f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}")
                         return
                     chunks = 0
                     stop_at = {"first": 1, "mid": rng.randint(2, max(2, max_tokens // 2)), "full": 10**9}[plan]
@@ -78,14 +86,14 @@ async def _storm(url: str, model: str, n: int, concurrency: int, seed: int, max_
                                 counts["after"] += 1
                                 return  # leaving the block closes the connection mid-stream
                     counts["completed"] += 1
-            except httpx.HTTPError:
-                counts["errors"] += 1
+            except httpx.HTTPError as exc:
+                error(f"{type(exc).__name__} ({plan}): {exc}"[:300])
 
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=300,
                                  limits=httpx.Limits(max_connections=concurrency + 16)) as client:
         await asyncio.gather(*(one(client, rng.choice(PLANS), sem) for _ in range(n)))
-    return counts
+    return counts, samples
 
 
 def run_cancel_storm(url: str, model: str, n: int = 1000, concurrency: int = 48, seed: int = 14,
@@ -93,7 +101,7 @@ def run_cancel_storm(url: str, model: str, n: int = 1000, concurrency: int = 48,
     url = url.rstrip("/").removesuffix("/v1")
     aborts_before = scrape_metric(url, "tessera:request_aborts_total") if _has_metrics(url) else 0.0
     t0 = time.monotonic()
-    counts = asyncio.run(_storm(url, model, n, concurrency, seed, max_tokens))
+    counts, samples = asyncio.run(_storm(url, model, n, concurrency, seed, max_tokens))
     seconds = time.monotonic() - t0
     deadline = time.monotonic() + idle_timeout
     while True:  # the last aborts land within a step or two
@@ -105,7 +113,7 @@ def run_cancel_storm(url: str, model: str, n: int = 1000, concurrency: int = 48,
     aborts = (scrape_metric(url, "tessera:request_aborts_total") - aborts_before) if _has_metrics(url) else 0.0
     return StormReport(n, counts["before"], counts["after"], counts["completed"], counts["errors"], counts["429"],
                        seconds, s["num_blocks_free"], s["num_blocks_total"], s["num_running"], s["num_waiting"],
-                       aborts)
+                       aborts, samples)
 
 
 def _has_metrics(url: str) -> bool:
