@@ -63,7 +63,8 @@ def tiny(tmp_path_factory) -> Iterator[Tiny]:
     core = LLMEngine(config, loaded=load_model(folder, "float32"))
     prom = PrometheusStatLogger(NAME, max_model_len=1024)
     engine = AsyncLLMEngine(config, engine=core, max_num_queued_requests=256, stat_loggers=[prom],
-                            step_timeout=0.5)
+                            step_timeout=30.0)  # the hung-step test lowers it; a storm on a busy
+    # 2-core CI machine once had a 1 s step, which a 0.5 s watchdog turned into 503s
     try:
         with serve_in_thread(create_app(engine, [NAME], metrics=prom)) as url:
             yield Tiny(url, engine, core)
@@ -179,10 +180,11 @@ def test_a_hung_step_turns_health_to_503_until_it_returns(tiny, monkeypatch):
     def slow(sched):
         if hang.is_set() and sched.scheduled:
             hang.clear()
-            time.sleep(1.5)  # past the fixture's 0.5 s watchdog
+            time.sleep(1.5)  # past the 0.5 s watchdog set below
         return real(sched)
 
     monkeypatch.setattr(runner, "execute", slow)
+    monkeypatch.setattr(tiny.engine, "step_timeout", 0.5)
     hang.set()
     worker = threading.Thread(target=lambda: httpx.post(f"{tiny.url}/v1/completions", timeout=30,
                                                         json={"prompt": "hello", "max_tokens": 4}))
