@@ -292,19 +292,24 @@ def test_key_bias_share_is_kept_out_of_an_int8_cache_and_added_back(layout):
     k = apply_rope(torch.randn(rows, hkv, d, generator=gen) + bias, cos, sin, d // 2)
     v = torch.randn(rows, hkv, d, generator=gen)
     lo, hi, pairs = KeyBias.outliers(bias.flatten(), hkv, d)
-    where = {p: i for i, p in enumerate(pairs.tolist())}
-    assert lo[0, where[3]] == 300 and hi[0, where[3]] == 200 and lo[1, where[10]] == -400
+    where = [{p: i for i, p in enumerate(row)} for row in pairs.tolist()]  # per KV head
+    assert lo[0, where[0][3]] == 300 and hi[0, where[0][3]] == 200 and lo[1, where[1][10]] == -400
     norms = torch.sqrt(bias[:, :d // 2] ** 2 + bias[:, d // 2:] ** 2)
     for h in range(hkv):  # a pair is taken out where its norm is over the head's median, else left in the keys
         taken = norms[h] > norms[h].median()
-        assert [p for p in range(d // 2) if p in where and (lo[h, where[p]] != 0 or hi[h, where[p]] != 0)] == \
-            taken.nonzero().flatten().tolist()
-    key_bias = KeyBias(lo, hi, pairs, rotary.cos, rotary.sin)
+        assert len(where[h]) == pairs.shape[1]  # each head's pairs are distinct
+        assert [p for p in range(d // 2) if p in where[h] and (lo[h, where[h][p]] != 0 or hi[h, where[h][p]] != 0)] \
+            == taken.nonzero().flatten().tolist()
+    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq)
+    assert torch.equal(key_bias.pairs, pairs) and torch.equal(key_bias.lo, lo)
     # Its share of each key is RoPE_p of the bias on those pairs.
     outlier = torch.zeros(hkv, d)
-    outlier[:, pairs], outlier[:, d // 2 + pairs] = lo, hi
+    for h in range(hkv):
+        outlier[h, pairs[h]], outlier[h, d // 2 + pairs[h]] = lo[h], hi[h]
     cos40, sin40 = rotary(torch.arange(40))
-    torch.testing.assert_close(key_bias.at(torch.arange(40)), apply_rope(outlier.expand(40, -1, -1), cos40, sin40, d // 2))
+    # (float32 tables' angles are rounded: 1e-6 relative at 40 positions)
+    torch.testing.assert_close(key_bias.at(torch.arange(40)), apply_rope(outlier.expand(40, -1, -1), cos40, sin40, d // 2),
+                               atol=2e-3, rtol=1e-5)
     layer = Attention(hq, d, 0.125, hkv)
 
     def run(backend, kb):
@@ -318,6 +323,39 @@ def test_key_bias_share_is_kept_out_of_an_int8_cache_and_added_back(layout):
     with_share = (paged - exact).abs().max().item()
     whole = (run(get_backend("paged", "int8"), None) - exact).abs().max().item()
     assert with_share < whole / 4, (with_share, whole)
+
+
+def test_decode_kernel_key_bias_term_holds_at_long_context():
+    """The decode kernel makes each chunk's cos/sin by rotating the previous chunk's, re-anchored
+    every 1,024 positions: at 2,500 tokens (past two anchors) with a bias pair 400x the rest, its
+    result matches the reference loop on the same int8 cache (exact float64 angles)."""
+    from tessera.attention.base import KeyBias
+    from tessera.layers import RotaryEmbedding, apply_rope
+    from tessera.layers.attention import Attention
+
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d, bs, n = 4, 2, 64, 16, 2500
+    bias = torch.randn(hkv, d, generator=gen)
+    bias[0, [3, 3 + d // 2]] = torch.tensor([300.0, 200.0])
+    bias[1, 30] = -400.0  # the lowest frequency pair: its angle moves slowest
+    bias[1, 1] = 250.0  # a fast one
+    rotary = RotaryEmbedding(d, 1e6, None, 4096, torch.float32)
+    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq)
+    positions = torch.arange(n)
+    cos, sin = rotary(positions)
+    q = apply_rope(torch.randn(n, hq, d, generator=gen), cos, sin, d // 2)
+    k = apply_rope(torch.randn(n, hkv, d, generator=gen) + bias, cos, sin, d // 2)
+    v = torch.randn(n, hkv, d, generator=gen)
+    layer = Attention(hq, d, 0.125, hkv)
+    table = list(range(-(-n // bs)))
+    outs = {}
+    for name, backend in (("paged", get_backend("paged", "int8")), ("reference", ReferenceBackend("int8"))):
+        cache = backend.allocate(1, len(table), bs, hkv, d, torch.float32)[0]
+        prefill = get_backend("paged", "int8").build_metadata([n - 1], [n - 1], [table], bs)
+        layer(q[:-1], k[:-1], v[:-1], cache, prefill, key_bias)  # the same int8 cache for both
+        meta = backend.build_metadata([1], [n], [table], bs)
+        outs[name] = layer(q[-1:], k[-1:], v[-1:], cache, meta, key_bias)
+    torch.testing.assert_close(outs["paged"], outs["reference"], atol=5e-3, rtol=0)
 
 
 @pytest.mark.parametrize("rows", ["decode", "prefill"])
@@ -351,7 +389,7 @@ def test_qwen2_key_bias_outliers_do_not_cost_an_int8_cache_its_precision(tiny_mo
     exact = logits("auto")
     with_share = (logits("int8") - exact).abs().max().item()
     for layer in loaded.model.model.layers:
-        assert layer.self_attn._key_bias_outliers  # the boosted pair was found
-        layer.self_attn._key_bias_outliers = ()
+        assert layer.self_attn._key_bias  # the boosted pair was found
+        layer.self_attn._key_bias = False
     whole = (logits("int8") - exact).abs().max().item()
     assert with_share < whole / 3, (with_share, whole)

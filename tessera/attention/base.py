@@ -159,20 +159,20 @@ class AttentionBackend(ABC):
                 key_bias: Optional[KeyBias] = None) -> torch.Tensor:
         """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`.
         `key_bias` (quantized caches only; others ignore it): the keys' bias share, kept out of the
-        cache and added back exactly."""
+        cache and added back in float32."""
 
 
 # A RoPE pair's bias is taken out of the keys when its norm is over this many times its head's
 # median (measured on qwen2.5-coder-1.5b / -0.5b, int8 perplexity against bfloat16: 4x +0.8 / +2.1 %,
 # 2x +0.85 / -0.03 %, 1x +0.34 / -0.24 %, every pair +0.35 / +0.20 %; the decode term costs in
-# proportion to the pairs: 1x takes 47 of 64 on the 1.5B).
+# proportion to a head's pairs: 1x, the top half, takes 32 of 64 on the 1.5B).
 KEY_BIAS_OUTLIER = 1.0
 
 
 @dataclass(frozen=True)
 class KeyBias:
     """The share of a layer's keys that its key projection's bias contributes on its outlier RoPE
-    pairs, RoPE_p(b) at position p (Qwen2), kept out of an int8 cache and added back exactly.
+    pairs, RoPE_p(b) at position p (Qwen2), kept out of an int8 cache and added back in float32.
 
     Why: Qwen2's key bias puts a few channels at 20-500x the median (qwen2.5-coder-1.5b's first
     layer: 540x), so whatever scale a block gets, those channels set it and the others round to
@@ -186,58 +186,94 @@ class KeyBias:
     up to the rounding of the residual (benchmarks/README.md, "int8 KV cache"). Only the outlier
     pairs are carried so that the decode term costs a few multiply-adds per key (carrying all of
     them, a second q.k in PyTorch, made qwen2.5-coder-1.5b's decode step 1.2x slower).
+
+    RoPE_p here is the exact rotation (cos/sin of float64 angles, times the rotary's attention
+    scaling), not the model's rounded tables: the decode kernel makes it by rotating 16 positions
+    at a time instead of reading a table of positions (a 1 MB float32 table at 2,000 tokens, read
+    once per layer, had made int8 decode steps slower than bfloat16 ones), and its values stay
+    within ~1e-5 of these.
     """
 
-    lo: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[i] per KV head (zero where not an outlier)
-    hi: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[i] + D/2
-    pairs: torch.Tensor  # [m] int64: the RoPE pairs that are an outlier for some head
-    cos: torch.Tensor  # rotary tables [N, D] in layers/rotary.py's rotate-by-roll layout, N > every position
-    sin: torch.Tensor
+    lo: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[h, i] (zero where not an outlier)
+    hi: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[h, i] + D/2
+    pairs: torch.Tensor  # [Hkv, m] int64: each KV head's outlier RoPE pairs (ascending, then padding)
+    inv_freq: torch.Tensor  # [D/2] float32: the rotary's frequency of each pair
+
+    @classmethod
+    def for_layer(cls, bias: torch.Tensor, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
+                  attention_scaling: float = 1.0) -> Optional["KeyBias"]:
+        """A layer's key bias [Hkv * D] under a rotary of `inv_freq` whose cos/sin are multiplied by
+        `attention_scaling` (YaRN's), or None when no pair stands out."""
+        found = cls.outliers(bias, num_kv_heads, head_dim)
+        if found is None:
+            return None
+        lo, hi, pairs = found
+        return cls(lo * attention_scaling, hi * attention_scaling, pairs, inv_freq.float().contiguous())
 
     @staticmethod
     def outliers(bias: torch.Tensor, num_kv_heads: int,
                  head_dim: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(`lo`, `hi`, `pairs`) for a key bias [Hkv * D], or None when no pair stands out."""
+        """(`lo`, `hi`, `pairs`) for a key bias [Hkv * D], or None when no pair stands out.
+
+        Each KV head carries its own pairs (the decode term's cost is per pair: a union over the
+        heads was 1.5x as many on the Qwen2 models); a head with fewer than the most is padded
+        with pairs of its own that are not outliers, their bias share zero."""
         b = bias.detach().float().view(num_kv_heads, head_dim)
         h = head_dim // 2
         norm = torch.sqrt(b[:, :h] ** 2 + b[:, h:2 * h] ** 2)
         big = norm > KEY_BIAS_OUTLIER * norm.median(dim=1, keepdim=True).values.clamp_min(1e-6)
-        pairs = big.any(dim=0).nonzero().flatten()
-        if pairs.numel() == 0:
+        m = int(big.sum(dim=1).max())
+        if m == 0:
             return None
-        keep = big[:, pairs]
+        # A stable sort on "not an outlier" puts each head's outliers first, in channel order.
+        pairs = torch.sort((~big).to(torch.int8), dim=1, stable=True).indices[:, :m]
+        keep = torch.gather(big, 1, pairs)
         zero = torch.zeros(())
-        return (torch.where(keep, b[:, pairs], zero).contiguous(), torch.where(keep, b[:, h + pairs], zero).contiguous(),
-                pairs.contiguous())
+        lo = torch.where(keep, torch.gather(b[:, :h], 1, pairs), zero)
+        hi = torch.where(keep, torch.gather(b[:, h:2 * h], 1, pairs), zero)
+        return lo.contiguous(), hi.contiguous(), pairs.contiguous()
 
-    def kernel_args(self, length: int, cache: dict) -> kernels.KeyBiasArgs:
-        """What the int8 kernels take, its table covering positions [0, length) (built once per step,
-        shared by every layer through `cache`, the step metadata's)."""
-        d = self.cos.shape[-1]
-        key = ("rope_table", length, self.cos.data_ptr())
-        table = cache.get(key)
-        if table is None:
-            n = -(-length // 16) * 16
-            rows = torch.zeros(n, d)
-            rows[:length] = torch.cat([self.cos[:length, :d // 2], self.sin[:length, d // 2:]], dim=-1)
-            table = cache[key] = rows.view(n // 16, 16, d).transpose(1, 2).contiguous()
-        return kernels.KeyBiasArgs(self.lo, self.hi, self.pairs, table)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of every pair's angle at `positions` [T]: float32 [T, D/2], from float64 angles
+        (the same values however far the position: float32 angles drift by 1e-4 at 2,000 tokens)."""
+        angles = positions.double().unsqueeze(1) * self.inv_freq.double()
+        return angles.cos().float(), angles.sin().float()
+
+    @functools.cached_property
+    def _rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(basis [D/2, 2, 16]: cos, sin of l f_p for l < 16; step [D/2, 2]: cos, sin of 16 f_p)."""
+        c, s = self.cos_sin(torch.arange(16))
+        c16, s16 = self.cos_sin(torch.tensor([16]))
+        return (torch.stack([c.t(), s.t()], dim=1).contiguous(),
+                torch.stack([c16[0], s16[0]], dim=1).contiguous())
+
+    def kernel_args(self, positions: torch.Tensor, cache: dict) -> kernels.KeyBiasArgs:
+        """What the int8 kernels take for a step whose keys sit at `positions` [T] (their cos/sin
+        made once per step and shared by every layer through `cache`, the step metadata's)."""
+        key = ("key_bias_rows", self.inv_freq.data_ptr())
+        rows = cache.get(key)
+        if rows is None:
+            rows = cache[key] = self.cos_sin(positions)
+        basis, step = self._rotation
+        return kernels.KeyBiasArgs(self.lo, self.hi, self.pairs, self.inv_freq, basis, step, *rows)
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """RoPE_p(b) at each of `positions` [T]: [T, Hkv, D] float32, zero off the outlier pairs."""
-        d = self.cos.shape[-1]
-        h = d // 2
-        c = self.cos[positions][:, self.pairs].float().unsqueeze(1)  # [T, 1, m]
-        s = self.sin[positions][:, h + self.pairs].float().unsqueeze(1)
-        out = torch.zeros(positions.shape[0], self.lo.shape[0], d)
-        out[:, :, self.pairs] = self.lo * c - self.hi * s
-        out[:, :, h + self.pairs] = self.hi * c + self.lo * s
+        h = self.inv_freq.shape[0]
+        t, (hkv, m) = positions.shape[0], self.pairs.shape
+        cos, sin = self.cos_sin(positions)
+        flat = self.pairs.flatten()
+        c, s = cos[:, flat].view(t, hkv, m), sin[:, flat].view(t, hkv, m)
+        out = torch.zeros(t, hkv, 2 * h)
+        at = self.pairs.expand(t, hkv, m)  # a head's pairs are distinct: no two writes collide
+        out.scatter_(2, at, self.lo * c - self.hi * s)
+        out.scatter_(2, at + h, self.hi * c + self.lo * s)
         return out
 
     def context_keys(self, length: int, dtype: torch.dtype) -> torch.Tensor:
         """RoPE_p(b) for p in [0, length), transformed as the cache stores keys: [Hkv, 1, length, D],
         to add to dequantized keys [Hkv, B, length, D]."""
-        rows = self.at(torch.arange(length)) @ key_rotation(self.cos.shape[-1])
+        rows = self.at(torch.arange(length)) @ key_rotation(2 * self.inv_freq.shape[0])
         return rows.transpose(0, 1).unsqueeze(1).to(dtype)
 
 
@@ -251,6 +287,12 @@ def step_positions(meta: "AttentionMetadata") -> torch.Tensor:
     return pos
 
 
+def rotation_is_hadamard(head_dim: int) -> bool:
+    """Whether `key_rotation(head_dim)` is the normalized Sylvester Hadamard matrix (which the
+    kernels apply by butterflies instead of a matrix product)."""
+    return head_dim & (head_dim - 1) == 0
+
+
 @functools.lru_cache(maxsize=None)
 def key_rotation(head_dim: int) -> torch.Tensor:
     """The orthogonal [D, D] float32 matrix keys are multiplied by before int8 rounding (and queries
@@ -258,7 +300,7 @@ def key_rotation(head_dim: int) -> torch.Tensor:
     spread over all of them instead of setting every block's scale. A normalized Hadamard matrix for
     powers of two (QuaRot's choice), else a seeded random orthogonal one. A constant of the format:
     the same R for every layer and process."""
-    if head_dim & (head_dim - 1) == 0:
+    if rotation_is_hadamard(head_dim):
         r = torch.ones(1, 1)
         while r.shape[0] < head_dim:
             r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from tessera import kernels
-from tessera.attention.base import is_quantized, key_rotation, step_positions, transform_for_cache, write_kv
+from tessera.attention.base import (is_quantized, key_rotation, rotation_is_hadamard, step_positions,
+                                    transform_for_cache, write_kv)
 from tessera.attention.sdpa import SdpaBackend
 
 
@@ -37,12 +38,12 @@ class PagedBackend(SdpaBackend):
         if quantized:
             # Decode-sized steps transform keys (and below, queries) inside the kernels, saving two
             # PyTorch ops per layer; prefill-sized ones in one matrix product.
-            rot = key_rotation(q.shape[-1])
+            rot, hadamard = key_rotation(q.shape[-1]), rotation_is_hadamard(q.shape[-1])
             positions = step_positions(meta) if key_bias is not None else None
-            # The key bias as the kernels take it: one table for the step's writes and reads.
-            args = key_bias.kernel_args(max(meta.seq_lens), meta._cache) if key_bias is not None else None
+            # The key bias as the kernels take it, for the step's writes and reads.
+            args = key_bias.kernel_args(positions, meta._cache) if key_bias is not None else None
             if k.shape[0] <= KERNEL_TRANSFORM_ROWS:
-                kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, args, positions)
+                kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, args, hadamard)
             else:
                 kt = transform_for_cache(k if key_bias is None else k.float() - key_bias.at(positions))
                 kernels.kv_write_int8(kv_cache, kt, v, meta.slot_mapping, meta.block_size)
@@ -63,7 +64,8 @@ class PagedBackend(SdpaBackend):
             seq_lens, tables, max_len, scratch = cached
             if quantized:
                 o = kernels.paged_decode_attention_int8(q[:nd], kv_cache, tables, seq_lens, max_len,
-                                                        meta.block_size, scale, sliding_window, scratch, rot, args)
+                                                        meta.block_size, scale, sliding_window, scratch, rot, args,
+                                                        hadamard)
             else:
                 o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale,
                                                    sliding_window, scratch)

@@ -185,7 +185,7 @@ class LLMEngine:
         fields = {"model_sha256": model_digest(self.loaded.path), "dtype": str(self.dtype),
                   "kv_cache": self.kv_cache_format, "block_size": c.block_size, "layers": mc.num_layers,
                   "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "hash_extra": str(c.model),
-                  "format": 2}  # 2: int8 keys are stored without their key bias's share (attention/base.py KeyBias)
+                  "format": 3}  # 3: int8 keys less their key bias's exact share (attention/base.py KeyBias)
         return DiskKVTier(Path(c.kv_offload_dir).expanduser(), c.kv_offload_size, fields, self.runner.block_bytes())
 
     def _offload_step(self, sched: SchedulerOutput, stats: IterationStats, load_s: float) -> None:

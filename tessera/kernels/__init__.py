@@ -28,7 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c")
-HEADERS = ("bf16.h",)
+HEADERS = ("bf16.h", "softmax.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
@@ -89,11 +89,11 @@ def load() -> ctypes.CDLL:
     f.argtypes = [p, i64, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f.restype = None
     w8 = lib.kv_write_int8
-    w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, p, p, p, i64, p, i64, p]
+    w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, ctypes.c_int, p, p, p, i64, p, p]
     w8.restype = ctypes.c_int
     a8 = lib.paged_decode_attention_int8
     a8.argtypes = [p, i64, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64,
-                   p, p, p, p, i64, p, i64]
+                   p, ctypes.c_int, p, p, p, i64, p, p, p]
     a8.restype = None
     g = lib.rms_norm_bf16
     g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
@@ -147,40 +147,57 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 class KeyBiasArgs(NamedTuple):
     """A key bias's share on its outlier RoPE pairs, as the int8 kernels take it (kv_int8.c's
-    key_bias_t): pair i is channels (pairs[i], pairs[i] + D/2) with bias (lo[h, i], hi[h, i]) for
-    KV head h; `table` float32 [N / 16, D, 16]: the rotary tables in chunks of 16 positions, entry
-    (p // 16, j, p % 16) = cos(p f_j) for j < D/2, sin(p f_{j - D/2}) above."""
+    key_bias_t): pair i of KV head h is channels (pairs[h, i], pairs[h, i] + D/2) with bias
+    (lo[h, i], hi[h, i]); its share of a key at position t is RoPE_t of that bias, with frequency
+    freqs[p] on pair p. Writes read cos/sin of their rows' angles from row_cos/row_sin; decode makes
+    them by rotation from basis (cos, sin of l * f_p for l < 16) and step (cos, sin of 16 f_p)."""
 
     lo: torch.Tensor  # [Hkv, m] float32
     hi: torch.Tensor  # [Hkv, m] float32
-    pairs: torch.Tensor  # [m] int64, m <= MAX_KEY_BIAS_PAIRS
-    table: torch.Tensor  # [N / 16, D, 16] float32, N > every position involved
+    pairs: torch.Tensor  # [Hkv, m] int64, m <= MAX_KEY_BIAS_PAIRS
+    freqs: torch.Tensor  # [D/2] float32
+    basis: torch.Tensor  # [D/2, 2, 16] float32
+    step: torch.Tensor  # [D/2, 2] float32
+    row_cos: torch.Tensor  # [T, D/2] float32: the step's rows (those kv_write_int8 writes)
+    row_sin: torch.Tensor
 
 
-MAX_KEY_BIAS_PAIRS = 64
+MAX_KEY_BIAS_PAIRS = 256  # kv_int8.c's KB_MAX: every pair of a head up to MAX_HEAD_DIM
 
 
-def _key_bias_ptrs(kb: Optional[KeyBiasArgs]) -> tuple:
+def _key_bias_ptrs(kb: Optional[KeyBiasArgs], write: bool) -> tuple:
+    """The pointer arguments of kv_write_int8 (`write`) or paged_decode_attention_int8."""
     if kb is None:
-        return None, None, None, 0, None, 0
-    if kb.pairs.numel() > MAX_KEY_BIAS_PAIRS:
-        raise KernelUnavailable(f"at most {MAX_KEY_BIAS_PAIRS} key-bias pairs, not {kb.pairs.numel()}")
+        return (None, None, None, 0, None, None) if write else (None, None, None, 0, None, None, None)
+    m = kb.pairs.shape[-1]
+    if m > MAX_KEY_BIAS_PAIRS:
+        raise KernelUnavailable(f"at most {MAX_KEY_BIAS_PAIRS} key-bias pairs per head, not {m}")
     for t in kb:
         if not t.is_contiguous():
             raise ValueError("KeyBiasArgs tensors must be contiguous")
-    return (kb.lo.data_ptr(), kb.hi.data_ptr(), kb.pairs.data_ptr(), kb.pairs.numel(), kb.table.data_ptr(),
-            kb.table.shape[0] * 16)
+    head = (kb.lo.data_ptr(), kb.hi.data_ptr(), kb.pairs.data_ptr(), m)
+    if write:
+        return head + (kb.row_cos.data_ptr(), kb.row_sin.data_ptr())
+    return head + (kb.freqs.data_ptr(), kb.basis.data_ptr(), kb.step.data_ptr())
+
+
+def _rotation(rot: Optional[torch.Tensor], hadamard: bool) -> tuple:
+    """kv_int8.c's (rot, rot_kind): the normalized Sylvester Hadamard matrix is applied by
+    butterflies (`rot` unused), any other [D, D] float32 matrix as a product, None not at all."""
+    if hadamard:
+        return None, 2
+    return (None, 0) if rot is None else (rot.data_ptr(), 1)
 
 
 def kv_write_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                  block_size: int, k_rot: Optional[torch.Tensor] = None, key_bias: Optional[KeyBiasArgs] = None,
-                  positions: Optional[torch.Tensor] = None) -> None:
+                  block_size: int, k_rot: Optional[torch.Tensor] = None,
+                  key_bias: Optional[KeyBiasArgs] = None, hadamard: bool = False) -> None:
     """Quantize k, v [T, Hkv, D] (bfloat16 or float32, row-strided views allowed) into an int8 cache
     [2, Hkv, blocks, block_size * D + 4] at `slots` [T] (int64), growing block scales (kv_int8.c).
-    Keys first lose `key_bias`'s share at their `positions` [T] (int64), then are transformed to
-    k @ k_rot (float32 [D, D]) if given."""
-    if key_bias is not None and (positions is None or positions.shape[0] != k.shape[0]):
-        raise ValueError("a key bias needs the keys' positions")
+    Keys first lose `key_bias`'s share (its rows: the keys'), then are transformed to k @ k_rot
+    (float32 [D, D]) if given, or by the normalized Hadamard matrix if `hadamard`."""
+    if key_bias is not None and key_bias.row_cos.shape[0] != k.shape[0]:
+        raise ValueError("a key bias needs one row of cos/sin per key")
     lib = load()
     t, hkv, d = k.shape
     if v.dtype != k.dtype or k.dtype not in (torch.bfloat16, torch.float32):
@@ -189,8 +206,7 @@ def kv_write_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     slots = slots.contiguous()
     if lib.kv_write_int8(kv_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                          int(k.dtype == torch.bfloat16), slots.data_ptr(), t, hkv, d, kv_cache.shape[2],
-                         block_size, _ptr(k_rot), *_key_bias_ptrs(key_bias),
-                         _ptr(None if positions is None else positions.contiguous())) != 0:
+                         block_size, *_rotation(k_rot, hadamard), *_key_bias_ptrs(key_bias, write=True)) != 0:
         raise KernelUnavailable(f"kv_write_int8 takes head_dim <= {MAX_HEAD_DIM}, not {d}")
 
 
@@ -204,11 +220,12 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
                                 seq_lens: torch.Tensor, max_len: int, block_size: int, scale: float,
                                 window: Optional[int], scratch: Optional[torch.Tensor] = None,
                                 q_rot: Optional[torch.Tensor] = None,
-                                key_bias: Optional[KeyBiasArgs] = None) -> torch.Tensor:
+                                key_bias: Optional[KeyBiasArgs] = None, hadamard: bool = False) -> torch.Tensor:
     """`paged_decode_attention` over an int8 cache [2, Hkv, blocks, block_size * D + 4]; -> [B, Hq, D]
     in q's dtype (bfloat16 or float32). `scratch` from `decode_int8_scratch` (reused across layers);
-    q is first transformed like the stored keys, q @ q_rot (float32 [D, D]); `key_bias`'s share of the
-    keys (kept out of the cache) is added back to each score ([table] rows must cover max_len)."""
+    q is first transformed like the stored keys, q @ q_rot (float32 [D, D]) or by the normalized
+    Hadamard matrix if `hadamard`; `key_bias`'s share of the keys (kept out of the cache) is added
+    back to each score."""
     lib = load()
     b, hq, d = q.shape
     hkv = kv_cache.shape[1]
@@ -222,12 +239,11 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
     out = torch.empty(b, hq, d, dtype=q.dtype)
     if scratch is None or scratch.nbytes < b * hq * 4 * (-(-max_len // block_size) * block_size):
         scratch = decode_int8_scratch(b, hq, max_len, block_size)
-    if key_bias is not None and key_bias.table.shape[0] * 16 < max_len:
-        raise ValueError(f"the key bias's table covers {key_bias.table.shape[0] * 16} positions, not {max_len}")
     lib.paged_decode_attention_int8(
         q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), kv_cache.data_ptr(), tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, kv_cache.shape[2], block_size, tables.shape[1],
-        scale, window or 0, scratch.data_ptr(), max_len, _ptr(q_rot), *_key_bias_ptrs(key_bias))
+        scale, window or 0, scratch.data_ptr(), max_len, *_rotation(q_rot, hadamard),
+        *_key_bias_ptrs(key_bias, write=False))
     return out
 
 

@@ -20,6 +20,7 @@
 #endif
 
 #include "bf16.h"
+#include "softmax.h"
 
 /* Widen one cached row of D elements to float32. */
 static inline void load_row(const void *base, int64_t index, int d, int is_bf16, float *dst) {
@@ -125,15 +126,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            float sum = 0.f, m = maxs[g];
-            float *sg = scores + g * max_len;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = start; t < len; t++) {
-                const float e = expf(sg[t] - m);
-                sg[t] = e;
-                sum += e;
-            }
-            sums[g] = sum;
+            sums[g] = exp_shifted_sum(scores + g * max_len + start, len - start, maxs[g]);
             memset(acc + g * D, 0, sizeof(float) * D);
         }
         const int64_t vbase = (Hkv + h) * plane;

@@ -31,11 +31,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(c.num_heads, c.head_dim, 1.0 / math.sqrt(c.head_dim), c.num_kv_heads)
         # The key bias's outlier pairs for an int8 cache (attention/base.py's KeyBias), derived from
         # the loaded bias on first use (private: a model restored from the weight cache derives it too).
-        self._key_bias_outliers: Optional[tuple] = None
+        self._key_bias: Optional[KeyBias | bool] = None
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, half: int, cache: Tensor,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> Tensor:
-        """`cos`/`sin`: the step's rows of `rotary`'s tables, whose whole tables a quantized cache
+        """`cos`/`sin`: the step's rows of `rotary`'s tables, whose frequencies a quantized cache
         needs for the key bias's share of each cached key."""
         t = h.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -44,11 +44,10 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, d)
         key_bias = None
         if meta.backend.quantized and self.qkv_proj.bias is not None:  # qwen2
-            if self._key_bias_outliers is None:  # (bias, pairs), or () when none stands out
+            if self._key_bias is None:  # built on first use; False when no pair stands out
                 k_bias = self.qkv_proj.bias[self.q_size:self.q_size + self.kv_size]
-                self._key_bias_outliers = KeyBias.outliers(k_bias, nkv, d) or ()
-            if self._key_bias_outliers:
-                key_bias = KeyBias(*self._key_bias_outliers, rotary.cos, rotary.sin)
+                self._key_bias = KeyBias.for_layer(k_bias, nkv, d, rotary.inv_freq, rotary.attention_scaling) or False
+            key_bias = self._key_bias or None
         return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], v, cache, meta, key_bias))
 
 
