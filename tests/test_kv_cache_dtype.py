@@ -325,7 +325,8 @@ def test_key_bias_share_is_kept_out_of_an_int8_cache_and_added_back(layout):
     assert with_share < whole / 4, (with_share, whole)
 
 
-def test_decode_kernel_key_bias_term_holds_at_long_context():
+@pytest.mark.parametrize("bs", [16, 6])  # the vector path; the plain loops (block size not a multiple of 16)
+def test_decode_kernel_key_bias_term_holds_at_long_context(bs):
     """The decode kernel makes each chunk's cos/sin by rotating the previous chunk's, re-anchored
     every 1,024 positions: at 2,500 tokens (past two anchors) with a bias pair 400x the rest, its
     result matches the reference loop on the same int8 cache (exact float64 angles)."""
@@ -334,7 +335,7 @@ def test_decode_kernel_key_bias_term_holds_at_long_context():
     from tessera.layers.attention import Attention
 
     gen = torch.Generator().manual_seed(9)
-    hq, hkv, d, bs, n = 4, 2, 64, 16, 2500
+    hq, hkv, d, n = 4, 2, 64, 2500
     bias = torch.randn(hkv, d, generator=gen)
     bias[0, [3, 3 + d // 2]] = torch.tensor([300.0, 200.0])
     bias[1, 30] = -400.0  # the lowest frequency pair: its angle moves slowest
