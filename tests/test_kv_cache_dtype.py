@@ -341,8 +341,12 @@ def test_decode_kernel_key_bias_term_holds_at_long_context(bs):
     bias[1, 30] = -400.0  # the lowest frequency pair: its angle moves slowest
     bias[1, 1] = 250.0  # a fast one
     rotary = RotaryEmbedding(d, 1e6, None, 4096, torch.float32)
-    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq)
+    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq, table=rotary.exact_cos_sin)
     positions = torch.arange(n)
+    # The rotary's cached table (grown past its first 4,096 rows) gives what float64 angles give.
+    far = torch.tensor([0, 17, n - 1, 5000])
+    computed = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq).cos_sin(far)
+    assert all(torch.equal(a, b) for a, b in zip(key_bias.cos_sin(far), computed))
     cos, sin = rotary(positions)
     q = apply_rope(torch.randn(n, hq, d, generator=gen), cos, sin, d // 2)
     k = apply_rope(torch.randn(n, hkv, d, generator=gen) + bias, cos, sin, d // 2)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -198,17 +198,22 @@ class KeyBias:
     hi: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[h, i] + D/2
     pairs: torch.Tensor  # [Hkv, m] int64: each KV head's outlier RoPE pairs (ascending, then padding)
     inv_freq: torch.Tensor  # [D/2] float32: the rotary's frequency of each pair
+    # positions [T] -> cos, sin [T, D/2] of inv_freq's angles from float64 (the model's shared,
+    # cached table: layers/rotary.py's exact_cos_sin); None computes them each time
+    table: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
 
     @classmethod
     def for_layer(cls, bias: torch.Tensor, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
-                  attention_scaling: float = 1.0) -> Optional["KeyBias"]:
+                  attention_scaling: float = 1.0,
+                  table: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
+                  ) -> Optional["KeyBias"]:
         """A layer's key bias [Hkv * D] under a rotary of `inv_freq` whose cos/sin are multiplied by
         `attention_scaling` (YaRN's), or None when no pair stands out."""
         found = cls.outliers(bias, num_kv_heads, head_dim)
         if found is None:
             return None
         lo, hi, pairs = found
-        return cls(lo * attention_scaling, hi * attention_scaling, pairs, inv_freq.float().contiguous())
+        return cls(lo * attention_scaling, hi * attention_scaling, pairs, inv_freq.float().contiguous(), table)
 
     @staticmethod
     def outliers(bias: torch.Tensor, num_kv_heads: int,
@@ -236,6 +241,8 @@ class KeyBias:
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of every pair's angle at `positions` [T]: float32 [T, D/2], from float64 angles
         (the same values however far the position: float32 angles drift by 1e-4 at 2,000 tokens)."""
+        if self.table is not None:
+            return self.table(positions)
         angles = positions.double().unsqueeze(1) * self.inv_freq.double()
         return angles.cos().float(), angles.sin().float()
 

@@ -60,12 +60,26 @@ class RotaryEmbedding(nn.Module):
         self.dtype = dtype
         self.max_positions = max_positions
         self._build(min(max_positions, _INITIAL_ROPE_POSITIONS))
+        self._exact: Optional[tuple[Tensor, Tensor]] = None
 
     def _build(self, n: int) -> None:
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         self.cos = torch.cat([cos, cos], dim=-1).to(self.dtype)
         self.sin = torch.cat([-sin, sin], dim=-1).to(self.dtype)
+
+    def exact_cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, D/2] float32 of each pair's angle at `positions`, from float64 angles and
+        without the attention scaling: what an int8 KV cache takes out of Qwen2's keys as their
+        key bias's share (attention/base.py's KeyBias), the same at any position (float32 angles
+        drift by 1e-4 rad at 2,000 tokens). A table built on first use, grown on demand."""
+        n = int(positions.max()) + 1 if positions.numel() else 0
+        if self._exact is None or self._exact[0].shape[0] < n:
+            have = 0 if self._exact is None else self._exact[0].shape[0]
+            size = max(n, 2 * have, min(self.max_positions, _INITIAL_ROPE_POSITIONS))
+            angles = torch.arange(size, dtype=torch.float64).unsqueeze(1) * self.inv_freq.double()
+            self._exact = (angles.cos().float(), angles.sin().float())
+        return self._exact[0][positions], self._exact[1][positions]
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """[T] positions -> cos, sin of shape [T, 1, D] (broadcast over heads)."""
