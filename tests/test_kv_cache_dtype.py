@@ -300,7 +300,7 @@ def test_key_bias_share_is_kept_out_of_an_int8_cache_and_added_back(layout):
         assert len(where[h]) == pairs.shape[1]  # each head's pairs are distinct
         assert [p for p in range(d // 2) if p in where[h] and (lo[h, where[h][p]] != 0 or hi[h, where[h][p]] != 0)] \
             == taken.nonzero().flatten().tolist()
-    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq)
+    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq, rotary.exact_cos_sin)
     assert torch.equal(key_bias.pairs, pairs) and torch.equal(key_bias.lo, lo)
     # Its share of each key is RoPE_p of the bias on those pairs.
     outlier = torch.zeros(hkv, d)
@@ -341,12 +341,13 @@ def test_decode_kernel_key_bias_term_holds_at_long_context(bs):
     bias[1, 30] = -400.0  # the lowest frequency pair: its angle moves slowest
     bias[1, 1] = 250.0  # a fast one
     rotary = RotaryEmbedding(d, 1e6, None, 4096, torch.float32)
-    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq, table=rotary.exact_cos_sin)
+    key_bias = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq, rotary.exact_cos_sin)
     positions = torch.arange(n)
     # The rotary's cached table (grown past its first 4,096 rows) gives what float64 angles give.
     far = torch.tensor([0, 17, n - 1, 5000])
-    computed = KeyBias.for_layer(bias.flatten(), hkv, d, rotary.inv_freq).cos_sin(far)
-    assert all(torch.equal(a, b) for a, b in zip(key_bias.cos_sin(far), computed))
+    angles = far.double().unsqueeze(1) * rotary.inv_freq.double()
+    c, s = rotary.exact_cos_sin(far)
+    assert torch.equal(c, angles.cos().float()) and torch.equal(s, angles.sin().float())
     cos, sin = rotary(positions)
     q = apply_rope(torch.randn(n, hq, d, generator=gen), cos, sin, d // 2)
     k = apply_rope(torch.randn(n, hkv, d, generator=gen) + bias, cos, sin, d // 2)

@@ -198,17 +198,16 @@ class KeyBias:
     hi: torch.Tensor  # [Hkv, m] float32: bias of channel pairs[h, i] + D/2
     pairs: torch.Tensor  # [Hkv, m] int64: each KV head's outlier RoPE pairs (ascending, then padding)
     inv_freq: torch.Tensor  # [D/2] float32: the rotary's frequency of each pair
-    # positions [T] -> cos, sin [T, D/2] of inv_freq's angles from float64 (the model's shared,
-    # cached table: layers/rotary.py's exact_cos_sin); None computes them each time
-    table: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
+    # positions [T] -> cos, sin [T, D/2] float32 of inv_freq's angles computed in float64 (the
+    # model's shared, cached table: layers/rotary.py's RotaryEmbedding.exact_cos_sin)
+    table: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
     def for_layer(cls, bias: torch.Tensor, num_kv_heads: int, head_dim: int, inv_freq: torch.Tensor,
-                  attention_scaling: float = 1.0,
-                  table: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None,
-                  ) -> Optional["KeyBias"]:
-        """A layer's key bias [Hkv * D] under a rotary of `inv_freq` whose cos/sin are multiplied by
-        `attention_scaling` (YaRN's), or None when no pair stands out."""
+                  table: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                  attention_scaling: float = 1.0) -> Optional["KeyBias"]:
+        """A layer's key bias [Hkv * D] under a rotary of `inv_freq` (its exact cos/sin from `table`)
+        whose cos/sin are multiplied by `attention_scaling` (YaRN's), or None when no pair stands out."""
         found = cls.outliers(bias, num_kv_heads, head_dim)
         if found is None:
             return None
@@ -238,19 +237,11 @@ class KeyBias:
         hi = torch.where(keep, torch.gather(b[:, h:2 * h], 1, pairs), zero)
         return lo.contiguous(), hi.contiguous(), pairs.contiguous()
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of every pair's angle at `positions` [T]: float32 [T, D/2], from float64 angles
-        (the same values however far the position: float32 angles drift by 1e-4 at 2,000 tokens)."""
-        if self.table is not None:
-            return self.table(positions)
-        angles = positions.double().unsqueeze(1) * self.inv_freq.double()
-        return angles.cos().float(), angles.sin().float()
-
     @functools.cached_property
     def _rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(basis [D/2, 2, 16]: cos, sin of l f_p for l < 16; step [D/2, 2]: cos, sin of 16 f_p)."""
-        c, s = self.cos_sin(torch.arange(16))
-        c16, s16 = self.cos_sin(torch.tensor([16]))
+        c, s = self.table(torch.arange(16))
+        c16, s16 = self.table(torch.tensor([16]))
         return (torch.stack([c.t(), s.t()], dim=1).contiguous(),
                 torch.stack([c16[0], s16[0]], dim=1).contiguous())
 
@@ -260,7 +251,7 @@ class KeyBias:
         key = ("key_bias_rows", self.inv_freq.data_ptr())
         rows = cache.get(key)
         if rows is None:
-            rows = cache[key] = self.cos_sin(positions)
+            rows = cache[key] = self.table(positions)
         basis, step = self._rotation
         return kernels.KeyBiasArgs(self.lo, self.hi, self.pairs, self.inv_freq, basis, step, *rows)
 
@@ -268,7 +259,7 @@ class KeyBias:
         """RoPE_p(b) at each of `positions` [T]: [T, Hkv, D] float32, zero off the outlier pairs."""
         h = self.inv_freq.shape[0]
         t, (hkv, m) = positions.shape[0], self.pairs.shape
-        cos, sin = self.cos_sin(positions)
+        cos, sin = self.table(positions)
         flat = self.pairs.flatten()
         c, s = cos[:, flat].view(t, hkv, m), sin[:, flat].view(t, hkv, m)
         out = torch.zeros(t, hkv, 2 * h)

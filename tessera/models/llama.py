@@ -46,8 +46,8 @@ class LlamaAttention(nn.Module):
         if meta.backend.quantized and self.qkv_proj.bias is not None:  # qwen2
             if self._key_bias is None:  # built on first use; False when no pair stands out
                 k_bias = self.qkv_proj.bias[self.q_size:self.q_size + self.kv_size]
-                self._key_bias = KeyBias.for_layer(k_bias, nkv, d, rotary.inv_freq, rotary.attention_scaling,
-                                                   rotary.exact_cos_sin) or False
+                self._key_bias = KeyBias.for_layer(k_bias, nkv, d, rotary.inv_freq, rotary.exact_cos_sin,
+                                                   rotary.attention_scaling) or False
             key_bias = self._key_bias or None
         return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], v, cache, meta, key_bias))
 
