@@ -272,6 +272,13 @@ keep_alive = -1
             model_specs(serve_args(argv=["--config", str(toml)]))
 
 
+def _unloaded_within(model: ServedModel, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while model.status != "unloaded" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return model.status == "unloaded"
+
+
 def test_keep_alive_counts_from_the_end_of_the_last_request():
     from tessera.sampling_params import SamplingParams
 
@@ -288,9 +295,25 @@ def test_keep_alive_counts_from_the_end_of_the_last_request():
         asyncio.run(long_request())
         time.sleep(0.2)  # several reaper rounds, less than keep_alive since the request ended
         assert model.status == "ready"
-        deadline = time.monotonic() + 5
-        while model.status != "unloaded" and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert model.status == "unloaded"
+        assert _unloaded_within(model, 5)
+    finally:
+        router.shutdown()
+
+
+def test_keep_alive_never_unloads_an_engine_while_it_restarts():
+    """A dead engine core restarting (loading its model again, seconds) is busy, not idle: the
+    reaper waits, and idle time counts from the end of the restart."""
+    model = ServedModel(ModelSpec("a", "m", keep_alive=0.3))
+    router = ModelRouter([model], builder=lambda s: fake_engine(), closer=lambda s: None)
+    try:
+        engine = asyncio.run(router.route("a")).model.engine
+        engine._restarting = "the engine core exited (code -9)"  # what _restart_core sets meanwhile
+        router.start_reaper(interval_s=0.05)
+        time.sleep(0.8)  # past keep_alive
+        assert model.status == "ready"
+        engine._restarting = None
+        time.sleep(0.15)
+        assert model.status == "ready"  # idle for less than keep_alive since the restart ended
+        assert _unloaded_within(model, 5)
     finally:
         router.shutdown()

@@ -4,6 +4,7 @@ dequantized model on real packaged models."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -253,8 +254,8 @@ def test_int8_gemv_kernel_for_large_matrices(dtype, atol):
 def test_int8_gemm_kernel_matches_pytorchs(rows):
     from tessera import kernels
 
-    if kernels.available() is not None:
-        pytest.skip("C kernels unavailable")
+    if not kernels.bf16_matmuls():
+        pytest.skip("no AVX512-BF16 matrix kernels here")
     torch.manual_seed(rows)
     w = torch.randn(37, 96) * 0.05  # a small matrix: 37 rows, not a whole block of 4
     method, layer = _layer(Int8Method, w, dtype=torch.bfloat16)
@@ -272,8 +273,8 @@ def test_int4_gemv_kernel_matches_pytorchs():
     from tessera import kernels
     from tessera.layers.quantization import INT4_GEMV_MIN_WEIGHTS
 
-    if kernels.available() is not None:
-        pytest.skip("C kernels unavailable")
+    if not kernels.bf16_matmuls():
+        pytest.skip("no AVX512-BF16 matrix kernels here")
     torch.manual_seed(5)
     w = torch.randn(INT4_GEMV_MIN_WEIGHTS // 256 + 40, 256) * 0.05  # rows not a whole number of tiles
     method, layer = _layer(Int4Method, w, dtype=torch.bfloat16)
@@ -291,8 +292,8 @@ def test_int4_gemm_kernel_matches_pytorchs(rows):
     from tessera import kernels
     from tessera.layers.quantization import INT4_GEMM_MAX_ROWS
 
-    if kernels.available() is not None:
-        pytest.skip("C kernels unavailable")
+    if not kernels.bf16_matmuls():
+        pytest.skip("no AVX512-BF16 matrix kernels here")
     torch.manual_seed(rows)
     w = torch.randn(200, 96) * 0.05  # 200 rows: the last 64-row tile is partly padding
     method, layer = _layer(Int4Method, w, dtype=torch.bfloat16)
@@ -327,3 +328,38 @@ def test_dense_linear_pads_only_bfloat16_and_returns_exact_rows(rows):
     out = dense_linear(xb, wb)
     assert out.shape == (rows, 48)
     torch.testing.assert_close(out.float(), x @ w.T, rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_int4_dequantize_follows_the_hosts_int4pack_layout(capability):
+    """PyTorch packs int4 differently per instruction set (AVX-512: 64-row tiles; AVX2 and plain C:
+    32-row tiles paired differently). The dense path (prefill) must read the same weight as the
+    weight-only kernel (decode) under each capability the host has."""
+    import subprocess
+    import sys
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if capability != "default" and f" {capability}" not in flags.replace("avx512f", "avx512"):
+        pytest.skip(f"this CPU has no {capability} (PyTorch would run it anyway and fault)")
+
+    code = (
+        "import torch\n"
+        "from tessera.layers.quantization import Int4Method, QuantConfig, int4pack_layout\n"
+        "from tessera.layers.weights import FloatWeight\n"
+        "torch.manual_seed(0)\n"
+        "w = torch.randn(100, 96) * 0.05\n"
+        "m = Int4Method(QuantConfig(mode='int4', dtype=torch.float32))\n"
+        "layer = torch.nn.Module()\n"
+        "m.load(layer, [FloatWeight(w)])\n"
+        "x = torch.randn(3, 96)\n"
+        "small = m._small(layer, x)\n"
+        "dense = x @ m.dequantize(layer).T\n"
+        "assert (small - dense).abs().max() < 1e-4, (small - dense).abs().max()\n"
+        "rows = torch.tensor([0, 17, 33, 63, 64, 99])\n"
+        "assert torch.equal(m._rows(layer, rows), m.dequantize(layer)[rows])\n"
+        "assert (m.dequantize(layer) - w).abs().max() < 0.02\n"
+        "print(torch.backends.cpu.get_cpu_capability(), int4pack_layout().tile)\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -29,7 +29,8 @@ MODEL = "qwen2.5-coder-0.5b"
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory) -> Iterator[tuple[ServerProcess, openai.OpenAI]]:
     with running_server(tmp_path_factory.mktemp("serve") / "server.log", "--max-num-seqs", "8", model=MODEL) as proc:
-        yield proc, openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield proc, openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0,
+                                   timeout=900)  # 50 x 400 tokens take minutes on a 2-core AVX2 host
 
 
 def test_fifty_seeded_schemas_at_temperature_08_all_validate(qwen):

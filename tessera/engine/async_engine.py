@@ -104,6 +104,8 @@ class ServingEngine(Protocol):
 
     def num_active(self) -> int: ...
 
+    def restarting(self) -> bool: ...
+
     def num_queued(self) -> int: ...
 
     def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]: ...
@@ -203,6 +205,11 @@ class AsyncLLMEngine:
         """Requests in flight through generate() (waiting, running or being admitted)."""
         with self._lock:
             return len(self._streams) + self._pending_adds
+
+    def restarting(self) -> bool:
+        """Whether a new engine-core process is being started after the last one died (a model
+        in that state is busy, not idle: keep_alive must not unload it meanwhile)."""
+        return self._restarting is not None
 
     def num_queued(self) -> int:
         with self._lock:

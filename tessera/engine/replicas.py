@@ -329,6 +329,9 @@ class ReplicaSet:
     def num_active(self) -> int:
         return sum(r.engine.num_active() for r in self.replicas if r.engine is not None)
 
+    def restarting(self) -> bool:
+        return any(r.engine.restarting() for r in self.replicas if r.engine is not None)
+
     def num_queued(self) -> int:
         return sum(r.engine.num_queued() for r in self.replicas if r.engine is not None)
 

@@ -48,8 +48,20 @@ def _source_text() -> str:
     return "".join((Path(__file__).parent / name).read_text() for name in SOURCES + HEADERS)
 
 
+def _host_cpu() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (a home directory
+    shared by machines of different CPUs must not hand one's build to the other)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(keep)))
+
+
 def library_path(compiler: str) -> Path:
-    digest = hashlib.sha256((_source_text() + " ".join(CFLAGS) + compiler).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((_source_text() + " ".join(CFLAGS) + compiler + _host_cpu()).encode()).hexdigest()[:16]
     return kernel_dir() / f"tessera_kernels-{digest}.so"
 
 
@@ -110,6 +122,8 @@ def load() -> ctypes.CDLL:
     m4 = lib.int4_gemm_bf16
     m4.argtypes = [p, p, p, p, i64, i64, i64, i64, p]
     m4.restype = ctypes.c_int
+    lib.tessera_avx512_bf16.argtypes = []
+    lib.tessera_avx512_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -120,6 +134,12 @@ def available() -> Optional[str]:
         return None
     except (KernelUnavailable, OSError) as exc:
         return str(exc)
+
+
+def bf16_matmuls() -> bool:
+    """Whether the few-row AVX512-BF16 matrix kernels (int8_gemm_bf16, int4_gemv_bf16,
+    int4_gemm_bf16) run here; the others have portable paths and only need `available()`."""
+    return available() is None and bool(load().tessera_avx512_bf16())
 
 
 def supports(num_heads: int, kv_cache: torch.Tensor) -> bool:

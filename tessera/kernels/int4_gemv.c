@@ -15,6 +15,16 @@
 
 #include "bf16.h"
 
+/* 1 when this build has the AVX512-BF16 paths of the few-row matrix kernels (int4_gemv_bf16,
+ * int4_gemm_bf16, int8_gemm_bf16), 0 when they would return -1 (an AVX2 host, say). */
+int tessera_avx512_bf16(void) {
+#ifdef HAVE_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #ifdef HAVE_AVX512
 /* Rows row..row+15 of an output row of N_out values, as bfloat16; stops at N_out. */
 static inline void store_bf16x16(uint16_t *out, int64_t row, int64_t N_out, __m512 values) {

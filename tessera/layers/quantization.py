@@ -20,9 +20,14 @@ The int4 format is PyTorch's CPU int4pack: codes in 0..15 and per-group
 (scale, zero) with `w = (code - 8) * scale + zero`, groups of 32 along the
 input dimension. GGUF Q4_0, Q4_1 and Q4_K blocks map onto it exactly (no
 re-rounding of codes; scales and zeros are stored in the compute dtype).
+Where each code lands in the packed bytes depends on the instruction set
+PyTorch dispatches to on the host (AVX-512: tiles of 64 rows; AVX2 and
+plain C: tiles of 32, nibbles paired differently), so the layout is probed
+once per process (`int4pack_layout`) rather than assumed.
 """
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -37,7 +42,7 @@ from tessera.layers.weights import FIVE_TO_EIGHT_BIT, FOUR_BIT_OR_LESS, AnyWeigh
 QuantizationMode = Literal["auto", "none", "int8", "int4"]
 QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "int8", "int4")
 INT4_GROUP = 32
-INT4_ROW_TILE = 64  # the CPU int4pack layout packs output rows in tiles of 64
+INT4_ROW_TILE = 64  # rows are padded to whole tiles of 64, which every int4pack layout's tile divides
 # Largest row count sent to the weight-only kernels (measured crossovers, benchmarks/kernels.py):
 # with a dense copy at hand bf16 wins from ~8-16 rows; when the dense weight must first be
 # dequantized, that cost moves the crossover to ~32-64 rows.
@@ -59,6 +64,60 @@ INT4_GEMM_MAX_ROWS = 64
 # ROW_BUCKET_MIN are padded to a few sizes per octave so the shapes repeat: at most 1/8 more rows.
 ROW_BUCKET_MIN = 16
 ROW_BUCKETS_PER_OCTAVE = 8
+
+
+@dataclass(frozen=True)
+class Int4PackLayout:
+    """Where `torch._convert_weight_to_int4pack_for_cpu` puts each code, on this host.
+
+    Output rows are packed in tiles of `tile` rows; a tile holds all K columns, one k after the
+    other, each k taking tile/2 bytes. Local row r of a tile sits in nibble `slot[r]` of its k's
+    bytes (byte slot // 2, high nibble when slot is odd). Measured with torch 2.13: AVX-512 has
+    tile 64 with rows c and 32 + c in byte c; AVX2 tile 32 with rows c and 16 + c; the plain C
+    build tile 32 with rows 2c and 2c + 1."""
+
+    tile: int
+    slot: tuple[int, ...]
+
+    def rows_in_nibble(self, high: int) -> "slice | Tensor":
+        """The local rows held by the low (0) or high (1) nibbles of a k's bytes, byte by byte:
+        a slice when they are evenly spaced (every layout measured), else an index tensor."""
+        rows = sorted(range(self.tile), key=lambda r: self.slot[r])[high::2]
+        step = rows[1] - rows[0]
+        if step > 0 and all(b - a == step for a, b in zip(rows, rows[1:])):
+            return slice(rows[0], rows[-1] + 1, step)
+        return torch.tensor(rows)
+
+    @property
+    def kernel_layout(self) -> bool:
+        """The AVX-512 layout, the only one Tessera's own int4 kernels (int4_gemv.c) read."""
+        return self.tile == 64 and self.slot == tuple(2 * r if r < 32 else 2 * (r - 32) + 1 for r in range(64))
+
+
+@functools.cache
+def int4pack_layout() -> Optional[Int4PackLayout]:
+    """Probe the host's int4pack layout by packing codes that spell each weight's position
+    (four 4-bit digits of its index); None if it is not a tiled layout (int4 is then not used).
+    Cached: the layout is fixed for a process (PyTorch picks its kernels once, by CPU)."""
+    n, k = INT4_ROW_TILE, 64
+    index = torch.arange(n * k, dtype=torch.int32).view(n, k)
+    where = torch.zeros(n * k, dtype=torch.int64)  # where[nibble] = row * k + column
+    for digit in range(4):
+        packed = torch._convert_weight_to_int4pack_for_cpu((index >> (4 * digit)) & 15, 1)
+        nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(-1).long()
+        where += nibbles << (4 * digit)
+    rows, cols = (where // k).tolist(), (where % k).tolist()
+    tile = next((i for i, c in enumerate(cols) if c != 0), len(cols))
+    if tile not in (16, 32, 64) or sorted(rows[:tile]) != list(range(tile)):
+        return None
+    slot = [0] * tile
+    for i, r in enumerate(rows[:tile]):
+        slot[r] = i
+    for i, (r, c) in enumerate(zip(rows, cols)):  # every nibble where the tiled formula says
+        t, rest = divmod(i, tile * k)
+        if (r, c) != (t * tile + rows[rest % tile], rest // tile):
+            return None
+    return Int4PackLayout(tile, tuple(slot))
 
 
 @dataclass(frozen=True)
@@ -109,7 +168,7 @@ class QuantConfig:
             mode = "none" if "none" in kinds else "int8" if "int8" in kinds else "int4"
         if mode == "none":
             return "dense"
-        if mode == "int4" and in_features % INT4_GROUP == 0:
+        if mode == "int4" and in_features % INT4_GROUP == 0 and int4pack_layout() is not None:
             return "int4"
         return "int8"
 
@@ -242,7 +301,8 @@ class Int8Method(_WeightOnlyMethod):
         """Bytes `load` keeps: codes, scales in the compute dtype, float32 scales for our kernels,
         and the dense copy when one is kept."""
         kernel = kernels.available() is None and (
-            rows * cols >= GEMV_KERNEL_MIN_WEIGHTS or (config.dtype == torch.bfloat16 and cols % 32 == 0))
+            rows * cols >= GEMV_KERNEL_MIN_WEIGHTS
+            or (config.dtype == torch.bfloat16 and cols % 32 == 0 and kernels.bf16_matmuls()))
         dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
         return rows * cols + rows * config.dtype.itemsize + (rows * 4 if kernel else 0) + dense
 
@@ -265,7 +325,7 @@ class Int8Method(_WeightOnlyMethod):
         # 3-8 bfloat16 rows (verification steps, small batches): every size measured faster with
         # the AVX512-BF16 kernel (a 151k x 1536 head at 5 rows: 20 ms against PyTorch's 30).
         layer.use_gemm_kernel = (self.config.dtype == torch.bfloat16 and q.shape[1] % 32 == 0
-                                 and kernels.available() is None)
+                                 and kernels.bf16_matmuls())
         if layer.use_gemv_kernel or layer.use_gemm_kernel:
             layer.register_buffer("scales_f32", scale, persistent=False)
         self._finish(layer)
@@ -327,7 +387,7 @@ class Int4Method(_WeightOnlyMethod):
         layer.register_buffer("scales_zeros", sz, persistent=False)  # [K/32, N_padded, 2]
         layer.out_rows = n
         layer.int4_exact = exact
-        native = self.config.dtype == torch.bfloat16 and kernels.available() is None
+        native = self.config.dtype == torch.bfloat16 and self.layout.kernel_layout and kernels.bf16_matmuls()
         layer.use_gemv_kernel = native and n * k >= INT4_GEMV_MIN_WEIGHTS
         layer.use_gemm_kernel = native
         self._finish(layer)
@@ -343,26 +403,32 @@ class Int4Method(_WeightOnlyMethod):
             for w in src.row_chunks(LOAD_CHUNK_ROWS):
                 yield quantize_int4(w)
 
+    @property
+    def layout(self) -> Int4PackLayout:
+        layout = int4pack_layout()
+        assert layout is not None, "storage_for never picks int4 without a known int4pack layout"
+        return layout
+
     def _rows(self, layer: nn.Module, rows: Tensor) -> Tensor:
-        """Dequantize selected output rows: the layout keeps row r of tile b as nibble r // 32
-        of byte column r % 32, over all K, in `qweight.view(tiles, K, 32)`."""
+        """Dequantize selected output rows (see Int4PackLayout for where each code is)."""
+        layout = self.layout
         k = layer.scales_zeros.shape[0] * INT4_GROUP
-        tiles = layer.qweight.view(-1, k, 32)
-        local = rows % INT4_ROW_TILE
-        bytes_ = tiles[rows // INT4_ROW_TILE, :, local % 32]  # [R, K]
-        codes = (bytes_ >> (4 * (local // 32)).unsqueeze(1).to(torch.uint8)) & 0x0F
+        tiles = layer.qweight.view(-1, k, layout.tile // 2)
+        slot = torch.tensor(layout.slot)[rows % layout.tile]
+        bytes_ = tiles[rows // layout.tile, :, slot // 2]  # [R, K]
+        codes = (bytes_ >> (4 * (slot % 2)).unsqueeze(1).to(torch.uint8)) & 0x0F
         sz = layer.scales_zeros[:, rows].transpose(0, 1)  # [R, K/32, 2]
         w = (codes.view(len(rows), -1, INT4_GROUP).to(self.config.dtype) - 8) * sz[..., :1] + sz[..., 1:]
         return w.view(len(rows), k)
 
     def dequantize(self, layer):
+        layout = self.layout
         k = layer.scales_zeros.shape[0] * INT4_GROUP
-        tiles = layer.qweight.view(-1, k, 32)
+        tiles = layer.qweight.view(-1, k, layout.tile // 2)
         nt = tiles.shape[0]
-        out = torch.empty(nt, INT4_ROW_TILE, k, dtype=self.config.dtype)
-        view = out.view(nt, 2, 32, k)
-        view[:, 0] = (tiles & 0x0F).transpose(1, 2)
-        view[:, 1] = (tiles >> 4).transpose(1, 2)
+        out = torch.empty(nt, layout.tile, k, dtype=self.config.dtype)
+        out[:, layout.rows_in_nibble(0)] = (tiles & 0x0F).transpose(1, 2)
+        out[:, layout.rows_in_nibble(1)] = (tiles >> 4).transpose(1, 2)
         w = out.view(-1, k // INT4_GROUP, INT4_GROUP)
         sz = layer.scales_zeros.transpose(0, 1)  # [N, K/32, 2]
         w.sub_(8).mul_(sz[..., :1]).add_(sz[..., 1:])

@@ -11,7 +11,10 @@ OS page cache, shared by every server of that model on the machine (private copy
 mappings; weights are never written).
 
 The key covers everything that changes the packed bytes: the weights' sha256, dtype,
-quantization settings, Tessera's source and torch's version. One file per model is kept.
+quantization settings, Tessera's source and torch's version, and the host's part (the int4pack
+layout PyTorch uses on this CPU, and which of Tessera's kernels run here, which decides flags
+the layers keep): a cache directory shared by machines of different CPUs never hands one's
+tiles to the other. One file per model is kept.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from tessera.layers.quantization import DenseMethod, Int4Method, Int8Method, QuantConfig
+from tessera import kernels
+from tessera.layers.quantization import DenseMethod, Int4Method, Int8Method, QuantConfig, int4pack_layout
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +41,9 @@ _SIMPLE = (bool, int, float, str, type(None))
 def cache_path(root: Path, model_sha256: str, quant: QuantConfig, extra: str = "") -> Path:
     from tessera.hostinfo import source_digest
 
+    host = (int4pack_layout(), kernels.available() is None, kernels.available() is None and kernels.bf16_matmuls())
     key = hashlib.sha256(repr((FORMAT, model_sha256, repr(quant), extra, source_digest(),
-                               torch.__version__)).encode()).hexdigest()[:20]
+                               torch.__version__, host)).encode()).hexdigest()[:20]
     return root / f"{model_sha256[:16]}-{key}.pt"
 
 

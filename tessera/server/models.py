@@ -339,7 +339,8 @@ class ModelRouter:
                     return
                 now = time.monotonic()
                 idle = [m for m in loaded if m.status == "ready" and not m.fixed and m.engine is not None
-                        and m.engine.num_active() == 0 and now - m.last_used > RECENT_USE_S]
+                        and m.engine.num_active() == 0 and not m.engine.restarting()
+                        and now - m.last_used > RECENT_USE_S]
                 victim = min(idle, key=lambda m: m.last_used, default=None)
             if victim is None:
                 logger.warning("max_loaded_models %d reached and every loaded model is busy; loading %r anyway",
@@ -381,8 +382,8 @@ class ModelRouter:
                     ka = m.spec.keep_alive
                     if ka is None or m.status != "ready" or m.engine is None:
                         continue
-                    if m.engine.num_active() > 0:  # idle time counts from the end of the last request
-                        m.last_used = now
+                    if m.engine.num_active() > 0 or m.engine.restarting():
+                        m.last_used = now  # idle time counts from the end of the last request or restart
                     elif now - m.last_used > ka:
                         self.unload(m, reason=f"idle for {ka:g} s (keep_alive)")
 
