@@ -3,8 +3,9 @@
 For each (model, setting) the prediction is computed (the same code as `tessera size`), a real
 `tessera serve` is started with the same flags, a load that reaches the largest step is sent
 (max_num_seqs concurrent requests, prompts long enough to fill the token budget, then decodes),
-and the server's resident memory is read from /proc: VmRSS after the load and VmHWM, the peak
-over its whole life (loading included). Writes a JSON file and prints a Markdown table.
+and the server's resident memory is read from /proc, summed over its processes (front-end and
+engine core): VmRSS after the load and VmHWM, each process's peak over its whole life (loading
+included). Writes a JSON file and prints a Markdown table.
 
     python benchmarks/sizing.py --out benchmarks/results/wave3/sizing.json
 """
@@ -32,11 +33,21 @@ MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.
 
 
 def proc_status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            key, value = line.split(":")
-            out[key] = int(value.split()[0]) * 1024
+    """VmRSS and VmHWM summed over the server and its child processes (the engine core runs in
+    its own process since issue 13: the front-end's figures alone miss the model)."""
+    import psutil
+
+    out = {"VmRSS": 0, "VmHWM": 0}
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            lines = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] += int(value.split()[0]) * 1024
     return out
 
 

@@ -286,7 +286,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     if not 0 <= args.margin < 1:
         raise TesseraError(f"--margin must be a fraction in [0, 1), not {args.margin}")
     config = config_from_args(args, args.model)
-    e = estimate(config, memory=args.memory, margin=args.margin)
+    e = estimate(config, memory=args.memory, margin=args.margin, engine_process=args.engine_process)
     print(json.dumps(e.to_dict(), indent=2) if args.json else format_estimate(e, args.memory))
     return 0
 
@@ -352,6 +352,9 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--margin", type=float, default=DEFAULT_MEMORY_MARGIN,
                    help="fraction of --memory kept free (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the server's front-end process beside the engine's, as `serve` runs by default "
+                        "(--no-engine-process: one process)")
     add_engine_args(p)
     p.set_defaults(func=cmd_size)
 

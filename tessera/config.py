@@ -45,6 +45,15 @@ class ModelConfig:
     name: str = ""  # display name (registry name or file stem)
     quantization: str = ""  # e.g. "Q4_1" as found in the file, informational
 
+    def layer_windows(self) -> list[Optional[int]]:
+        """Each layer's sliding window in tokens, None for full attention: with a window and a
+        pattern, layer i is global when (i + 1) is a multiple of the pattern (Gemma 3's rule);
+        without a window all are global. The model and the KV cache's block groups both read this."""
+        pattern = self.sliding_window_pattern or 0
+        window = self.sliding_window if self.sliding_window and pattern > 0 else None
+        return [None if window is None or (i + 1) % pattern == 0 else int(window)
+                for i in range(self.num_layers)]
+
 
 DTYPES = ("auto", "bfloat16", "float32")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -195,6 +204,9 @@ class EngineConfig:
     # Disk tier of the prefix cache (engine/kv_offload.py): a folder, and the most it may hold.
     kv_offload_dir: Optional[str] = None
     kv_offload_size: int = 8 << 30
+    # Sliding-window layers keep only their window's blocks (attention/kv_groups.py); True keeps
+    # every layer's blocks for the whole context, as for full attention (vLLM's flag).
+    disable_hybrid_kv_cache_manager: bool = False
     max_model_len: Optional[int] = None  # None = min(model max positions, 4096)
     profile: Literal["auto", "chat-solo", "multi-agent", "bursty"] = "auto"
     max_num_batched_tokens: Optional[int] = None

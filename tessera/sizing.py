@@ -39,21 +39,23 @@ class SizeEstimate:
     weights_bytes: int  # as stored, dense copies included
     dense_copy_bytes: int  # of which dense copies of quantized weights
     storage: dict[str, int]  # parameters by storage kind (dense, int8, int4)
-    kv_bytes_per_token: float  # a block's bytes (scales included) / its tokens
+    kv_bytes_per_token: float  # of a max_model_len sequence: its blocks' bytes (scales included) / its tokens
+    kv_cache_groups: str  # how layers share blocks (sliding-window layers keep only their window's)
     kv_cache_dtype: str
     kv_cache_bytes: int
     kv_cache_tokens: int
     swap_bytes: int
     activation_bytes: int
     runtime_bytes: int
+    frontend_bytes: int  # the server's own process when the engine runs in another (the default)
     max_model_len: int
     max_num_seqs: int
     margin: float
 
     @property
     def total_bytes(self) -> int:
-        return (self.runtime_bytes + self.weights_bytes + self.kv_cache_bytes + self.swap_bytes
-                + self.activation_bytes)
+        return (self.runtime_bytes + self.frontend_bytes + self.weights_bytes + self.kv_cache_bytes
+                + self.swap_bytes + self.activation_bytes)
 
     @property
     def concurrency_at_max_len(self) -> float:
@@ -157,10 +159,15 @@ def default_kv_cache_memory(needed: int, available: int, others: int, margin: fl
     return max(0, min(needed, int(available * (1 - margin)) - others))
 
 
-def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float = DEFAULT_MEMORY_MARGIN) -> SizeEstimate:
+def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float = DEFAULT_MEMORY_MARGIN,
+             engine_process: bool = True) -> SizeEstimate:
     """Predict resident memory for serving `engine.model` with these settings; `memory` (bytes,
-    default: available now) is what the default KV cache may use."""
+    default: available now) is what the default KV cache may use. `engine_process`: the server
+    runs the engine in a process of its own (`tessera serve`'s default), whose front-end is one
+    more interpreter with torch and the server: measured 323-326 MiB on gemma3-270m at two
+    settings (benchmarks/sizing.py), the same as the runtime constant."""
     from tessera.attention import get_backend
+    from tessera.attention.kv_groups import KVCacheGroups
     from tessera.hostinfo import available_memory
     from tessera.layers.quantization import QuantConfig, resolve_dense_copy
     from tessera.models.dtype import linear_param_count, resolve_dtype
@@ -177,24 +184,29 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
 
     max_model_len = engine.max_model_len or min(config.max_position_embeddings, 4096)
     backend = get_backend(engine.attention_backend, engine.kv_cache_dtype)
-    per_block = backend.bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim, engine.block_size,
+    groups = KVCacheGroups.for_engine(config, engine)
+    per_block = backend.bytes_per_block(groups.num_slots, config.num_kv_heads, config.head_dim, engine.block_size,
                                         dtype)
+    per_sequence = groups.blocks_per_sequence(max_model_len, engine.block_size) * per_block
     acts = activation_bytes(config, engine, dtype, dense_copy)
     swap = engine.swap_space if engine.preemption_mode == "swap" else 0
     if engine.kv_cache_memory is not None:
         kv = engine.kv_cache_memory
     else:
-        needed = int(engine.max_num_seqs) * -(-max_model_len // engine.block_size) * per_block
+        needed = int(engine.max_num_seqs) * per_sequence
         kv = default_kv_cache_memory(needed, budget - RUNTIME_BYTES - weights, acts + swap, margin)
     blocks = kv // per_block
     swap = (swap // per_block) * per_block
+    usable = (blocks - (1 if groups.hybrid else 0)) * per_block  # less the reserved NULL_BLOCK
     return SizeEstimate(
         model=path.name, dtype=str(dtype).removeprefix("torch."), weights_bytes=weights,
         dense_copy_bytes=stored.dense_copy_bytes, storage=stored.params,
-        kv_bytes_per_token=per_block / engine.block_size,
+        kv_bytes_per_token=per_sequence / max_model_len, kv_cache_groups=groups.describe(),
         kv_cache_dtype=str(backend.kv_cache_dtype(dtype)).removeprefix("torch."),
-        kv_cache_bytes=blocks * per_block, kv_cache_tokens=blocks * engine.block_size, swap_bytes=swap,
-        activation_bytes=acts, runtime_bytes=RUNTIME_BYTES, max_model_len=max_model_len,
+        kv_cache_bytes=blocks * per_block, kv_cache_tokens=int(max(0, usable) * max_model_len // per_sequence),
+        swap_bytes=swap,
+        activation_bytes=acts, runtime_bytes=RUNTIME_BYTES, frontend_bytes=RUNTIME_BYTES if engine_process else 0,
+        max_model_len=max_model_len,
         max_num_seqs=int(engine.max_num_seqs), margin=margin)
 
 
@@ -211,11 +223,15 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         f"{e.kv_bytes_per_token / 1024:.2f} KiB per token x "
         f"{e.kv_cache_tokens} tokens = {e.concurrency_at_max_len:.1f} sequences of {e.max_model_len})",
     ]
+    if "hybrid" in e.kv_cache_groups:
+        lines.append(f"                              ({e.kv_cache_groups})")
     if e.swap_bytes:
         lines.append(f"  swap space     {gib(e.swap_bytes):>10}   (host copies of preempted sequences)")
     lines += [
         f"  activations    {gib(e.activation_bytes):>10}   (largest step)",
         f"  runtime        {gib(e.runtime_bytes):>10}   (interpreter, torch, server)",
+        *([f"  front-end      {gib(e.frontend_bytes):>10}   (the server's process beside the engine's)"]
+          if e.frontend_bytes else []),
         f"  total          {gib(e.total_bytes):>10}   resident, predicted",
     ]
     if memory is not None:

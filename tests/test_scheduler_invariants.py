@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
 from tessera.config import EngineConfig
 from tessera.engine.cost_model import StepShape
 from tessera.engine.kv_cache_manager import KVCacheManager
@@ -19,7 +20,19 @@ EOS = 0
 
 
 def check_pool(kv: KVCacheManager, live: list[Request]) -> None:
-    held = Counter(b for r in live for b in r.block_ids)
+    sliding = [g for g, w in enumerate(kv.groups.windows) if w is not None]
+    held = Counter(b for r in live for g, t in enumerate(r.block_tables) for i, b in enumerate(t)
+                   if g not in sliding or i >= r.num_null_blocks)
+    if kv.groups.hybrid:
+        held[NULL_BLOCK] += 1  # reserved for good
+    for r in live:
+        assert len({len(t) for t in r.block_tables}) <= 1  # an entry per block of the context in each
+        for g in sliding:
+            t = r.block_tables[g] if r.block_tables else []
+            assert all(b == NULL_BLOCK for b in t[:r.num_null_blocks])
+            # Nothing a coming query reads was dropped.
+            first = kv.groups.first_needed_block(g, r.num_computed_tokens, kv.block_size)
+            assert r.num_null_blocks <= first or not t
     for block in kv.pool.blocks:
         assert block.ref_cnt >= 0
         assert block.ref_cnt == held.get(block.block_id, 0), (block, held.get(block.block_id))
@@ -44,6 +57,8 @@ workload = st.fixed_dictionaries({
                                               st.floats(0, 50), st.floats(1, 80))),
     "min_chunk": st.integers(1, 8),
     "spec": st.integers(0, 4),  # tokens proposed to decoding requests (speculative decoding)
+    # Sliding-window layers beside full ones (kv_groups.py): None, or (window, sliding groups).
+    "sliding": st.one_of(st.none(), st.tuples(st.integers(1, 24), st.integers(1, 3))),
 })
 
 
@@ -75,8 +90,12 @@ def test_scheduler_invariants(w: dict) -> None:
                        preemption_mode=w["mode"], scheduler_policy=w["policy"], block_size=bs,
                        enable_prefix_caching=w["caching"], target_itl_ms=target_ms,
                        min_prefill_chunk=w["min_chunk"])
-    kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]))
-    capacity = w["num_blocks"] * bs
+    groups = KVCacheGroups.plain(2)
+    if w["sliding"] is not None:
+        window, n = w["sliding"]
+        groups = KVCacheGroups.for_layers([None] + [window] * n)
+    kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]), groups=groups)
+    capacity = groups.max_tokens(w["num_blocks"], bs, w["budget"])
     max_model_len = max(2, min(capacity, 60))
     sched = Scheduler(cfg, kv, max_model_len, cost)
     shared_head = [rng.randrange(1, 50) for _ in range(20)]
@@ -87,7 +106,7 @@ def test_scheduler_invariants(w: dict) -> None:
         prompt = (shared_head + [rng.randrange(1, 50) for _ in range(plen)])[:plen] \
             if rng.random() < 0.5 else [rng.randrange(1, 50) for _ in range(plen)]
         max_tokens = rng.randint(1, max_model_len - plen)
-        if kv.blocks_for(plen + max_tokens) > w["num_blocks"]:
+        if plen + max_tokens > capacity:
             continue  # the engine rejects these at the door
         pending.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens),
                                max_tokens, [EOS]))
@@ -113,9 +132,15 @@ def test_scheduler_invariants(w: dict) -> None:
             assert r.status == RequestStatus.RUNNING
             assert s.num_new_tokens > 0
             assert len(r.block_ids) >= kv.blocks_for(r.num_computed_tokens + s.num_new_tokens)
-            # Never write into a block another request also holds.
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
-                assert kv.pool.blocks[r.block_ids[pos // bs]].ref_cnt == 1
+            # Never write into a block another request also holds, in any group; and every block
+            # the step's queries read is held.
+            for t in r.block_tables:
+                for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
+                    assert t[pos // bs] != NULL_BLOCK or not kv.groups.hybrid
+                    assert kv.pool.blocks[t[pos // bs]].ref_cnt == 1
+            first = max(kv.groups.first_needed_block(g, r.num_computed_tokens, bs)
+                        for g in range(kv.groups.num_groups))
+            assert r.num_null_blocks <= first
         if cost is not None and w["policy"] == "continuous":
             check_latency_target(out, cost, target_ms / 1000, w["min_chunk"])
         sampled = {s.request.request_id: [EOS if rng.random() < 0.05 else rng.randrange(1, 50)
@@ -131,9 +156,9 @@ def test_scheduler_invariants(w: dict) -> None:
         if not pending and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "workload did not drain"
-    assert kv.num_free_blocks == w["num_blocks"]
+    assert kv.num_free_blocks == w["num_blocks"] - (1 if groups.hybrid else 0)
     assert len(kv.host_free) == kv.num_host_blocks
-    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks[1 if groups.hybrid else 0:])
 
 
 def check_latency_target(out, cost: FakeCostModel, target_s: float, min_chunk: int) -> None:

@@ -81,6 +81,10 @@ def test_size_command(folder, capsys):
     assert "weights" in text and "KV cache" in text and "sequences of 256 tokens at once" in text
     assert main(["size", str(folder), "--dtype", "float32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["total_bytes"] == sum(data[k] for k in ("runtime_bytes", "weights_bytes", "kv_cache_bytes",
-                                                        "swap_bytes", "activation_bytes"))
+    assert data["total_bytes"] == sum(data[k] for k in ("runtime_bytes", "frontend_bytes", "weights_bytes",
+                                                        "kv_cache_bytes", "swap_bytes", "activation_bytes"))
+    assert data["frontend_bytes"] == data["runtime_bytes"]  # serve's default: the engine in its own process
+    assert main(["size", str(folder), "--dtype", "float32", "--json", "--no-engine-process"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["frontend_bytes"] == 0 and one["total_bytes"] == data["total_bytes"] - data["runtime_bytes"]
     assert main(["size", str(folder), "--margin", "1.5"]) != 0

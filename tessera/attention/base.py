@@ -49,6 +49,13 @@ class AttentionMetadata:
     block_size: int
     num_decodes: int  # leading requests with exactly one query token
     _cache: dict = field(default_factory=dict, repr=False)
+    # Each layer's own metadata when layers read different block tables (kv_groups.py: sliding-window
+    # layers keep only their window's blocks); None when every layer reads these.
+    layers: Optional[list["AttentionMetadata"]] = None
+
+    def for_layer(self, index: int) -> "AttentionMetadata":
+        """The metadata decoder layer `index` attends with."""
+        return self if self.layers is None else self.layers[index]
 
     @property
     def num_reqs(self) -> int:

@@ -47,6 +47,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "across restarts of the same model and settings (default: off)")
     g.add_argument("--kv-offload-size", type=parse_size, default=d.kv_offload_size,
                    help="most the disk tier may hold; least recently used blocks go first (default: 8GiB)")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every layer's KV blocks for the whole context, sliding-window layers (Gemma 3) "
+                        "included; by default those keep only their window's blocks, a long sequence then "
+                        "holding about a fifth of the cache (off by itself with --kv-offload-dir, which stores "
+                        "whole-context blocks)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt+output in tokens (default: min(model limit, 4096))")
     g.add_argument("--profile", choices=PROFILES, default=d.profile,

@@ -77,13 +77,16 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
-    def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference each; pass tail blocks first so they are evicted first."""
+    def free(self, blocks: Iterable[KVBlock], evict_first: bool = False) -> None:
+        """Drop one reference each; pass tail blocks first so they are evicted first. With
+        `evict_first`, blocks that become free go ahead of every other free block."""
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+                if evict_first:
+                    self.free_queue.move_to_end(block.block_id, last=False)
 
     def register(self, block: KVBlock, block_hash: int) -> None:
         """Make a full, computed block findable by its hash (first writer wins)."""

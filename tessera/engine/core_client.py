@@ -91,7 +91,7 @@ class ProcessEngineCore:
         self.config: EngineConfig = pickle.loads(ready.config)
         self.inputs = InputProcessor(self.tokenizer, InputLimits(self.model_config.vocab_size,
                                                                  self.config.max_model_len,
-                                                                 self.config.block_size, ready.num_blocks))
+                                                                 ready.kv_capacity_tokens))
         self.assembler = wire.OutputAssembler()
         self._stats = ready.scheduler
         self._info = ready.info

@@ -65,7 +65,7 @@ def run_engine_core(config_pickle: bytes, in_addr: str, out_addr: str, parent_pi
         outbox.close(linger=2000)
         ctx.term()
         raise SystemExit(1) from None
-    outbox.send(enc.encode(wire.Ready(os.getpid(), pickle.dumps(engine.config), engine.kv.num_blocks,
+    outbox.send(enc.encode(wire.Ready(os.getpid(), pickle.dumps(engine.config), engine.kv_capacity_tokens,
                                       engine.get_scheduler_stats(), _info(engine))))
     try:
         _CoreLoop(engine, inbox, outbox, parent_pid).run()

@@ -40,8 +40,8 @@ class InputLimits:
 
     vocab_size: int
     max_model_len: int
-    block_size: int
-    num_blocks: int  # KV blocks in all: a request needing more can never run
+    # The longest sequence the KV cache can hold (all its blocks): a request needing more can never run.
+    kv_capacity_tokens: int
 
 
 class InputProcessor:
@@ -80,8 +80,8 @@ class InputProcessor:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
                 f"completion). Please reduce the prompt or max_tokens.")
-        if -(-(len(ids) + max_tokens) // lim.block_size) > lim.num_blocks:
+        if len(ids) + max_tokens > lim.kv_capacity_tokens:
             raise InvalidRequestError(
-                f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache "
-                f"of {lim.num_blocks * lim.block_size} tokens; raise --kv-cache-memory")
+                f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache, "
+                f"which holds a sequence of at most {lim.kv_capacity_tokens} tokens; raise --kv-cache-memory")
         return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())

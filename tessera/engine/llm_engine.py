@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 
 from tessera.attention import get_backend
+from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig
 from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, save_cached
 from tessera.engine.kv_cache_manager import KVCacheManager
@@ -103,9 +104,15 @@ class LLMEngine:
         if max_model_len > mc.max_position_embeddings:
             raise InvalidRequestError(
                 f"--max-model-len {max_model_len} exceeds the model's limit of {mc.max_position_embeddings}")
+        self.kv_groups = KVCacheGroups.for_engine(mc, config)
+        groups = self.kv_groups
+        if any(mc.layer_windows()) and not groups.hybrid:
+            logger.info("sliding-window layers keep every block of the context (%s)",
+                        "--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager
+                        else "--kv-offload-dir stores whole-context blocks")
         try:
             self.attn_backend = get_backend(config.attention_backend, config.kv_cache_dtype)
-            bytes_per_block = self.attn_backend.bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            bytes_per_block = self.attn_backend.bytes_per_block(groups.num_slots, mc.num_kv_heads, mc.head_dim,
                                                                 config.block_size, self.dtype)
         except (ValueError, KernelUnavailable) as exc:
             raise InvalidRequestError(str(exc)) from None
@@ -119,22 +126,23 @@ class LLMEngine:
         if kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
             swap = config.swap_space if config.preemption_mode == "swap" else 0
             others = swap + activation_bytes(mc, config, self.dtype, loaded.quant.dense_copy)
-            blocks_needed = config.max_num_seqs * -(-max_model_len // config.block_size)
+            blocks_needed = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size)
             kv_memory = default_kv_cache_memory(blocks_needed * bytes_per_block, available_memory(), others)
         num_blocks = kv_memory // bytes_per_block
-        if num_blocks < 1:
+        self.kv_capacity_tokens = groups.max_tokens(num_blocks, config.block_size, config.max_num_batched_tokens)
+        if self.kv_capacity_tokens < 1:
             raise InvalidRequestError(
-                f"--kv-cache-memory {kv_memory} bytes holds no block of {bytes_per_block} bytes")
+                f"--kv-cache-memory {kv_memory} bytes holds no sequence in blocks of {bytes_per_block} bytes")
         num_host_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
         self.config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block)
 
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 num_host_blocks, hash_extra=str(config.model))
+                                 num_host_blocks, hash_extra=str(config.model), groups=groups)
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size)
-        self.inputs = InputProcessor(self.tokenizer, InputLimits(mc.vocab_size, max_model_len, config.block_size,
-                                                                 num_blocks))
+        self.inputs = InputProcessor(self.tokenizer, InputLimits(mc.vocab_size, max_model_len,
+                                                                 self.kv_capacity_tokens))
         self.runner = ModelRunner(loaded.model, mc, self.config, self.attn_backend, num_blocks, num_host_blocks,
-                                  self.dtype, self.structured)
+                                  self.dtype, groups, self.structured)
         logger.info("%s", self.config.profile_summary())
         self.cost_model = self._calibrate_cost_model()
         logger.info("step-cost model: %s", self.cost_model.summary())
@@ -152,13 +160,14 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self._aborted: list[str] = []  # parents aborted since the last step, to report
         self._step_touched: Optional[list[Request]] = None  # requests the running step works on
-        capacity = num_blocks * config.block_size
-        self.kv_tokens_per_gib = config.block_size * 2**30 / bytes_per_block
+        # Per sequence of max_model_len tokens (sliding-window groups hold less of a long one).
+        per_sequence = groups.blocks_per_sequence(max_model_len, config.block_size)
+        self.kv_tokens_per_gib = max_model_len * 2**30 / (per_sequence * bytes_per_block)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.0f MiB, %s, %.0f tokens per GiB); max concurrency "
-            "at max_model_len %d: %.1f", num_blocks, config.block_size, capacity,
-            num_blocks * bytes_per_block / 2**20, self.kv_cache_format, self.kv_tokens_per_gib,
-            max_model_len, capacity / max_model_len)
+            "KV cache: %d blocks of %d tokens (%.0f MiB, %s, %s, %.0f tokens per GiB at max_model_len); "
+            "max concurrency at max_model_len %d: %.1f", num_blocks, config.block_size,
+            num_blocks * bytes_per_block / 2**20, self.kv_cache_format, groups.describe(), self.kv_tokens_per_gib,
+            max_model_len, (num_blocks - (1 if groups.hybrid else 0)) / per_sequence)
         self._log_memory()
 
     def _log_memory(self) -> None:
@@ -168,7 +177,7 @@ class LLMEngine:
         from tessera.sizing import estimate
 
         try:
-            predicted = estimate(self.config).total_bytes
+            predicted = estimate(self.config, engine_process=False).total_bytes  # this process alone
         except Exception as exc:  # noqa: BLE001 - a log line must not stop a start (e.g. an unregistered path)
             logger.debug("no memory prediction: %s", exc)
             return
@@ -250,7 +259,7 @@ class LLMEngine:
                                           f"of layers of {self.config.model!r}")
             logger.info("layer-skip drafting with layers %s of %d", _ranges(layers), n)
             return LayerSkipProposer(self.loaded.model, self.runner.kv_caches, self.attn_backend,
-                                     self.config.block_size, layers, sampler)
+                                     self.config.block_size, layers, sampler, self.kv_groups)
         assert self.draft is not None
         dc = self.draft.config
         caches = self.attn_backend.allocate(dc.num_layers, num_blocks, self.config.block_size, dc.num_kv_heads,
@@ -332,7 +341,8 @@ class LLMEngine:
         """The KV cache's format and capacity, for /v1/engine/stats."""
         c = self.config
         return {"dtype": self.kv_cache_format, "block_size": c.block_size, "num_blocks": self.kv.num_blocks,
-                "tokens": self.kv.num_blocks * c.block_size, "bytes": c.kv_cache_memory,
+                "tokens": self.kv.num_blocks * c.block_size, "max_sequence_tokens": self.kv_capacity_tokens,
+                "groups": self.kv_groups.describe(), "bytes": c.kv_cache_memory,
                 "tokens_per_gib": round(self.kv_tokens_per_gib, 1),
                 "swap_blocks": self.kv.num_host_blocks,
                 "offload": None if self.offload is None else {
@@ -595,6 +605,8 @@ class LLMEngine:
     def _export_kv(self, req: Request) -> KVTransfer:
         """The request's full prompt blocks still in the prefix cache (all of them, just after it
         finished, unless caching is off), as a decode replica loads them (--pd)."""
+        if self.kv_groups.hybrid:  # a payload holds a plain block's every layer; these hold a group's
+            return KVTransfer([], b"")
         hashes = req.block_hashes[:req.num_prompt_tokens // self.config.block_size]
         ids: list[int] = []
         for h in hashes:

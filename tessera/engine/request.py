@@ -55,7 +55,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
-        self.block_ids: list[int] = []
+        # One block table per group of layers (attention/kv_groups.py; one group for most models),
+        # empty while the request holds no blocks; sliding groups' first `num_null_blocks` entries
+        # are NULL_BLOCK (behind the window).
+        self.block_tables: list[list[int]] = []
+        self.num_null_blocks = 0
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_registered_blocks = 0  # full blocks already entered in the prefix cache
         self.swapped_blocks: list[int] = []  # host block ids while SWAPPED
@@ -78,6 +82,11 @@ class Request:
         # advanced by the tokens each step appends, so it survives preemption.
         self.grammar: Optional["GrammarState"] = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table: full attention, every block of the context."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

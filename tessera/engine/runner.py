@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from tessera.attention import AttentionBackend
+from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.request import Request
 from tessera.engine.sampler import Sampler
@@ -32,17 +33,21 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
-                 structured: Optional[StructuredOutputManager] = None) -> None:
+                 groups: KVCacheGroups, structured: Optional[StructuredOutputManager] = None) -> None:
         self.model = model
         self.config = config
         self.backend = backend
         self.block_size = config.block_size
+        self.groups = groups
         mc = model_config
-        self.kv_caches = backend.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
-                                          mc.head_dim, dtype)
+        # One tensor per slot of a pool block (every layer's own without sliding-window groups);
+        # each layer reads its slot's (attention/kv_groups.py).
+        self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
+                                         mc.head_dim, dtype)
+        self.kv_caches = groups.layer_caches(self.kv_slots)
         # Host copies for swapped-out requests (pinned memory would go here on a GPU).
-        self.host_caches = backend.allocate(mc.num_layers, num_host_blocks, config.block_size, mc.num_kv_heads,
-                                            mc.head_dim, dtype) if num_host_blocks > 0 else []
+        self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size, mc.num_kv_heads,
+                                           mc.head_dim, dtype) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
         self.structured = structured
 
@@ -51,18 +56,18 @@ class ModelRunner:
             return
         src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        src, dst = (self.kv_caches, self.host_caches) if to_host else (self.host_caches, self.kv_caches)
+        src, dst = (self.kv_slots, self.host_slots) if to_host else (self.host_slots, self.kv_slots)
         self.backend.copy_blocks(src, dst, src_ids, dst_ids)
 
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers (what `read_blocks` returns per block)."""
-        return sum(c[:, :, 0].numel() * c.element_size() for c in self.kv_caches)
+        """Bytes of one pool block, all its slots (what `read_blocks` returns per block)."""
+        return sum(c[:, :, 0].numel() * c.element_size() for c in self.kv_slots)
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> bytes:
-        """The blocks' contents, all layers, one block after the other (for the disk tier)."""
+        """The blocks' contents, all slots, one block after the other (for the disk tier)."""
         idx = torch.tensor(block_ids, dtype=torch.long)
-        parts = [c[:, :, idx].movedim(2, 0).reshape(len(block_ids), -1).view(torch.uint8) for c in self.kv_caches]
+        parts = [c[:, :, idx].movedim(2, 0).reshape(len(block_ids), -1).view(torch.uint8) for c in self.kv_slots]
         return torch.cat(parts, dim=1).numpy().tobytes()
 
     @torch.inference_mode()
@@ -72,7 +77,7 @@ class ModelRunner:
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
         idx = torch.tensor(block_ids, dtype=torch.long)
         at = 0
-        for c in self.kv_caches:
+        for c in self.kv_slots:
             shape = c[:, :, 0].shape
             size = c[:, :, 0].numel() * c.element_size()
             chunk = data[:, at:at + size].contiguous().view(c.dtype).view(n, *shape)
@@ -121,18 +126,18 @@ class ModelRunner:
                 # paged decode kernel instead of the gathered-context prefill path (2x cheaper here).
                 qlens.extend([1] * n)
                 seqlens.extend(range(start + 1, start + n + 1))
-                tables.extend([r.block_ids] * n)
+                tables.extend([r.block_tables] * n)
             else:
                 qlens.append(n)
                 seqlens.append(start + n)
-                tables.append(r.block_ids)
+                tables.append(r.block_tables)
             if not (n - k == 1 and r.output_token_ids and start == r.num_tokens - 1):
                 num_prompt += n  # prefill (or recompute) rather than a decode step
             if s.produces_token and not k:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(r)
         masks = self._start_masks(sample_reqs, spec_reqs, proposals)
-        meta = self.backend.build_metadata(qlens, seqlens, tables, self.block_size)
+        meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
         rows = sample_rows + spec_rows

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from tessera.config import EngineConfig
 from tessera.engine.cost_model import StepCostPredictor, StepShape
-from tessera.engine.kv_cache_manager import KVCacheManager
+from tessera.engine.kv_cache_manager import NO_HIT, KVCacheManager
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.stats import SchedulerStats
 
@@ -287,9 +287,9 @@ class Scheduler:
                     # Could not grow after swap-in: run nothing new for it this step.
                     n = 0
             else:
-                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-                loaded = self.kv.find_offloaded(req, len(cached)) if req.num_computed_tokens == 0 else []
-                hit_tokens = (len(cached) + len(loaded)) * self.kv.block_size
+                cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else NO_HIT
+                loaded = self.kv.find_offloaded(req, cached.num_blocks) if req.num_computed_tokens == 0 else []
+                hit_tokens = (cached.num_blocks + len(loaded)) * self.kv.block_size
                 start = req.num_computed_tokens + hit_tokens
                 n = self._prefill_chunk(req, start, min(req.num_tokens - start, step.budget), step)
                 if n == 0 and not static:
@@ -297,10 +297,10 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, n, cached, [h for h, _ in loaded]):
                     break
                 if loaded:  # the runner fills these blocks from the disk tier before the step
-                    ids = req.block_ids[len(cached):len(cached) + len(loaded)]
+                    ids = req.block_ids[cached.num_blocks:cached.num_blocks + len(loaded)]
                     out.kv_loads.extend(zip(ids, (payload for _, payload in loaded)))
                     out.kv_loaded_shape = out.kv_loaded_shape.plus(StepShape.chunk(
-                        len(cached) * self.kv.block_size, len(loaded) * self.kv.block_size, False))
+                        cached.num_blocks * self.kv.block_size, len(loaded) * self.kv.block_size, False))
                     self.kv.offload_hits += len(loaded) * self.kv.block_size
                 if req.status == RequestStatus.WAITING:
                     req.num_cached_tokens = hit_tokens
@@ -349,6 +349,7 @@ class Scheduler:
             if s.num_spec_tokens:
                 self.kv.release_tail(req, req.num_tokens)
             self.kv.cache_full_blocks(req)  # before finishing, so a finished request's blocks stay findable
+            self.kv.free_out_of_window(req)
             if kept:
                 appended[req.request_id] = kept
             if reason == RequestStatus.FINISHED_STOPPED:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tessera.attention import AttentionBackend
+from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import SpeculativeConfig
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.request import Request
@@ -88,8 +89,9 @@ class NgramProposer:
         return []
 
 
-# forward(input_ids, positions, block tables, query lens, seq lens, rows to return) -> logits
-DraftForward = Callable[[list[int], list[int], list[list[int]], list[int], list[int], list[int]], torch.Tensor]
+# forward(input_ids, positions, each request's block tables (one per group), query lens, seq lens,
+# rows to return) -> logits
+DraftForward = Callable[[list[int], list[int], list[list[list[int]]], list[int], list[int], list[int]], torch.Tensor]
 
 
 class ModelProposer:
@@ -139,7 +141,7 @@ class ModelProposer:
                 take = feed[:self.max_chunk]
                 ids.extend(take)
                 pos.extend(range(start, start + len(take)))
-                tables.append(reqs[i].block_ids)
+                tables.append(reqs[i].block_tables)
                 qlens.append(len(take))
                 seqlens.append(start + len(take))
                 if len(take) == len(feed):
@@ -177,7 +179,8 @@ class DraftModelProposer(ModelProposer):
         super().__init__(self._forward, sampler, max_chunk, catch_up=True)
 
     def _forward(self, ids, pos, tables, qlens, seqlens, rows) -> torch.Tensor:
-        meta = self.backend.build_metadata(qlens, seqlens, tables, self.block_size)
+        # The draft's own cache, one layer per tensor, addressed by the target's group 0 (full attention).
+        meta = self.backend.build_metadata(qlens, seqlens, [t[0] for t in tables], self.block_size)
         hidden = self.draft(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
         logits = self.draft.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long)))
         return _fit_vocab(logits, self.vocab_size)
@@ -193,13 +196,13 @@ class LayerSkipProposer(ModelProposer):
     """
 
     def __init__(self, target: CausalLM, caches: list[torch.Tensor], backend: AttentionBackend, block_size: int,
-                 layers: Sequence[int], sampler: Sampler) -> None:
+                 layers: Sequence[int], sampler: Sampler, groups: KVCacheGroups) -> None:
         self.target, self.caches, self.backend = target, caches, backend
-        self.block_size, self.layers = block_size, list(layers)
+        self.block_size, self.layers, self.groups = block_size, list(layers), groups
         super().__init__(self._forward, sampler, max_chunk=1, catch_up=False)
 
     def _forward(self, ids, pos, tables, qlens, seqlens, rows) -> torch.Tensor:
-        meta = self.backend.build_metadata(qlens, seqlens, tables, self.block_size)
+        meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
         hidden = self.target(torch.tensor(ids), torch.tensor(pos), self.caches, meta, layers=self.layers)
         return self.target.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long)))
 

@@ -69,7 +69,7 @@ class EngineInfo(msgspec.Struct):
 class Ready(msgspec.Struct, tag="ready"):
     pid: int
     config: bytes  # pickle of the engine's resolved EngineConfig (once per start)
-    num_blocks: int
+    kv_capacity_tokens: int  # the longest sequence its KV cache holds (InputLimits)
     scheduler: SchedulerStats
     info: EngineInfo
 

@@ -86,10 +86,7 @@ class Gemma3ForCausalLM(nn.Module):
             raise ModelFormatError("Gemma models with attention logit soft-capping are not supported")
         self.config = c
         self.dtype = quant.dtype
-        pattern = c.sliding_window_pattern or 0
-        # Layer i is global when (i + 1) is a multiple of the pattern; without a window all are global.
-        self.is_sliding = [bool(c.sliding_window) and pattern > 0 and (i + 1) % pattern != 0
-                           for i in range(c.num_layers)]
+        self.is_sliding = [w is not None for w in c.layer_windows()]
         # HF rounds the embedding scale to the compute dtype; do the same.
         self.embed_scale = torch.tensor(c.hidden_size ** 0.5, dtype=quant.dtype)
         self.model = Gemma3Model(c, quant, self.is_sliding)
@@ -116,7 +113,7 @@ class Gemma3ForCausalLM(nn.Module):
         for i in (range(len(self.model.layers)) if layers is None else layers):
             layer, cache = self.model.layers[i], kv_caches[i]
             cos, sin = tables[layer.sliding]
-            a = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, attn_meta)
+            a = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, attn_meta.for_layer(i))
             x = x + layer.post_attention_layernorm(a)
             h = layer.mlp(layer.pre_feedforward_layernorm(x))
             x = x + layer.post_feedforward_layernorm(h)

@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
                 h = layer.input_layernorm(x)
             else:
                 h, residual = layer.input_layernorm(x, residual)
-            x = layer.self_attn(h, cos, sin, half, cache, attn_meta, self.rotary_emb)
+            x = layer.self_attn(h, cos, sin, half, cache, attn_meta.for_layer(i), self.rotary_emb)
             h, residual = layer.post_attention_layernorm(x, residual)
             x = layer.mlp(h)
         return self.model.norm(x, residual)[0]
