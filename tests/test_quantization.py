@@ -306,6 +306,30 @@ def test_int4_gemm_kernel_matches_pytorchs(rows):
     torch.testing.assert_close(method.apply(layer, x).float(), got.float(), atol=0, rtol=0)  # the route taken
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64])  # odd counts: the kernel's last unpaired row
+def test_int4_f32_kernel_matches_the_dequantized_weight(rows):
+    """AVX2 hosts compute in float32, where PyTorch's int4pack kernel runs at ~1 GFLOP/s: our
+    kernel (int4_avx2.c) takes 1-64 rows there and must compute what the dense path computes."""
+    from tessera import kernels
+    from tessera.layers.quantization import int4pack_layout
+
+    layout = int4pack_layout()
+    if layout is None or not layout.avx2_layout or not kernels.avx2_matmuls():
+        pytest.skip("not an AVX2 int4pack layout with the AVX2 + FMA kernel")
+    torch.manual_seed(rows)
+    w = torch.randn(200, 96) * 0.05  # 200 rows: the last 32-row tile is partly padding
+    method, layer = _layer(Int4Method, w, dtype=torch.float32)
+    assert layer.use_f32_kernel
+    x = torch.randn(rows, 96)
+    got = kernels.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+    assert got.shape == (rows, 200)
+    torch.testing.assert_close(got, x @ method.dequantize(layer).T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(method.apply(layer, x), got, atol=0, rtol=0)  # the route taken
+    with pytest.raises(kernels.KernelUnavailable):
+        kernels.int4_gemm_f32(torch.randn(kernels.INT4_F32_MAX_ROWS + 1, 96), layer.qweight, layer.scales_zeros,
+                              layer.out_rows)
+
+
 def test_row_buckets_bound_padding_and_shape_count():
     """Dense matmuls see few distinct row counts (oneDNN keeps a kernel per shape), padded by <= 1/8."""
     for rows in range(1, 9000):
@@ -355,6 +379,8 @@ def test_int4_dequantize_follows_the_hosts_int4pack_layout(capability):
         "small = m._small(layer, x)\n"
         "dense = x @ m.dequantize(layer).T\n"
         "assert (small - dense).abs().max() < 1e-4, (small - dense).abs().max()\n"
+        "routed = m.apply(layer, x)\n"  # the route decode takes (our AVX2 kernel where it applies)
+        "assert (routed - dense).abs().max() < 1e-4, (routed - dense).abs().max()\n"
         "rows = torch.tensor([0, 17, 33, 63, 64, 99])\n"
         "assert torch.equal(m._rows(layer, rows), m.dequantize(layer)[rows])\n"
         "assert (m.dequantize(layer) - w).abs().max() < 0.02\n"

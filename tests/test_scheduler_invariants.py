@@ -236,6 +236,20 @@ def test_min_prefill_chunk_keeps_prompts_flowing_past_the_target() -> None:
     assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
 
 
+def test_wait_forecast_counts_the_min_prefill_chunk_past_the_target() -> None:
+    """The forecast behind decodes already over the target assumes what the scheduler does
+    (min_prefill_chunk tokens a step), not one token a step: the latter refused short prompts
+    with 429 on a slow host as if they needed a step per token."""
+    sched = _decoding_over_target(min_chunk=24)
+    snap = sched.load_snapshot()
+    step_s = sched.cost_model.predict(StepShape(1, 1, 5).plus(StepShape.chunk(0, 24, False)))
+    assert sched.predict_wait(snap, 24) == pytest.approx(step_s)  # one step, not 24
+    assert sched.predict_wait(snap, 48) == pytest.approx(2 * step_s)
+    sched.add_request(Request("p", [2] * 24, SamplingParams(max_tokens=1), 1, [0]))
+    out = sched.schedule()  # and the scheduler indeed computes that prompt in one step
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
+
+
 def test_prefix_hit_shares_full_blocks_only() -> None:
     kv = KVCacheManager(16, 4, True)
     sched = Scheduler(EngineConfig(max_num_batched_tokens=64, block_size=4), kv, 64)

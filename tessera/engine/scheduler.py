@@ -147,8 +147,11 @@ class Scheduler:
         rows = snap.num_decoding
         decode = StepShape(rows, rows, rows * snap.mean_context)
         if rows and self.target_s is not None:
-            chunk = max(1, _max_fitting(model, decode, self.target_s, budget,
-                                        lambda k: StepShape.chunk(0, k, False)))
+            # The step's first prefill gets at least min_prefill_chunk even when the target
+            # leaves less (see _prefill_chunk): forecasting 1 token a step there refused, on a
+            # slow host, prompts the scheduler would have served in a few steps.
+            fitted = _max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
+            chunk = max(1, fitted, min(budget, self.config.min_prefill_chunk))
         else:
             chunk = budget
         step_s = model.predict(decode.plus(StepShape.chunk(0, chunk, False)))

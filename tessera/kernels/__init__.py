@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c")
+SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c")
 HEADERS = ("bf16.h", "softmax.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
@@ -124,6 +124,11 @@ def load() -> ctypes.CDLL:
     m4.restype = ctypes.c_int
     lib.tessera_avx512_bf16.argtypes = []
     lib.tessera_avx512_bf16.restype = ctypes.c_int
+    f32 = lib.int4_gemm_f32
+    f32.argtypes = [p, p, p, p, i64, i64, i64, i64]
+    f32.restype = ctypes.c_int
+    lib.tessera_avx2_fma.argtypes = []
+    lib.tessera_avx2_fma.restype = ctypes.c_int
     return lib
 
 
@@ -140,6 +145,12 @@ def bf16_matmuls() -> bool:
     """Whether the few-row AVX512-BF16 matrix kernels (int8_gemm_bf16, int4_gemv_bf16,
     int4_gemm_bf16) run here; the others have portable paths and only need `available()`."""
     return available() is None and bool(load().tessera_avx512_bf16())
+
+
+def avx2_matmuls() -> bool:
+    """Whether the float32 AVX2 + FMA int4 kernel (int4_gemm_f32) runs here: hosts without
+    AVX-512, where PyTorch's int4pack kernel is the slow path (see int4_avx2.c)."""
+    return available() is None and bool(load().tessera_avx2_fma())
 
 
 def supports(num_heads: int, kv_cache: torch.Tensor) -> bool:
@@ -310,12 +321,13 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-INT8_GEMV_MAX_ROWS = 4
+INT8_GEMV_MAX_ROWS = 8
 INT8_GEMM_MAX_ROWS = 8
+INT4_F32_MAX_ROWS = 64
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bfloat16 or float32, M <= 4) @ (int8 weight [N, K] * scale [N]).T -> [M, N] in x's dtype."""
+    """x [M, K] (bfloat16 or float32, M <= 8) @ (int8 weight [N, K] * scale [N]).T -> [M, N] in x's dtype."""
     lib = load()
     m, k = x.shape
     x = x.contiguous()
@@ -364,6 +376,20 @@ def int4_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Te
     if lib.int4_gemm_bf16(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
                           scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
         raise KernelUnavailable("int4_gemm_bf16 needs AVX-512 BF16 on the build machine")
+    return out
+
+
+def int4_gemm_f32(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """float32 rows [M, K] (M <= INT4_F32_MAX_ROWS) times an int4pack weight in the AVX2 layout,
+    float32 scales and zeros (see int4_avx2.c) -> [M, out_rows] float32."""
+    lib = load()
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty(m, out_rows, dtype=torch.float32)
+    if lib.int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
+                         scales_zeros.shape[1], out_rows, k) != 0:
+        raise KernelUnavailable(f"int4_gemm_f32 needs AVX2 + FMA, at most {INT4_F32_MAX_ROWS} rows and K a "
+                                f"multiple of 32 (got {m} x {k})")
     return out
 
 

@@ -2,16 +2,18 @@
  *
  * PyTorch's _weight_int8pack_mm reads an LM head of 49k x 576 int8 weights at ~12 GB/s on these
  * machines (2-3 ms a token); this streams each weight row once, widening 16 int8 at a time to
- * float32 and multiplying by up to 4 activation rows (float32 accumulation, one rounding of the
- * result, like the PyTorch kernel). Rows are split across torch's OpenMP threads.
+ * float32 and multiplying by up to 8 activation rows (float32 accumulation, one rounding of the
+ * result, like the PyTorch kernel). Rows are split across torch's OpenMP threads. AVX2 hosts take
+ * 8 weights at a time: there PyTorch's kernel computes float32 rows at ~2 GFLOP/s (an LM head of
+ * 49k x 576 at 8 rows: 110 ms).
  */
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
-#define MAX_ROWS 4
+#define MAX_ROWS 8
 
 #include "bf16.h"
 
@@ -25,7 +27,7 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, void *out, int
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = w + n * K;
-        float sums[MAX_ROWS] = {0.f, 0.f, 0.f, 0.f};
+        float sums[MAX_ROWS] = {0.f};
         int64_t k = 0;
 #if defined(__AVX512F__)
         __m512 acc[MAX_ROWS];
@@ -35,6 +37,18 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, void *out, int
             for (int64_t m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + k), acc[m]);
         }
         for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 acc[MAX_ROWS];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (; k + 8 <= K; k += 8) {
+            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + m * K + k), acc[m]);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+            const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            sums[m] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+        }
 #endif
         for (; k < K; k++)
             for (int64_t m = 0; m < M; m++) sums[m] += (float)wr[k] * xf[m * K + k];

@@ -1,0 +1,123 @@
+/* Weight-only int4 matrix product for float32 activations on AVX2 + FMA hosts (no AVX-512),
+ * on the int4pack layout PyTorch writes there.
+ *
+ * Why: on those hosts the compute dtype is float32 (no native bfloat16) and PyTorch's
+ * _weight_int4pack_mm_for_cpu runs at ~1 GFLOP/s there: one SmolLM2-135M decode step took
+ * 112 ms of its 135 ms in it, eight rows 850 ms (benchmarks/step_profile.py on an AMD EPYC with
+ * AVX2 only). This kernel dequantizes each group of 32 columns of a 32-row tile once into an
+ * L1-resident float block (w = (q - 8) * s + z, what Int4Method.dequantize computes), then
+ * multiplies it by every activation row, two rows at a time so eight independent FMA chains
+ * hide the FMA latency. Tiles are split across torch's OpenMP threads.
+ *
+ * Layout (torch._convert_weight_to_int4pack_for_cpu under AVX2, torch 2.13): output rows in tiles
+ * of 32; tile t, input column k, byte c (0..15) holds row 32t + c in its low nibble and row
+ * 32t + 16 + c in its high nibble. sz is [K/32][N_pad][2] float32 (scale, zero) pairs.
+ */
+#include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_FMA 1
+#endif
+
+#define INT4_F32_MAX_ROWS 64
+
+/* 1 when this build has the AVX2 + FMA float32 path of int4_gemm_f32, else 0. */
+int tessera_avx2_fma(void) {
+#ifdef HAVE_AVX2_FMA
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x: [M][K] float32 (K a multiple of 32, M <= INT4_F32_MAX_ROWS); packed: [N_pad/32][K][16] uint8;
+ * sz: [K/32][N_pad][2] float32; out: [M][N_out] float32. Returns 0, or -1 when this build has no
+ * AVX2 + FMA path or the shape is out of range (callers then use PyTorch's kernel). */
+int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
+                  int64_t N_out, int64_t K) {
+#ifdef HAVE_AVX2_FMA
+    if (M < 1 || M > INT4_F32_MAX_ROWS || K % 32 != 0 || N_pad % 32 != 0) return -1;
+    const int64_t G = K / 32;
+    const int64_t tiles = N_pad / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = packed + t * K * 16;
+        float acc[INT4_F32_MAX_ROWS][32] __attribute__((aligned(32)));
+        float wf[32][32] __attribute__((aligned(32))); /* [k within the group][row of the tile] */
+        float s[32] __attribute__((aligned(32))), b[32] __attribute__((aligned(32)));
+        for (int64_t m = 0; m < M; m++)
+            for (int r = 0; r < 32; r++) acc[m][r] = 0.f;
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        for (int64_t g = 0; g < G; g++) {
+            const float *pairs = sz + (g * N_pad + t * 32) * 2;
+            for (int r = 0; r < 32; r++) {
+                s[r] = pairs[2 * r];
+                b[r] = pairs[2 * r + 1] - 8.f * pairs[2 * r]; /* w = q * s + (z - 8 s) */
+            }
+            const __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
+            const __m256 s2 = _mm256_load_ps(s + 16), s3 = _mm256_load_ps(s + 24);
+            const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+            const __m256 b2 = _mm256_load_ps(b + 16), b3 = _mm256_load_ps(b + 24);
+            const uint8_t *col = tile + g * 32 * 16;
+            for (int kk = 0; kk < 32; kk++) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(col + kk * 16));
+                const __m128i lo = _mm_and_si128(bytes, low4);                     /* rows 0..15 */
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  /* rows 16..31 */
+                const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+                _mm256_store_ps(wf[kk], _mm256_fmadd_ps(q0, s0, b0));
+                _mm256_store_ps(wf[kk] + 8, _mm256_fmadd_ps(q1, s1, b1));
+                _mm256_store_ps(wf[kk] + 16, _mm256_fmadd_ps(q2, s2, b2));
+                _mm256_store_ps(wf[kk] + 24, _mm256_fmadd_ps(q3, s3, b3));
+            }
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) {
+                const float *xa = x + m * K + g * 32, *xb = xa + K;
+                __m256 a0 = _mm256_load_ps(acc[m]), a1 = _mm256_load_ps(acc[m] + 8);
+                __m256 a2 = _mm256_load_ps(acc[m] + 16), a3 = _mm256_load_ps(acc[m] + 24);
+                __m256 c0 = _mm256_load_ps(acc[m + 1]), c1 = _mm256_load_ps(acc[m + 1] + 8);
+                __m256 c2 = _mm256_load_ps(acc[m + 1] + 16), c3 = _mm256_load_ps(acc[m + 1] + 24);
+                for (int kk = 0; kk < 32; kk++) {
+                    const __m256 w0 = _mm256_load_ps(wf[kk]), w1 = _mm256_load_ps(wf[kk] + 8);
+                    const __m256 w2 = _mm256_load_ps(wf[kk] + 16), w3 = _mm256_load_ps(wf[kk] + 24);
+                    const __m256 xv = _mm256_broadcast_ss(xa + kk), yv = _mm256_broadcast_ss(xb + kk);
+                    a0 = _mm256_fmadd_ps(w0, xv, a0); a1 = _mm256_fmadd_ps(w1, xv, a1);
+                    a2 = _mm256_fmadd_ps(w2, xv, a2); a3 = _mm256_fmadd_ps(w3, xv, a3);
+                    c0 = _mm256_fmadd_ps(w0, yv, c0); c1 = _mm256_fmadd_ps(w1, yv, c1);
+                    c2 = _mm256_fmadd_ps(w2, yv, c2); c3 = _mm256_fmadd_ps(w3, yv, c3);
+                }
+                _mm256_store_ps(acc[m], a0); _mm256_store_ps(acc[m] + 8, a1);
+                _mm256_store_ps(acc[m] + 16, a2); _mm256_store_ps(acc[m] + 24, a3);
+                _mm256_store_ps(acc[m + 1], c0); _mm256_store_ps(acc[m + 1] + 8, c1);
+                _mm256_store_ps(acc[m + 1] + 16, c2); _mm256_store_ps(acc[m + 1] + 24, c3);
+            }
+            if (m < M) { /* the odd last row: two chains per vector, summed at the end */
+                const float *xa = x + m * K + g * 32;
+                __m256 a[4], e[4];
+                for (int v = 0; v < 4; v++) {
+                    a[v] = _mm256_load_ps(acc[m] + 8 * v);
+                    e[v] = _mm256_setzero_ps();
+                }
+                for (int kk = 0; kk < 32; kk += 2) {
+                    const __m256 xv = _mm256_broadcast_ss(xa + kk), yv = _mm256_broadcast_ss(xa + kk + 1);
+                    for (int v = 0; v < 4; v++) {
+                        a[v] = _mm256_fmadd_ps(_mm256_load_ps(wf[kk] + 8 * v), xv, a[v]);
+                        e[v] = _mm256_fmadd_ps(_mm256_load_ps(wf[kk + 1] + 8 * v), yv, e[v]);
+                    }
+                }
+                for (int v = 0; v < 4; v++) _mm256_store_ps(acc[m] + 8 * v, _mm256_add_ps(a[v], e[v]));
+            }
+        }
+        const int64_t row0 = t * 32;
+        const int64_t n = N_out - row0 < 32 ? N_out - row0 : 32;
+        for (int64_t mm = 0; mm < M; mm++)
+            for (int64_t r = 0; r < n; r++) out[mm * N_out + row0 + r] = acc[mm][r];
+    }
+    return 0;
+#else
+    (void)x; (void)packed; (void)sz; (void)out; (void)M; (void)N_pad; (void)N_out; (void)K;
+    return -1;
+#endif
+}
