@@ -314,7 +314,8 @@ class Int8Method(_WeightOnlyMethod):
             or (config.dtype == torch.bfloat16 and cols % 32 == 0 and kernels.bf16_matmuls())
             or _int8_f32_kernel(config.dtype))
         dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
-        return rows * cols + rows * config.dtype.itemsize + (rows * 4 if kernel else 0) + dense
+        f32_scales = rows * 4 if kernel and config.dtype != torch.float32 else 0  # float32: the same tensor
+        return rows * cols + rows * config.dtype.itemsize + f32_scales + dense
 
     def load(self, layer, sources):
         # Row by row chunks (scales are per row), so no float32 copy of a whole large matrix
