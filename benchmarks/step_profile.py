@@ -105,6 +105,9 @@ def run(args: argparse.Namespace) -> dict:
             dt = time.perf_counter() - t0
             if stats.num_prompt_tokens == 0 and stats.num_generation_tokens == b:
                 times.append(dt)
+        if not times:  # a latency target kept admitting prompts while earlier requests finished
+            print(f"batch {b}: no decode-only step of {b} rows (raise --steps or lower --batch)", flush=True)
+            continue
         med = statistics.median(times)
         wbytes, params = weight_bytes(model, b)
         floor_bw = wbytes / bw  # the definition: weight bytes / measured copy bandwidth
