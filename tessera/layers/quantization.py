@@ -92,6 +92,11 @@ class Int4PackLayout:
             return slice(rows[0], rows[-1] + 1, step)
         return torch.tensor(rows)
 
+    @functools.cached_property
+    def slot_tensor(self) -> Tensor:
+        """`slot` as a tensor, for gathering embedding rows (built once, not per lookup)."""
+        return torch.tensor(self.slot)
+
     @property
     def kernel_layout(self) -> bool:
         """The AVX-512 layout, the one the bfloat16 int4 kernels (int4_gemv.c) read."""
@@ -436,7 +441,7 @@ class Int4Method(_WeightOnlyMethod):
         layout = self.layout
         k = layer.scales_zeros.shape[0] * INT4_GROUP
         tiles = layer.qweight.view(-1, k, layout.tile // 2)
-        slot = torch.tensor(layout.slot)[rows % layout.tile]
+        slot = layout.slot_tensor[rows % layout.tile]
         bytes_ = tiles[rows // layout.tile, :, slot // 2]  # [R, K]
         codes = (bytes_ >> (4 * (slot % 2)).unsqueeze(1).to(torch.uint8)) & 0x0F
         sz = layer.scales_zeros[:, rows].transpose(0, 1)  # [R, K/32, 2]
