@@ -76,12 +76,15 @@ def test_foreign_or_short_transfers_are_ignored(loaded):
 def test_pd_server_matches_one_engine(tmp_path):
     prompts = ["Write a Python function that returns the nth Fibonacci number, with a docstring and tests. " * 3,
                "The history of the printing press begins in", "Hi"]
-    llm = LLM("smollm2-135m", kv_cache_memory=128 * 2**20, max_model_len=1024)
+    # float32 and one prompt at a time, as the server gets them: in bfloat16 a batch of three and
+    # one prompt alone go through matrix products of other shapes, and greedy text can part
+    # (it did on an AVX512-BF16 host: "... by Johannes Brahms in 17" against "..., a German printer").
+    llm = LLM("smollm2-135m", kv_cache_memory=128 * 2**20, max_model_len=1024, dtype="float32")
     params = SamplingParams(max_tokens=24, temperature=0)
-    expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    expected = [llm.generate([p], params)[0].outputs[0].text for p in prompts]
     del llm
     with running_server(tmp_path / "server.log", "--pd", "prefill=1,decode=1", "--kv-cache-memory", "128MiB",
-                        "--max-model-len", "1024") as server:
+                        "--max-model-len", "1024", "--dtype", "float32") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
         got = [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=24, temperature=0).choices[0].text
                for p in prompts]

@@ -171,18 +171,23 @@ class LLMEngine:
         self._log_memory()
 
     def _log_memory(self) -> None:
-        """Resident memory now, next to `tessera size`'s prediction for these settings (the KV
-        cache's pages count once requests have touched them, so start-up is below the prediction)."""
+        """Resident memory now, next to `tessera size`'s prediction for this process (the KV
+        cache's pages count once requests have touched them, so start-up is below the prediction).
+        `tessera size` prints the whole server by default, front-end process included; this line
+        compares like with like (this process) and names the difference, so the two figures a user
+        sees do not look contradictory."""
         from tessera.hostinfo import resident_bytes
         from tessera.sizing import estimate
 
         try:
-            predicted = estimate(self.config, engine_process=False).total_bytes  # this process alone
+            e = estimate(self.config, engine_process=True)
         except Exception as exc:  # noqa: BLE001 - a log line must not stop a start (e.g. an unregistered path)
             logger.debug("no memory prediction: %s", exc)
             return
-        logger.info("memory: %.0f MiB resident at start-up; `tessera size` predicts %.0f MiB once the KV cache "
-                    "is in use", resident_bytes() / 2**20, predicted / 2**20)
+        logger.info("memory: %.0f MiB resident at start-up in this process; `tessera size` predicts %.0f MiB for "
+                    "it once the KV cache is in use (%.0f MiB for the server with its front-end process, "
+                    "`--no-engine-process` drops that)", resident_bytes() / 2**20,
+                    (e.total_bytes - e.frontend_bytes) / 2**20, e.total_bytes / 2**20)
 
     # -- disk tier of the prefix cache ----------------------------------------------
     def _build_offload(self) -> Optional[DiskKVTier]:
