@@ -250,6 +250,37 @@ def test_wait_forecast_counts_the_min_prefill_chunk_past_the_target() -> None:
     assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
 
 
+@pytest.mark.parametrize("sliding, prompt_len, num_blocks, most_running", [(False, 40, 18, 1), (True, 100, 94, 2)],
+                         ids=["plain", "sliding"])
+def test_admission_reserves_the_running_prompts(sliding: bool, prompt_len: int, num_blocks: int,
+                                                most_running: int) -> None:
+    """Long prompts that do not all fit: a newcomer waits until its whole prompt fits beside what
+    the running prompts still need, instead of starting on its first chunk and preempting (so
+    recomputing) them later; with sliding-window groups a chunk is fitted to the free blocks, so
+    two prompts still run together where their windows fit. No token is computed twice. (Before:
+    15 preemptions and 543 tokens computed for 282 in the plain case, 5 and 994 for 642 with
+    sliding groups.)"""
+    groups = KVCacheGroups.for_layers([None] + [8] * 5) if sliding else KVCacheGroups.plain(1)
+    kv = KVCacheManager(num_blocks, 4, False, groups=groups)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=16, block_size=4, max_num_seqs=4,
+                                   preemption_mode="recompute"), kv, 256)
+    reqs = [Request(f"r{i}", [i + 1] * prompt_len, SamplingParams(max_tokens=8), 8, [EOS]) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    computed, seen_running = 0, 0
+    for _ in range(500):
+        out = sched.schedule()
+        computed += out.total_tokens
+        seen_running = max(seen_running, len(sched.running))
+        sched.update_after_step(out, {s.request.request_id: [7] for s in out.scheduled if s.produces_token})
+        if not sched.has_unfinished():
+            break
+    assert all(r.is_finished for r in reqs)
+    assert sched.num_preemptions == 0
+    assert computed == 6 * (prompt_len + 7)
+    assert seen_running == most_running
+
+
 def test_prefix_hit_shares_full_blocks_only() -> None:
     kv = KVCacheManager(16, 4, True)
     sched = Scheduler(EngineConfig(max_num_batched_tokens=64, block_size=4), kv, 64)

@@ -98,6 +98,19 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def blocks_held(self, req: Request) -> int:
+        """Pool blocks the request holds, every group (a sliding group's dropped entries excluded)."""
+        n = len(req.block_ids)
+        return sum(n - (req.num_null_blocks if g in self._sliding else 0) for g in range(len(req.block_tables)))
+
+    def blocks_to_reach(self, req: Request, num_tokens: int, cached: PrefixHit = NO_HIT) -> int:
+        """More pool blocks `req` must take to keep `num_tokens` tokens (sliding groups: their
+        window; a step's chunk takes more for that step, see `fitting_tokens`). Blocks of a prefix hit that
+        running requests share cost nothing; a hit's unreferenced (evictable) blocks are counted
+        as needed, as they are among the free ones."""
+        need = self.groups.blocks_per_sequence(num_tokens, self.block_size) - self.blocks_held(req)
+        return max(0, need - sum(1 for b in cached.held() if b.ref_cnt > 0))
+
     def _tables(self, req: Request) -> list[list[int]]:
         if not req.block_tables:
             req.block_tables = [[] for _ in range(self.groups.num_groups)]
@@ -187,6 +200,15 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     # -- allocation -------------------------------------------------------
+    def fitting_tokens(self, req: Request, num_new_tokens: int, cached: PrefixHit = NO_HIT,
+                       num_loaded: int = 0) -> int:
+        """The most of `num_new_tokens` that `allocate_slots` can give `req` now (same arguments)."""
+        have = len(req.block_ids) + cached.num_blocks
+        computed = req.num_computed_tokens + (cached.num_blocks + num_loaded) * self.block_size
+        evictable_hits = sum(1 for b in cached.held() if b.ref_cnt == 0)
+        spare = (self.pool.num_free_blocks - evictable_hits) // self.groups.num_groups
+        return max(0, min(num_new_tokens, (have + spare) * self.block_size - computed))
+
     def allocate_slots(
         self, req: Request, num_new_tokens: int, cached: PrefixHit = NO_HIT,
         loaded: Optional[list[int]] = None,

@@ -10,8 +10,10 @@ step's first prompt always gets at least `min_prefill_chunk` tokens, even past t
 target: when the decodes alone take longer than the target (a batch too large for
 it), prompts still flow at a useful rate instead of a token per step, which starved
 the batch and halved throughput at 32 streams (benchmarks/README.md, Wave 3). Waiting requests are admitted
-first-come first-served while blocks, budget and the target allow. When a
-running request cannot get a block, the most recently admitted request is preempted.
+first-come first-served while blocks, budget and the target allow; a newcomer's whole
+prompt must fit beside what the running requests' prompts still need (`_prompt_fits`),
+so admitting it does not preempt them later. When a running request cannot get a block
+(decode growth), the most recently admitted request is preempted.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Callable, Optional
 
 from tessera.config import EngineConfig
 from tessera.engine.cost_model import StepCostPredictor, StepShape
-from tessera.engine.kv_cache_manager import NO_HIT, KVCacheManager
+from tessera.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from tessera.engine.request import Request, RequestStatus
 from tessera.engine.stats import SchedulerStats
 
@@ -247,6 +249,10 @@ class Scheduler:
                 n = cap
             else:
                 n = self._prefill_chunk(req, req.num_computed_tokens, cap, step)
+                # A chunk takes blocks in every group, sliding ones included, until the window
+                # moves past it: shrink it to the free blocks rather than preempt a running
+                # request for it; only a prompt that cannot move at all preempts.
+                n = self.kv.fitting_tokens(req, n) or n
             if n == 0:
                 continue
             num_spec = self._num_spec(req, step.budget) if decodes else 0
@@ -260,6 +266,27 @@ class Scheduler:
                     break
             else:
                 self._grant(req, n, out, step, num_spec)
+
+    def _finish_need(self, req: Request, cached: PrefixHit = NO_HIT) -> int:
+        """Pool blocks `req` still has to take to keep its prompt (all its known tokens) and the
+        next token."""
+        return self.kv.blocks_to_reach(req, min(req.num_tokens + 1, self.max_model_len), cached)
+
+    def _prompt_fits(self, req: Request, cached: PrefixHit) -> bool:
+        """Admission that reserves the running requests' prompts: a newcomer is admitted only if
+        its whole prompt fits in the free blocks left once every running request has finished its
+        own. Without it a long prompt is admitted on its first chunk alone, its later chunks take
+        blocks from requests that were already computed, and each recompute preemption costs a
+        whole prompt again: Gemma 3's windowed layers left room to start three 2,000-token prompts
+        that did not fit together (42 preemptions, 2.1x the time of a plain cache;
+        benchmarks/README.md). Sliding groups count their window here; a step's chunk, which they
+        hold until the window moves on, is fitted to the free blocks when it is scheduled. Decode
+        growth is not reserved (a block every block_size tokens; preemption handles it, as in
+        vLLM); with nothing running, a request is always admitted."""
+        if not self.running:
+            return True
+        reserved = sum(self._finish_need(r) for r in self.running)
+        return self._finish_need(req, cached) <= self.kv.num_free_blocks - reserved
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -297,6 +324,12 @@ class Scheduler:
                 n = self._prefill_chunk(req, start, min(req.num_tokens - start, step.budget), step)
                 if n == 0 and not static:
                     break  # the step is full under the latency target; admit next step
+                if not static:
+                    if not self._prompt_fits(req, cached):
+                        break  # its prompt would preempt a running one before it finished
+                    n = self.kv.fitting_tokens(req, n, cached, len(loaded))  # its first chunk, as above
+                    if n == 0:
+                        break
                 if not self.kv.allocate_slots(req, n, cached, [h for h, _ in loaded]):
                     break
                 if loaded:  # the runner fills these blocks from the disk tier before the step
