@@ -37,17 +37,21 @@ def proc_status(pid: int) -> dict[str, int]:
     its own process since issue 13: the front-end's figures alone miss the model)."""
     import psutil
 
-    out = {"VmRSS": 0, "VmHWM": 0}
+    out = {"VmRSS": 0, "VmHWM": 0, "by_process": {}}
     root = psutil.Process(pid)
     for proc in [root, *root.children(recursive=True)]:
         try:
             lines = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
         except OSError:
             continue
+        mine = {}
         for line in lines:
             if line.startswith(("VmRSS:", "VmHWM:")):
                 key, value = line.split(":")
-                out[key] += int(value.split()[0]) * 1024
+                mine[key] = int(value.split()[0]) * 1024
+                out[key] += mine[key]
+        name = "front-end" if proc.pid == pid else f"child {proc.pid}"
+        out["by_process"][name] = mine  # which term of the prediction each process holds
     return out
 
 
@@ -82,7 +86,8 @@ def measure(model: str, flags: list[str], port: int, prompt_words: int, log: Pat
         num = int(flags[flags.index("--max-num-seqs") + 1])
         load(url, num, prompt_words)
         after = proc_status(proc.pid)
-        return {"rss_started": started["VmRSS"], "rss_after_load": after["VmRSS"], "hwm": after["VmHWM"]}
+        return {"rss_started": started["VmRSS"], "rss_after_load": after["VmRSS"], "hwm": after["VmHWM"],
+                "by_process_after_load": after["by_process"]}
     finally:
         proc.terminate()
         proc.wait(60)

@@ -24,9 +24,20 @@ import torch
 
 from tessera.config import DEFAULT_MEMORY_MARGIN, EngineConfig, ModelConfig
 
-# Resident memory of the server process with no model: the interpreter, torch, tokenizers,
-# FastAPI/uvicorn and the C kernels, measured with `tessera serve` (benchmarks/sizing.py).
-RUNTIME_BYTES = 330 << 20
+# Resident memory of a server process with no model and no tokenizer: the interpreter, torch,
+# FastAPI/uvicorn and the C kernels (330 MiB measured with `tessera serve` on smollm2-135m,
+# benchmarks/sizing.py, of which its tokenizer ~67 MiB).
+RUNTIME_BYTES = 263 << 20
+# A loaded tokenizer (Hugging Face tokenizers 0.23): 40 MiB plus 7.8 bytes per byte of its
+# tokenizer.json, fitted on the packaged models' (3.5 MB: 67 MiB, 11.4 MB: 143 MiB, 33.4 MB:
+# 300 MiB, within 14 MiB). Each process holds one: the engine and the server's front-end.
+TOKENIZER_BASE_BYTES = 40 << 20
+TOKENIZER_BYTES_PER_JSON_BYTE = 7.8
+
+
+def tokenizer_bytes(json_bytes: int) -> int:
+    return TOKENIZER_BASE_BYTES + int(TOKENIZER_BYTES_PER_JSON_BYTE * json_bytes)
+
 # A float32 logits row goes through a few full-vocabulary temporaries in the sampler
 # (log-softmax, scaled copy, probabilities, cumulative sum).
 LOGIT_COPIES = 4
@@ -46,7 +57,8 @@ class SizeEstimate:
     kv_cache_tokens: int
     swap_bytes: int
     activation_bytes: int
-    runtime_bytes: int
+    runtime_bytes: int  # the engine's process without weights, KV or activations, its tokenizer included
+    tokenizer_bytes: int  # of which its tokenizer
     frontend_bytes: int  # the server's own process when the engine runs in another (the default)
     max_model_len: int
     max_num_seqs: int
@@ -164,19 +176,22 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     """Predict resident memory for serving `engine.model` with these settings; `memory` (bytes,
     default: available now) is what the default KV cache may use. `engine_process`: the server
     runs the engine in a process of its own (`tessera serve`'s default), whose front-end is one
-    more interpreter with torch and the server: measured 323-326 MiB on gemma3-270m at two
-    settings (benchmarks/sizing.py), the same as the runtime constant."""
+    more interpreter with torch, the server and a second copy of the tokenizer (the runtime term
+    again)."""
     from tessera.attention import get_backend
     from tessera.attention.kv_groups import KVCacheGroups
     from tessera.hostinfo import available_memory
     from tessera.layers.quantization import QuantConfig, resolve_dense_copy
     from tessera.models.dtype import linear_param_count, resolve_dtype
     from tessera.models.registry import resolve_model
+    from tessera.tokenizer import serialized_bytes
 
     path = Path(resolve_model(engine.model))
     config, tensors = checkpoint_tensors(path)
     dtype = resolve_dtype(engine.dtype, config)
-    budget = memory if memory is not None else available_memory() + RUNTIME_BYTES
+    tokenizer = tokenizer_bytes(serialized_bytes(path))
+    runtime = RUNTIME_BYTES + tokenizer
+    budget = memory if memory is not None else available_memory() + runtime
     dense_copy = resolve_dense_copy(engine.dense_copy, linear_param_count(config), dtype, budget)
     quant = QuantConfig(engine.quantization, dtype, dense_copy)
     stored = weight_storage(config, tensors, quant)
@@ -194,7 +209,7 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
         kv = engine.kv_cache_memory
     else:
         needed = int(engine.max_num_seqs) * per_sequence
-        kv = default_kv_cache_memory(needed, budget - RUNTIME_BYTES - weights, acts + swap, margin)
+        kv = default_kv_cache_memory(needed, budget - runtime - weights, acts + swap, margin)
     blocks = kv // per_block
     swap = (swap // per_block) * per_block
     usable = (blocks - (1 if groups.hybrid else 0)) * per_block  # less the reserved NULL_BLOCK
@@ -205,7 +220,8 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
         kv_cache_dtype=str(backend.kv_cache_dtype(dtype)).removeprefix("torch."),
         kv_cache_bytes=blocks * per_block, kv_cache_tokens=int(max(0, usable) * max_model_len // per_sequence),
         swap_bytes=swap,
-        activation_bytes=acts, runtime_bytes=RUNTIME_BYTES, frontend_bytes=RUNTIME_BYTES if engine_process else 0,
+        activation_bytes=acts, runtime_bytes=runtime, tokenizer_bytes=tokenizer,
+        frontend_bytes=runtime if engine_process else 0,
         max_model_len=max_model_len,
         max_num_seqs=int(engine.max_num_seqs), margin=margin)
 
@@ -229,7 +245,7 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         lines.append(f"  swap space     {gib(e.swap_bytes):>10}   (host copies of preempted sequences)")
     lines += [
         f"  activations    {gib(e.activation_bytes):>10}   (largest step)",
-        f"  runtime        {gib(e.runtime_bytes):>10}   (interpreter, torch, server)",
+        f"  runtime        {gib(e.runtime_bytes):>10}   (interpreter, torch, server; tokenizer {gib(e.tokenizer_bytes)})",
         *([f"  front-end      {gib(e.frontend_bytes):>10}   (the server's process beside the engine's)"]
           if e.frontend_bytes else []),
         f"  total          {gib(e.total_bytes):>10}   resident, predicted",

@@ -73,13 +73,12 @@ class Tokenizer:
         path = Path(path)
         gf = gguf if gguf is not None else read_gguf(path)
         try:
-            digest = _gguf_metadata_digest(gf)
+            folder = (cache_dir or default_cache_dir()) / _gguf_metadata_digest(gf)
             gguf_eos = [int(gf.metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                                       "tokenizer.ggml.eom_token_id") if k in gf.metadata]
         finally:
             if gguf is None:
                 gf.close()
-        folder = (cache_dir or default_cache_dir()) / digest
         meta_file = folder / "tessera_tokenizer.json"
         if meta_file.is_file():
             try:
@@ -240,6 +239,30 @@ class IncrementalDetokenizer:
 
 # ---------------------------------------------------------------------------
 # helpers
+
+
+def serialized_bytes(model_path: str | os.PathLike) -> int:
+    """Size of the model's tokenizer as tokenizer.json, 0 if there is none to read. A GGUF
+    model's is its converted form in the tokenizer cache, converted now if no server has done it
+    yet. The sizing calculator scales a tokenizer's resident memory by it (vocabulary and merges:
+    gemma3's 262k-entry one holds ~300 MiB in each process, smollm2's ~70 MiB)."""
+    path = Path(model_path)
+    if path.is_dir():
+        file = path / "tokenizer.json"
+    else:
+        from tessera.models.gguf_loader import read_gguf
+
+        gf = read_gguf(path)
+        try:
+            file = default_cache_dir() / _gguf_metadata_digest(gf) / "tokenizer.json"
+        finally:
+            gf.close()
+        if not file.is_file():
+            Tokenizer.from_gguf(path)  # converts and caches it, as a server's first start does
+    try:
+        return file.stat().st_size
+    except OSError:  # an uncached conversion (read-only home) or a folder without tokenizer.json
+        return 0
 
 
 def default_cache_dir() -> Path:
