@@ -258,7 +258,10 @@ def serialized_bytes(model_path: str | os.PathLike) -> int:
         finally:
             gf.close()
         if not file.is_file():
-            Tokenizer.from_gguf(path)  # converts and caches it, as a server's first start does
+            try:
+                Tokenizer.from_gguf(path)  # converts and caches it, as a server's first start does
+            except ModelFormatError:  # no usable tokenizer: the rest of an estimate still stands
+                return 0
     try:
         return file.stat().st_size
     except OSError:  # an uncached conversion (read-only home) or a folder without tokenizer.json

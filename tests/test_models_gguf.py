@@ -374,3 +374,15 @@ def test_packed_weight_cache_keeps_aliased_buffers(tiny_gguf, tessera_home, monk
 
     assert any(n == "scales_f32" for _, n in names(first.model)) and names(second.model) == names(first.model)
     assert torch.equal(forward_single(first, [3]), forward_single(second, [3]))  # one row: the kernel's path
+
+
+def test_tokenizer_size_for_the_sizing_calculator(tiny_gguf, tessera_home):
+    """A GGUF model's tokenizer is sized by its converted tokenizer.json, converted on demand when
+    no load has done it yet (what `tessera size` does for a model never served)."""
+    from tessera.tokenizer import default_cache_dir, serialized_bytes
+
+    assert not (tessera_home / "tokenizers").exists()
+    size = serialized_bytes(tiny_gguf)
+    files = list(default_cache_dir().glob("*/tokenizer.json"))
+    assert len(files) == 1 and size == files[0].stat().st_size > 0
+    assert serialized_bytes(tiny_gguf) == size  # the cached one, read again

@@ -148,7 +148,7 @@ def _load_weights(model: nn.Module, path: Path, quant: QuantConfig, use_cache: b
     model.load_weights(weights(), source=path.name)
     weight_cache.save(model, cached)
     # Serve from the file just written, as later starts do: the unpacked tensors are freed (a
-    # first start then holds what the sizing calculator predicts, not ~600 MiB more for gemma3)
+    # first start then holds what the sizing calculator predicts, not ~260 MiB more for gemma3)
     # and the pages are the page cache's, shared with other servers of the model.
     if cached.is_file() and weight_cache.restore(model, cached, quant):
         logger.info("weights mapped from %s, just written", cached)
