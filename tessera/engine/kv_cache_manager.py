@@ -200,13 +200,19 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     # -- allocation -------------------------------------------------------
-    def fitting_tokens(self, req: Request, num_new_tokens: int, cached: PrefixHit = NO_HIT,
-                       num_loaded: int = 0) -> int:
-        """The most of `num_new_tokens` that `allocate_slots` can give `req` now (same arguments)."""
+    def _room(self, req: Request, cached: PrefixHit, num_loaded: int) -> tuple[int, int, int]:
+        """(table entries the request would have, tokens it would have computed, new blocks each
+        group can still take) once `cached` and `num_loaded` loaded blocks are its own. A hit's
+        unreferenced blocks are among the free ones, so they do not count as room."""
         have = len(req.block_ids) + cached.num_blocks
         computed = req.num_computed_tokens + (cached.num_blocks + num_loaded) * self.block_size
         evictable_hits = sum(1 for b in cached.held() if b.ref_cnt == 0)
-        spare = (self.pool.num_free_blocks - evictable_hits) // self.groups.num_groups
+        return have, computed, (self.pool.num_free_blocks - evictable_hits) // self.groups.num_groups
+
+    def fitting_tokens(self, req: Request, num_new_tokens: int, cached: PrefixHit = NO_HIT,
+                       num_loaded: int = 0) -> int:
+        """The most of `num_new_tokens` that `allocate_slots` can give `req` now (same arguments)."""
+        have, computed, spare = self._room(req, cached, num_loaded)
         return max(0, min(num_new_tokens, (have + spare) * self.block_size - computed))
 
     def allocate_slots(
@@ -225,11 +231,9 @@ class KVCacheManager:
         loaded = loaded or []
         tables = self._tables(req)
         hit = cached.num_blocks
-        have = len(tables[0]) + hit
-        computed = req.num_computed_tokens + (hit + len(loaded)) * self.block_size
+        have, computed, spare = self._room(req, cached, len(loaded))
         need = self.blocks_for(computed + num_new_tokens) - have
-        evictable_hits = sum(1 for b in cached.held() if b.ref_cnt == 0)
-        if need * self.groups.num_groups > self.pool.num_free_blocks - evictable_hits:
+        if need > spare:
             return False
         if hit:
             self.pool.touch(cached.held())
