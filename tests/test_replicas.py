@@ -98,7 +98,7 @@ def test_a_full_replica_hands_the_request_to_another_before_a_429():
     engines = {0: fake(queue=0), 1: fake(queue=0)}
     rs = ReplicaSet(lambda i: engines[i], 2, "round-robin", on_rejection=rejected.append)
     try:
-        from tessera.engine.async_engine import QueueFullError
+        from tessera.engine.errors import QueueFullError
 
         with pytest.raises(QueueFullError):
             asyncio.run(run(rs, "hello", "full"))

@@ -115,7 +115,7 @@ def test_too_long_is_400_not_a_crash(tiny):
 
 def test_refused_by_forecast_wait_leaks_nothing(tiny):
     """A request whose forecast wait is past its deadline never reaches the scheduler."""
-    from tessera.engine.async_engine import PredictedWaitError
+    from tessera.engine.errors import PredictedWaitError
     from tessera.sampling_params import SamplingParams
 
     wait_idle(tiny)

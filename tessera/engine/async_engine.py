@@ -15,37 +15,18 @@ import time
 from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from tessera.config import EngineConfig
-from tessera.engine.core_client import EngineCoreDiedError, ProcessEngineCore
+from tessera.engine.core_client import ProcessEngineCore
 from tessera.engine.input_processor import PreparedRequest
-from tessera.engine.llm_engine import LLMEngine, StepFailedError
+from tessera.engine.errors import (  # noqa: F401 - QueueFullError and PredictedWaitError raised below
+    EngineCoreDiedError, EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError, StepFailedError,
+)
+from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import SamplingParams
 
 logger = logging.getLogger("tessera")
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at --max-num-queued-requests; try again later (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after: Optional[float] = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after  # seconds the client should wait, when known
-
-
-class PredictedWaitError(QueueFullError):
-    """The step-cost model says the request would wait past its deadline: refused now (HTTP 429)
-    rather than timed out later, with the blocks and time it would have taken left to others."""
-
-
-class EngineStepError(Exception):
-    """The engine step running this request failed; the request was ended (HTTP 500), the
-    engine serves on."""
-
-
-class EngineDeadError(Exception):
-    """The engine loop stopped after an internal error (HTTP 503)."""
 
 
 class EngineCore(Protocol):

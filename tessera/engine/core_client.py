@@ -30,6 +30,7 @@ import zmq
 from tessera.config import EngineConfig
 from tessera.engine import wire
 from tessera.engine.core_process import run_engine_core
+from tessera.engine.errors import EngineCoreDiedError, EngineCoreStepError, StepFailedError
 from tessera.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import LoadSnapshot
@@ -40,14 +41,6 @@ from tessera.sampling_params import InvalidRequestError, SamplingParams
 logger = logging.getLogger("tessera")
 
 RESULT_POLL_MS = 20  # how often a wait for the core's next step looks at the process and new commands
-
-
-class EngineCoreDiedError(Exception):
-    """The engine-core process exited; the requests it was running are lost (it can be restarted)."""
-
-
-class EngineCoreStepError(Exception):
-    """A step failed inside the engine-core process (its message); the core serves on."""
 
 
 class ProcessEngineCore:
@@ -244,7 +237,6 @@ class ProcessEngineCore:
         """The core's next result: its step's outputs and stats. Returns ([], None) early when
         `wakeup` is set (commands to hand over); raises StepFailedError for requests a step or
         the core refused, EngineCoreDiedError if the process is gone."""
-        from tessera.engine.llm_engine import StepFailedError
 
         while not self._from_core.poll(RESULT_POLL_MS):
             if not self.alive:

@@ -30,6 +30,7 @@ import zmq
 
 from tessera.config import EngineConfig
 from tessera.engine import wire
+from tessera.engine.errors import StepFailedError
 from tessera.engine.input_processor import PreparedRequest
 
 logger = logging.getLogger("tessera")
@@ -173,7 +174,6 @@ class _CoreLoop:
             self._send(wire.RequestRefused(prepared.request_id, str(exc), True))
 
     def _step(self) -> None:
-        from tessera.engine.llm_engine import StepFailedError
 
         engine = self.engine
         failed: list[str] = []

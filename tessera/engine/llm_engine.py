@@ -21,6 +21,7 @@ import torch
 from tessera.attention import get_backend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig
+from tessera.engine.errors import StepFailedError
 from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, save_cached
 from tessera.engine.kv_cache_manager import KVCacheManager
 from tessera.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
@@ -45,22 +46,6 @@ logger = logging.getLogger("tessera")
 
 DEFAULT_MAX_MODEL_LEN = 4096
 CALIBRATION_BUDGET_S = 3.0  # start-up time the step-cost calibration may take; online refinement does the rest
-
-
-class StepFailedError(Exception):
-    """A step raised; the requests it touched were failed and freed, the engine goes on.
-
-    `request_ids` are the (parent) requests that were ended; `cause` is the original error.
-    """
-
-    def __init__(self, request_ids: list[str], cause: BaseException,
-                 errors: Optional[dict[str, BaseException]] = None) -> None:
-        super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
-        self.cause = cause
-        # A request's own error where it is not the step's (an engine-core process refusing its
-        # constraint: InvalidRequestError, HTTP 400); the others get EngineStepError (HTTP 500).
-        self.errors = errors or {}
 
 
 @dataclass
@@ -426,6 +411,22 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
+
+    @property
+    def alive(self) -> bool:
+        """An in-process core lives as long as the process (a process core can die on its own)."""
+        return True
+
+    def restart(self) -> None:
+        raise RuntimeError("an in-process engine core does not restart; only an engine-core process can")
+
+    def in_flight(self) -> list[str]:
+        """The (parent) requests the core holds."""
+        return list(self.parents)
+
+    def describe(self) -> dict:
+        """Where the engine runs, for /v1/engine/stats."""
+        return {"engine_process": False, "pid": None}
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.stats()

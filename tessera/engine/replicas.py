@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Literal, Optional, Union
 
-from tessera.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.errors import EngineDeadError, QueueFullError
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.routing import ReplicaLoad, RouterPolicyName, make_policy

@@ -71,7 +71,7 @@ def shutting_down() -> APIError:
 def api_error_from(exc: BaseException) -> APIError:
     """Map any exception from parsing, admission or generation to the error the client sees."""
     # Imported here: the engine module pulls in torch, which the error paths never need first.
-    from tessera.engine.async_engine import EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError
+    from tessera.engine.errors import EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError
 
     if isinstance(exc, APIError):
         return exc

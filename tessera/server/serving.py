@@ -150,7 +150,7 @@ class Run:
     async def _fall_back(self, exc: BaseException) -> bool:
         """After `exc` refused the request at admission: move it to the model's fallback if its
         rule covers that refusal (queue_full, queue_wait); False if it does not."""
-        from tessera.engine.async_engine import PredictedWaitError, QueueFullError
+        from tessera.engine.errors import PredictedWaitError, QueueFullError
 
         if not isinstance(exc, QueueFullError) or self.reprompt is None:
             return False
