@@ -9,7 +9,7 @@
 #
 # `tessera@PROFILE` runs Tessera with `--profile PROFILE` and its preset's own sequence cap
 # (results labelled tessera-PROFILE); `tessera@fixed` is the fixed-budget scheduler of the
-# first waves (`--target-itl-ms 0 --max-num-batched-tokens 512`), the baseline for the
+# fixed token budget (`--target-itl-ms 0 --max-num-batched-tokens 512`), the baseline for the
 # latency-targeted one. Plain `tessera` uses the default profile with 32 sequences like the peers.
 #
 # Each server is started in turn on its own port with equivalent settings (32 concurrent

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine in its own process (issue 13): output tok/s at concurrency 32 and inter-token
+# The engine in its own process: output tok/s at concurrency 32 and inter-token
 # latency at concurrency 1, in-process against `--engine-process`, side by side.
 #
 #   benchmarks/engine_process.sh                        # smollm2-135m, 2 rounds
@@ -17,7 +17,7 @@ PY=${PY:-$REPO/.venv/bin/python}
 MODEL=${MODEL:-smollm2-135m}
 ROUNDS=${ROUNDS:-2}
 PORT=${PORT:-8117}
-RESULTS=${RESULTS:-$REPO/benchmarks/results/wave3/engine_process_${MODEL}}
+RESULTS=${RESULTS:-$REPO/benchmarks/results/engine_process_${MODEL}}
 LOCK=${LOCK:-/tmp/tessera-bench.lock}
 mkdir -p "$RESULTS"
 exec 9>"$LOCK"; flock 9

@@ -1,8 +1,8 @@
-"""Degradation to a smaller model under load (issue 13): a saturated model's overflow answered by its
+"""Degradation to a smaller model under load: a saturated model's overflow answered by its
 fallback instead of 429, measured with `tessera bench serve` and a model mix against the same load
 without the rule.
 
-    flock /tmp/tessera-bench.lock python benchmarks/fallback.py --out benchmarks/results/wave3/fallback
+    flock /tmp/tessera-bench.lock python benchmarks/fallback.py --out benchmarks/results/fallback
 
 Two servers in turn, each serving BIG and SMALL from one port (`--config`, both preloaded, each in
 its own engine process). BIG is kept small on purpose (`max_num_seqs`, `max_num_queued_requests`)

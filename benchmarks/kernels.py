@@ -9,7 +9,7 @@ down 576x1536) in sequence, for each row count, with
 - int4_gemm: Tessera's few-row kernel (tessera/kernels/int4_gemv.c) on the same layout.
 Medians of 7 passes, milliseconds per pass over the whole model.
 
-    python benchmarks/kernels.py --out benchmarks/results/wave3/int4_gemm.json
+    python benchmarks/kernels.py --out benchmarks/results/int4_gemm.json
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """int8 KV cache against the bfloat16 one: perplexity, tokens of capacity, decode step time at long context.
 
     flock /tmp/tessera-bench.lock python benchmarks/kv_cache_dtype.py \\
-        --out benchmarks/results/wave3/kv_cache_dtype.json
+        --out benchmarks/results/kv_cache_dtype.json
 
 For each model, loaded as `tessera serve` loads it (dtype auto, quantization auto):
 - perplexity of tests/data/gfdl-1.3-head.txt (--tokens tokens) with each cache format. The text

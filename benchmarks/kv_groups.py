@@ -1,7 +1,7 @@
 """Gemma 3's sliding-window layers with and without the hybrid KV cache manager.
 
     flock /tmp/tessera-bench.lock python benchmarks/kv_groups.py \\
-        --out benchmarks/results/wave3/kv_groups.json
+        --out benchmarks/results/kv_groups.json
 
 Two engines of the same model in one process, one hybrid (the default: sliding-window layers keep
 only their window's blocks, tessera/attention/kv_groups.py) and one plain

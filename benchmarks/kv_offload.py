@@ -1,7 +1,7 @@
 """The disk tier of the prefix cache on multi-turn chat: TTFT of later turns with and without it.
 
     flock /tmp/tessera-bench.lock python benchmarks/kv_offload.py \\
-        --out benchmarks/results/wave3/kv_offload
+        --out benchmarks/results/kv_offload
 
 A RAM KV budget far below what the conversations hold (--kv-cache-memory), so a conversation's
 history is evicted between its turns when other conversations' turns come in between

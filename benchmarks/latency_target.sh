@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Wave 3 measurement of latency-targeted scheduling (issue: scheduling for a latency target).
+# Measurement of latency-targeted scheduling.
 #
 #   benchmarks/latency_target.sh            all three parts (about an hour on 2 cores)
 #   PARTS="c32" benchmarks/latency_target.sh
 #
 # c32:       closed loop at 32 concurrent requests, random workload: the fixed token budget of the
-#            first waves (tessera@fixed) against the bursty and multi-agent profiles (ITL p50/p95, tok/s).
+#            fixed-budget scheduler (tessera@fixed) against the bursty and multi-agent profiles (ITL p50/p95, tok/s).
 # capacity:  highest Poisson rate meeting TTFT p95 <= 1 s and ITL p50 <= 50 ms, random workload:
 #            Tessera (bursty, fixed budget) and vLLM's CPU build, one after the other in one run.
 # workloads: the same capacity search on the shared-prefix and multi-turn workloads, Tessera
@@ -13,7 +13,7 @@
 # Everything goes through benchmarks/compare.sh (same client, flock, one server at a time).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$REPO/benchmarks/results/wave3}
+OUT=${OUT:-$REPO/benchmarks/results/latency_target}
 PARTS=${PARTS:-"c32 capacity workloads"}
 for part in $PARTS; do
   case "$part" in

@@ -1,8 +1,8 @@
-"""Overload: a minute of open-loop traffic at 10x the measured capacity, then a normal load
-(issue 14, part 3). The server should answer 429 + Retry-After for what it cannot take, keep the
+"""Overload: a minute of open-loop traffic at 10x the measured capacity, then a normal load.
+The server should answer 429 + Retry-After for what it cannot take, keep the
 latency of what it admits, keep its memory bounded, and be back to normal as soon as the load drops.
 
-    flock /tmp/tessera-bench.lock python benchmarks/overload.py --out benchmarks/results/wave3/overload
+    flock /tmp/tessera-bench.lock python benchmarks/overload.py --out benchmarks/results/overload
 
 1. capacity: closed loop at --max-num-seqs concurrency on the random workload (fixed output
    lengths) gives the server's throughput R in requests/s;

@@ -1,6 +1,6 @@
-"""Prefill/decode disaggregation against two mixed replicas (issue 17), side by side.
+"""Prefill/decode disaggregation against two mixed replicas, side by side.
 
-    flock /tmp/tessera-bench.lock .venv/bin/python benchmarks/pd.py --out benchmarks/results/wave3/pd
+    flock /tmp/tessera-bench.lock .venv/bin/python benchmarks/pd.py --out benchmarks/results/pd
     .venv/bin/python benchmarks/pd.py --ray --out ...     # the replicas as Ray actors (local Ray)
 
 Two replicas of one model, one CPU core each, in both arms: `mixed` (`--replicas 2

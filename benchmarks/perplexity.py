@@ -1,7 +1,7 @@
 """Perplexity of each quantization method against the dequantized (dense float32) model.
 
     python benchmarks/perplexity.py --models smollm2-135m qwen2.5-coder-0.5b \\
-        --out benchmarks/results/wave2/perplexity.json
+        --out benchmarks/results/perplexity.json
 
 The text is tests/data/gfdl-1.3-head.txt (the GNU FDL 1.3's opening, ~2,500 tokens), cut to
 --tokens tokens and scored in one forward pass (prefill-sized, so quantized layers multiply by

@@ -1,7 +1,7 @@
-"""Prefix-aware routing against round-robin on a two-node Ray cluster (issue 17), side by side.
+"""Prefix-aware routing against round-robin on a two-node Ray cluster, side by side.
 
     flock /tmp/tessera-bench.lock .venv/bin/python benchmarks/ray_router.py \
-        --out benchmarks/results/wave3/ray_router
+        --out benchmarks/results/ray_router
 
 Starts a local Ray cluster of two nodes (a head and a worker, one CPU each: Ray places one
 replica per node), then, for each round and each policy in turn (round-robin, prefix-aware,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reliability on a real model (issue 14): the hostile-body corpus, a 1,000-stream cancel storm and
+# Reliability on a real model: the hostile-body corpus, a 1,000-stream cancel storm and
 # schemathesis fuzzing of the OpenAPI schema, against one `tessera serve`.
 #
 #   benchmarks/reliability.sh                         # smollm2-135m
@@ -16,7 +16,7 @@ ST=${ST:-$REPO/.venv/bin/st}
 MODEL=${MODEL:-smollm2-135m}
 EXAMPLES=${EXAMPLES:-100}
 PORT=${PORT:-8117}
-RESULTS=${RESULTS:-$REPO/benchmarks/results/wave3/reliability_${MODEL}}
+RESULTS=${RESULTS:-$REPO/benchmarks/results/reliability_${MODEL}}
 LOCK=${LOCK:-/tmp/tessera-bench.lock}
 mkdir -p "$RESULTS"
 exec 9>"$LOCK"; flock 9

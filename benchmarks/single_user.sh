@@ -14,7 +14,7 @@ MODEL=${MODEL:-qwen2.5-coder-1.5b}
 KV=${KV:-512MiB}
 PORT=${PORT:-8111}
 NUM_PROMPTS=${NUM_PROMPTS:-6}
-RESULTS=${RESULTS:-$REPO/benchmarks/results/wave2}
+RESULTS=${RESULTS:-$REPO/benchmarks/results/single_user}
 TESSERA_ARGS=${TESSERA_ARGS:-""}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-"--prompt-words 200:240 --max-tokens 128:256"}
 mkdir -p "$RESULTS"

@@ -7,7 +7,7 @@ and the server's resident memory is read from /proc, summed over its processes (
 engine core): VmRSS after the load and VmHWM, each process's peak over its whole life (loading
 included). Writes a JSON file and prints a Markdown table.
 
-    python benchmarks/sizing.py --out benchmarks/results/wave3/sizing.json
+    python benchmarks/sizing.py --out benchmarks/results/sizing/sizing.json
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.
 
 def proc_status(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM summed over the server and its child processes (the engine core runs in
-    its own process since issue 13: the front-end's figures alone miss the model)."""
+    its own process: the front-end's figures alone miss the model)."""
     import psutil
 
     out = {"VmRSS": 0, "VmHWM": 0, "by_process": {}}
@@ -99,7 +99,7 @@ def main() -> int:
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--prompt-words", type=int, default=150)
     p.add_argument("--port", type=int, default=8131)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/wave3/sizing.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/sizing/sizing.json"))
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -1,7 +1,7 @@
 """Soak: 30 minutes of mixed traffic with cancellations; resident memory and free KV blocks must
-stay flat (issue 14, part 6).
+stay flat.
 
-    flock /tmp/tessera-bench.lock python benchmarks/soak.py --out benchmarks/results/wave3/soak
+    flock /tmp/tessera-bench.lock python benchmarks/soak.py --out benchmarks/results/soak
     python benchmarks/soak.py --minutes 2 --out /tmp/soak     # a quick look
 
 One `tessera serve` (default smollm2-135m). Eight client workers loop until the time is up, each

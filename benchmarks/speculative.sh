@@ -16,7 +16,7 @@ DATASET=${DATASET:-code-edit}
 LEVELS=${LEVELS:-"1"}
 NUM=${NUM:-"4"}
 PORT=${PORT:-8112}
-RESULTS=${RESULTS:-$REPO/benchmarks/results/wave3/speculative_${MODEL}}
+RESULTS=${RESULTS:-$REPO/benchmarks/results/speculative_${MODEL}}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-"--max-tokens 256:384"}
 CONFIGS=${CONFIGS:-'none=none ngram-k4={"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4}'}
 LOCK=${LOCK:-/tmp/tessera-bench.lock}

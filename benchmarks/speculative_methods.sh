@@ -15,7 +15,7 @@
 #                with the default policy (the ">= 0.95x at 32" check), n-gram kept on up to 4
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$REPO/benchmarks/results/wave3/spec_methods}
+OUT=${OUT:-$REPO/benchmarks/results/spec_methods}
 PARTS=${PARTS:-"tessera-c1 vllm-c1 tessera-c4 smollm-load"}
 NG4='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4}'
 NG3='{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4}'

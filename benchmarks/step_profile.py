@@ -52,7 +52,7 @@ def weight_bytes(model: torch.nn.Module, rows: int) -> tuple[int, int]:
     kept) for large ones."""
     from tessera.layers import Linear
 
-    if not any(isinstance(m, Linear) for m in model.modules()):  # the first wave's plain 2-D parameters
+    if not any(isinstance(m, Linear) for m in model.modules()):  # a model of plain 2-D parameters
         mats = [p for p in model.parameters() if p.dim() == 2]
         return sum(p.numel() * p.element_size() for p in mats), sum(p.numel() for p in mats)
     total, params = 0, 0

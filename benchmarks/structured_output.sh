@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Throughput cost of structured output (issue 15): output tok/s at concurrency 16 with every
+# Throughput cost of structured output: output tok/s at concurrency 16 with every
 # request constrained by its own JSON schema, against the same prompts unconstrained.
 #
 #   benchmarks/structured_output.sh                     # qwen2.5-coder-0.5b, 3 rounds of 48 requests
@@ -19,7 +19,7 @@ CONCURRENCY=${CONCURRENCY:-16}
 NUM=${NUM:-48}
 ROUNDS=${ROUNDS:-3}
 PORT=${PORT:-8113}
-RESULTS=${RESULTS:-$REPO/benchmarks/results/wave3/structured_output_${MODEL}}
+RESULTS=${RESULTS:-$REPO/benchmarks/results/structured_output_${MODEL}}
 LOCK=${LOCK:-/tmp/tessera-bench.lock}
 mkdir -p "$RESULTS"
 exec 9>"$LOCK"; flock 9

@@ -1,6 +1,6 @@
-"""Start-up time and shared memory with the packed-weight cache (issue 12, part 3).
+"""Start-up time and shared memory with the packed-weight cache.
 
-    flock /tmp/tessera-bench.lock python benchmarks/weight_cache.py --out benchmarks/results/wave3/weight_cache.json
+    flock /tmp/tessera-bench.lock python benchmarks/weight_cache.py --out benchmarks/results/weight_cache.json
 
 For each model: `tessera serve` with --no-weight-cache (packs from the GGUF), then with the cache
 empty (packs and writes the cache), then twice more (maps it); start-up = process start to

@@ -68,7 +68,7 @@ PROFILES = ("auto", "chat-solo", "multi-agent", "bursty")
 
 @dataclass(frozen=True)
 class Profile:
-    """A deployment preset (source 000's table): the settings one kind of traffic wants.
+    """A deployment preset (the sizing and scheduling trade-offs of each kind of traffic): the settings one kind of traffic wants.
 
     chat-solo: one person chatting; latency first, a batch of 1-2, room for long prompts.
     multi-agent: many agents behind an API sharing long prefixes; throughput first, a large
@@ -98,7 +98,7 @@ PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "mi
                   "enable_prefix_caching", "preemption_mode")
 
 
-# Memory kept free beyond what the sizing calculator predicts (source 000: leave room for length
+# Memory kept free beyond what the sizing calculator predicts (leave room for length
 # variance; vLLM's default GPU memory utilization of 0.9 keeps the same tenth).
 DEFAULT_MEMORY_MARGIN = 0.10
 

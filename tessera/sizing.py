@@ -1,6 +1,6 @@
 """How much memory a model needs to serve, worked out before loading it (`tessera size`).
 
-Source 000's formula, term by term, with Tessera's own storage rules:
+The usual serving-memory formula, term by term, with Tessera's own storage rules:
 
     resident = runtime + weights (as stored: int4 / int8 / dense, dense copies)
              + KV cache (bytes per token x tokens) + swap space (when preemption swaps)
@@ -10,9 +10,9 @@ Weights come from the checkpoint's tensor table alone (GGUF header or safetensor
 through the same rule the loader uses (`QuantConfig.storage_for`) and the bytes each method keeps
 (`storage_bytes`), so the figure follows the code rather than a parameter count. The KV cache is
 whatever `--kv-cache-memory` says, or by default what `max_num_seqs` sequences of `max_model_len`
-tokens need, capped by the memory left after everything else and a safety margin: source 000
-warns that filling memory to the brim turns length variance into cascades of preemption.
-`LLMEngine` decides its default `--kv-cache-memory` with `default_kv_cache_memory` below.
+tokens need, capped by the memory left after everything else and a safety margin: filling memory to
+the brim turns length variance into cascades of preemption. The engine builder (engine/build.py)
+decides its default `--kv-cache-memory` with `default_kv_cache_memory` below.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Structured output and tool calls on a real packaged model through `tessera serve` and the
-official openai client (issue 15's acceptance): qwen2.5-coder-0.5b, 50 seeded requests with
+official openai client: qwen2.5-coder-0.5b, 50 seeded requests with
 different JSON schemas at temperature 0.8, forced tool calls, streaming against whole
 responses, and the client's `parse()` helper with a pydantic model.
 """

@@ -13,7 +13,7 @@
 #   $PEERS_DIR/vllm-venv/bin/vllm                  vLLM CPU build 0.32.0
 #   $PEERS_DIR/llama.cpp/build/bin/llama-server     llama.cpp server (llama-cpp-python 0.3.36 vendored source)
 #   $PEERS_DIR/hf/smollm2-135m/                     Hugging Face folder for vLLM, dequantized from the GGUF
-# Why each workaround is here: shared/PEERS.md.
+# Each workaround below says why it is there.
 set -euo pipefail
 
 PEERS_DIR=${PEERS_DIR:-/work/peers}

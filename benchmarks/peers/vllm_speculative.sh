@@ -14,7 +14,7 @@
 # stopped. Writes $RESULTS/vllm-<label>_<dataset>_c<N>.json, vllm-<label>_<dataset>_metrics.txt,
 # logs/vllm-<label>.log and summary_vllm_<dataset>.md. Runs hold flock on $LOCK.
 #
-# The folders come from the GGUFs Tessera serves (benchmarks/peers/setup_peers.sh hf, shared/PEERS.md):
+# The folders come from the GGUFs Tessera serves (benchmarks/peers/setup_peers.sh hf):
 # $PEERS_DIR/hf/qwen2.5-coder-1.5b (target) and $PEERS_DIR/hf/qwen2.5-coder-0.5b (draft).
 # vLLM's start-up takes 2–3 minutes per configuration on 2 cores (compilation).
 #
@@ -41,7 +41,7 @@ DATASET=${DATASET:-code-edit}
 LEVELS=${LEVELS:-"1"}
 NUM=${NUM:-"4"}
 PORT=${PORT:-8113}
-RESULTS=${RESULTS:-$REPO/benchmarks/results/wave3/speculative_${MODEL}}
+RESULTS=${RESULTS:-$REPO/benchmarks/results/speculative_${MODEL}}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-"--max-tokens 256:384"}
 CONFIGS=${CONFIGS:-"none=none ngram-k4={\"method\":\"ngram\",\"num_speculative_tokens\":4,\"prompt_lookup_max\":4} draft-k4={\"model\":\"$DRAFT_DIR\",\"num_speculative_tokens\":4}"}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-600}

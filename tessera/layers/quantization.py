@@ -60,7 +60,7 @@ GEMV_KERNEL_MAX_ROWS = 2
 INT4_GEMV_MIN_WEIGHTS = 1 << 20
 # The few-row int4 C kernel (int4_gemm_bf16) against the dense bf16 copy, over a whole model's
 # weights as a step reads them (from memory, not cache): 1.7-4x faster at 2-16 rows, 1.3x at
-# 32-64, break-even at 128 (benchmarks/kernels.py, results/wave3/int4_gemm.json). Above 64, the dense copy.
+# 32-64, break-even at 128 (benchmarks/kernels.py, results/int4_gemm.json). Above 64, the dense copy.
 INT4_GEMM_MAX_ROWS = 64
 # Dense bf16 matmuls go to oneDNN, which JIT-compiles and caches one kernel per row count (M): a
 # server meeting ever new step sizes grows by ~0.3 MiB of code and buffers per new (M, N, K) until
