@@ -81,17 +81,18 @@ def test_blocks_behind_the_window_are_released(gemma):
         engine.step()
     req = engine.scheduler.running[0]
     kv, groups = engine.kv, engine.kv_groups
+    blocks = kv.blocks(req.request_id)
     sliding = [g for g, w in enumerate(groups.windows) if w is not None]
     first = groups.first_needed_block(sliding[0], req.num_computed_tokens, kv.block_size)
-    assert req.num_null_blocks == first > 10
+    assert blocks.num_null_blocks == first > 10
     for g in sliding:
-        table = req.block_tables[g]
-        assert len(table) == len(req.block_ids)
+        table = blocks.tables[g]
+        assert len(table) == len(blocks.block_ids)
         assert table[:first] == [NULL_BLOCK] * first and NULL_BLOCK not in table[first:]
-    held = sum(len(t) for t in req.block_tables) - first * len(sliding)
+    held = sum(len(t) for t in blocks.tables) - first * len(sliding)
     assert kv.num_blocks - 1 - kv.num_free_blocks == held
     # The full group still holds every block of the context.
-    assert len(req.block_ids) == kv.blocks_for(req.num_tokens) and NULL_BLOCK not in req.block_ids
+    assert len(blocks.block_ids) == kv.blocks_for(req.num_tokens) and NULL_BLOCK not in blocks.block_ids
 
 
 def test_prefix_hit_past_the_window(gemma):

@@ -21,18 +21,20 @@ EOS = 0
 
 def check_pool(kv: KVCacheManager, live: list[Request]) -> None:
     sliding = [g for g, w in enumerate(kv.groups.windows) if w is not None]
-    held = Counter(b for r in live for g, t in enumerate(r.block_tables) for i, b in enumerate(t)
-                   if g not in sliding or i >= r.num_null_blocks)
+    blocks = {r.request_id: kv.blocks(r.request_id) for r in live}
+    held = Counter(b for r in live for g, t in enumerate(blocks[r.request_id].tables) for i, b in enumerate(t)
+                   if g not in sliding or i >= blocks[r.request_id].num_null_blocks)
     if kv.groups.hybrid:
         held[NULL_BLOCK] += 1  # reserved for good
     for r in live:
-        assert len({len(t) for t in r.block_tables}) <= 1  # an entry per block of the context in each
+        b = blocks[r.request_id]
+        assert len({len(t) for t in b.tables}) <= 1  # an entry per block of the context in each
         for g in sliding:
-            t = r.block_tables[g] if r.block_tables else []
-            assert all(b == NULL_BLOCK for b in t[:r.num_null_blocks])
+            t = b.tables[g] if b.tables else []
+            assert all(x == NULL_BLOCK for x in t[:b.num_null_blocks])
             # Nothing a coming query reads was dropped.
             first = kv.groups.first_needed_block(g, r.num_computed_tokens, kv.block_size)
-            assert r.num_null_blocks <= first or not t
+            assert b.num_null_blocks <= first or not t
     for block in kv.pool.blocks:
         assert block.ref_cnt >= 0
         assert block.ref_cnt == held.get(block.block_id, 0), (block, held.get(block.block_id))
@@ -125,29 +127,32 @@ def test_scheduler_invariants(w: dict) -> None:
         assert out.total_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len(sched.running) <= cfg.max_num_seqs
-        ids = [s.request.request_id for s in out.scheduled]
+        ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
         for s in out.scheduled:
-            r = s.request
+            r = sched.requests[s.request_id]
+            b = kv.blocks(r.request_id)
             assert r.status == RequestStatus.RUNNING
-            assert s.num_new_tokens > 0
-            assert len(r.block_ids) >= kv.blocks_for(r.num_computed_tokens + s.num_new_tokens)
+            assert s.num_new_tokens > 0 and s.start == r.num_computed_tokens
+            assert s.block_tables is b.tables  # the runner addresses what the manager holds
+            assert len(b.block_ids) >= kv.blocks_for(r.num_computed_tokens + s.num_new_tokens)
             # Never write into a block another request also holds, in any group; and every block
             # the step's queries read is held.
-            for t in r.block_tables:
+            for t in b.tables:
                 for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
                     assert t[pos // bs] != NULL_BLOCK or not kv.groups.hybrid
                     assert kv.pool.blocks[t[pos // bs]].ref_cnt == 1
             first = max(kv.groups.first_needed_block(g, r.num_computed_tokens, bs)
                         for g in range(kv.groups.num_groups))
-            assert r.num_null_blocks <= first
+            assert b.num_null_blocks <= first
         if cost is not None and w["policy"] == "continuous":
             check_latency_target(out, cost, target_ms / 1000, w["min_chunk"])
-        sampled = {s.request.request_id: [EOS if rng.random() < 0.05 else rng.randrange(1, 50)
+        sampled = {s.request_id: [EOS if rng.random() < 0.05 else rng.randrange(1, 50)
                                           for _ in range(1 + rng.randint(0, s.num_spec_tokens))]
-                   for s in out.scheduled if s.produces_token}
+                   for s in out.scheduled if s.samples}
         for s in out.scheduled:
-            assert s.num_spec_tokens <= min(w["spec"], s.request.max_tokens - s.request.num_output_tokens - 1)
+            r = sched.requests[s.request_id]
+            assert s.num_spec_tokens <= min(w["spec"], r.max_tokens - r.num_output_tokens - 1)
         sched.update_after_step(out, sampled)
         live = [r for r in live if not r.is_finished]
         check_pool(kv, live)
@@ -164,9 +169,7 @@ def test_scheduler_invariants(w: dict) -> None:
 def check_latency_target(out, cost: FakeCostModel, target_s: float, min_chunk: int) -> None:
     """With decodes in the step, prefill may push the predicted time past the target only by
     the minimum chunk (--min-prefill-chunk) of one prompt that keeps prompts moving."""
-    decodes = [s for s in out.scheduled  # a decode, with or without a run of proposals to verify
-               if s.num_new_tokens - s.num_spec_tokens == 1 and s.request.output_token_ids
-               and s.request.num_computed_tokens == s.request.num_tokens - 1]
+    decodes = [s for s in out.scheduled if s.is_decode]  # with or without a run of proposals to verify
     prefills = [s for s in out.scheduled if s not in decodes]
     if not out.scheduled:
         return
@@ -195,14 +198,14 @@ def test_prefill_chunk_shrinks_to_the_latency_target() -> None:
     long = Request("p", [2] * 300, SamplingParams(max_tokens=5), 5, [0])
     sched.add_request(long)
     out = sched.schedule()
-    chunks = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    chunks = {s.request_id: s.num_new_tokens for s in out.scheduled}
     # 5 ms fixed + 1 decode row + 19 prompt tokens = 25 ms.
     assert chunks == {"d": 1, "p": 19}
     assert out.predicted_s == pytest.approx(0.025)
     sched.finish_request(decoding, RequestStatus.FINISHED_ABORTED)
     sched.update_after_step(out, {"d": [7]})
     out = sched.schedule()  # no decode left: the prompt goes at the full budget
-    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"p": 281}
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"p": 281}
 
 
 def _decoding_over_target(min_chunk: int) -> Scheduler:
@@ -224,8 +227,8 @@ def test_a_prompt_progresses_behind_decodes_over_the_target() -> None:
     sched.add_request(q)
     for _ in range(3):  # one token of the oldest prompt per step; the next one waits its turn
         out = sched.schedule()
-        assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 1}
-        sched.update_after_step(out, {s.request.request_id: [5] for s in out.scheduled if s.produces_token})
+        assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 1}
+        sched.update_after_step(out, {s.request_id: [5] for s in out.scheduled if s.samples})
     assert p.is_finished and not q.is_finished
 
 
@@ -233,7 +236,7 @@ def test_min_prefill_chunk_keeps_prompts_flowing_past_the_target() -> None:
     sched = _decoding_over_target(min_chunk=24)
     sched.add_request(Request("p", [2] * 40, SamplingParams(max_tokens=1), 1, [0]))
     out = sched.schedule()
-    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
 
 
 def test_wait_forecast_counts_the_min_prefill_chunk_past_the_target() -> None:
@@ -247,7 +250,7 @@ def test_wait_forecast_counts_the_min_prefill_chunk_past_the_target() -> None:
     assert sched.predict_wait(snap, 48) == pytest.approx(2 * step_s)
     sched.add_request(Request("p", [2] * 24, SamplingParams(max_tokens=1), 1, [0]))
     out = sched.schedule()  # and the scheduler indeed computes that prompt in one step
-    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
 
 
 @pytest.mark.parametrize("sliding, prompt_len, num_blocks, most_running", [(False, 40, 18, 1), (True, 100, 94, 2)],
@@ -272,7 +275,7 @@ def test_admission_reserves_the_running_prompts(sliding: bool, prompt_len: int, 
         out = sched.schedule()
         computed += out.total_tokens
         seen_running = max(seen_running, len(sched.running))
-        sched.update_after_step(out, {s.request.request_id: [7] for s in out.scheduled if s.produces_token})
+        sched.update_after_step(out, {s.request_id: [7] for s in out.scheduled if s.samples})
         if not sched.has_unfinished():
             break
     assert all(r.is_finished for r in reqs)
@@ -293,9 +296,10 @@ def test_prefix_hit_shares_full_blocks_only() -> None:
     sched.add_request(b)
     out = sched.schedule()
     assert b.num_cached_tokens == 8
-    assert b.block_ids[:2] == a.block_ids[:2]
-    assert b.block_ids[2] != a.block_ids[2]
-    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"a": 1, "b": 2}
+    a_ids, b_ids = kv.blocks("a").block_ids, kv.blocks("b").block_ids
+    assert b_ids[:2] == a_ids[:2]
+    assert b_ids[2] != a_ids[2]
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"a": 1, "b": 2}
 
 
 def test_lru_eviction_of_cached_blocks() -> None:

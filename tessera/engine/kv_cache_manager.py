@@ -1,7 +1,10 @@
 """Owns KV blocks on behalf of requests: allocation, prefix reuse, release, swap.
 
-It decides which block ids a request holds; it never touches tensors. Copies
-for swapping are returned as (src, dst) pairs for the model runner to perform.
+It decides which block ids a request holds and keeps that state itself, keyed by
+request id (`RequestBlocks`): the request carries tokens and progress, never its
+blocks, so what reaches the model runner is the block tables this manager hands out
+(`block_tables`), plain lists. It never touches tensors: copies for swapping are
+returned as (src, dst) pairs for the model runner to perform.
 
 A request holds one block table per group of layers (attention/kv_groups.py): one in
 all for most models; for Gemma 3 a full-attention group and sliding-window groups whose
@@ -10,7 +13,7 @@ for each block of the context, NULL_BLOCK where a sliding group no longer holds 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Protocol
 
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
@@ -42,6 +45,28 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit([])
+
+
+@dataclass
+class RequestBlocks:
+    """What the manager holds for one request."""
+
+    # One block table per group of layers (one group for most models), empty while the
+    # request holds no blocks; sliding groups' first `num_null_blocks` entries are NULL_BLOCK
+    # (behind the window).
+    tables: list[list[int]] = field(default_factory=list)
+    num_null_blocks: int = 0
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the request's full blocks
+    num_registered: int = 0  # full blocks already entered in the prefix cache
+    swapped: list[int] = field(default_factory=list)  # host block ids while swapped out
+    # Disk-tier (or handed-over) blocks already read and verified while the request waits for
+    # room, by hash, so a request admitted steps later does not read them again.
+    payloads: dict[int, bytes] = field(default_factory=dict)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's table: full attention, every block of the context."""
+        return self.tables[0] if self.tables else []
 
 
 def group_hash(block_hash: int, group: int) -> int:
@@ -82,6 +107,44 @@ class KVCacheManager:
         self.offload_hits = 0  # tokens loaded from the second tier
         self._to_offload: list[tuple[int, int]] = []  # (block id, hash) registered since the last take
         self._sliding = [g for g, w in enumerate(self.groups.windows) if w is not None]
+        self._requests: dict[str, RequestBlocks] = {}
+
+    # -- per-request state --------------------------------------------------
+    def _state(self, req: Request) -> RequestBlocks:
+        st = self._requests.get(req.request_id)
+        if st is None:
+            st = self._requests[req.request_id] = RequestBlocks()
+        return st
+
+    def blocks(self, request_id: str) -> RequestBlocks:
+        """The request's blocks (empty if it holds none), read-only for callers."""
+        return self._requests.get(request_id) or RequestBlocks()
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block tables, one per group, as the model runner addresses the cache."""
+        st = self._requests.get(request_id)
+        return st.tables if st is not None else []
+
+    def import_blocks(self, req: Request, payloads: dict[int, bytes]) -> None:
+        """Blocks computed elsewhere (a prefill replica, --pd), by hash: loaded like disk-tier
+        blocks when the request is admitted."""
+        self._state(req).payloads = dict(payloads)
+
+    def export_blocks(self, req: Request, num_tokens: int) -> tuple[list[int], list[int]]:
+        """(hashes, block ids) of the run of the request's first `num_tokens` tokens' full blocks
+        still in the prefix cache (all of them just after it finished, unless caching is off)."""
+        st = self._state(req)
+        self._update_hashes(req, num_tokens)
+        hashes, ids = [], []
+        for h in st.hashes[:num_tokens // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hashes.append(h)
+            ids.append(block.block_id)
+        if not st.tables and not st.swapped:
+            self._requests.pop(req.request_id, None)
+        return hashes, ids
 
     # -- capacity ---------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -100,8 +163,9 @@ class KVCacheManager:
 
     def blocks_held(self, req: Request) -> int:
         """Pool blocks the request holds, every group (a sliding group's dropped entries excluded)."""
-        n = len(req.block_ids)
-        return sum(n - (req.num_null_blocks if g in self._sliding else 0) for g in range(len(req.block_tables)))
+        st = self.blocks(req.request_id)
+        n = len(st.block_ids)
+        return sum(n - (st.num_null_blocks if g in self._sliding else 0) for g in range(len(st.tables)))
 
     def blocks_to_reach(self, req: Request, num_tokens: int, cached: PrefixHit = NO_HIT) -> int:
         """More pool blocks `req` must take to keep `num_tokens` tokens (sliding groups: their
@@ -111,32 +175,33 @@ class KVCacheManager:
         need = self.groups.blocks_per_sequence(num_tokens, self.block_size) - self.blocks_held(req)
         return max(0, need - sum(1 for b in cached.held() if b.ref_cnt > 0))
 
-    def _tables(self, req: Request) -> list[list[int]]:
-        if not req.block_tables:
-            req.block_tables = [[] for _ in range(self.groups.num_groups)]
-        return req.block_tables
+    def _tables(self, st: RequestBlocks) -> list[list[int]]:
+        if not st.tables:
+            st.tables = [[] for _ in range(self.groups.num_groups)]
+        return st.tables
 
-    def _held(self, req: Request) -> list[KVBlock]:
+    def _held(self, st: RequestBlocks) -> list[KVBlock]:
         """Every block the request holds, tail blocks first (freed first, so evicted first)."""
         out = []
-        for i in range(len(req.block_ids) - 1, -1, -1):
-            for g, table in enumerate(req.block_tables):
-                if i >= req.num_null_blocks or g not in self._sliding:
+        for i in range(len(st.block_ids) - 1, -1, -1):
+            for g, table in enumerate(st.tables):
+                if i >= st.num_null_blocks or g not in self._sliding:
                     out.append(self.pool.blocks[table[i]])
         return out
 
     # -- prefix cache -----------------------------------------------------
-    def _update_hashes(self, req: Request, upto_tokens: int) -> None:
+    def _update_hashes(self, req: Request, upto_tokens: int) -> list[int]:
         bs = self.block_size
+        hashes = self._state(req).hashes
         full = min(upto_tokens, req.num_tokens) // bs
-        while len(req.block_hashes) < full:
-            i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(
-                hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], self.hash_extra))
+        while len(hashes) < full:
+            i = len(hashes)
+            parent = hashes[-1] if i else None
+            hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], self.hash_extra))
+        return hashes
 
-    def _lookup(self, req: Request, index: int, group: int) -> Optional[KVBlock]:
-        return self.pool.lookup(group_hash(req.block_hashes[index], group))
+    def _lookup(self, hashes: list[int], index: int, group: int) -> Optional[KVBlock]:
+        return self.pool.lookup(group_hash(hashes[index], group))
 
     def find_cached_prefix(self, req: Request) -> PrefixHit:
         """Longest run of cached full blocks heading this request's tokens.
@@ -148,45 +213,47 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return NO_HIT
-        self._update_hashes(req, req.num_tokens - 1)
+        hashes = self._update_hashes(req, req.num_tokens - 1)
         n = (req.num_tokens - 1) // self.block_size
         for g, w in enumerate(self.groups.windows):
             if w is None:
                 run = 0
-                while run < n and self._lookup(req, run, g) is not None:
+                while run < n and self._lookup(hashes, run, g) is not None:
                     run += 1
                 n = run
         bs = self.block_size
         while n > 0 and self._sliding:
             first = self.groups.first_needed_block(self._sliding[0], n * bs, bs)
             missing = next((i for i in range(n - 1, first - 1, -1)
-                            if any(self._lookup(req, i, g) is None for g in self._sliding)), None)
+                            if any(self._lookup(hashes, i, g) is None for g in self._sliding)), None)
             if missing is None:
                 break
             n = missing  # no hit ending past a missing block of the window can be used
         if n == 0:
             return NO_HIT
         first = self.groups.first_needed_block(self._sliding[0], n * bs, bs) if self._sliding else 0
-        return PrefixHit([[self._lookup(req, i, g) if w is None or i >= first else None for i in range(n)]
+        return PrefixHit([[self._lookup(hashes, i, g) if w is None or i >= first else None for i in range(n)]
                           for g, w in enumerate(self.groups.windows)])
 
     def find_offloaded(self, req: Request, num_cached: int) -> list[tuple[int, bytes]]:
         """After `num_cached` blocks found in RAM, the run of blocks the second tier holds, each
-        read and verified (hash, payload; kept on the request until it is admitted, so waiting
+        read and verified (hash, payload; kept until the request is admitted, so waiting
         steps do not read them again); the same one-token-left rule as in RAM. None with sliding
         groups: a payload holds every layer's K/V of one plain block."""
-        if self.groups.hybrid or (self.offload is None and not req.offload_payloads):
+        st = self.blocks(req.request_id)
+        if self.groups.hybrid or (self.offload is None and not st.payloads):
             return []
+        st = self._state(req)
         found: list[tuple[int, bytes]] = []
-        for h in req.block_hashes[num_cached:(req.num_tokens - 1) // self.block_size]:
-            payload = req.offload_payloads.get(h)  # read from the tier, or handed over (--pd)
+        for h in self._update_hashes(req, req.num_tokens - 1)[num_cached:(req.num_tokens - 1) // self.block_size]:
+            payload = st.payloads.get(h)  # read from the tier, or handed over (--pd)
             if payload is None:
                 if self.offload is None or not self.offload.contains(h):
                     break
                 payload = self.offload.read(h)
                 if payload is None:
                     break
-                req.offload_payloads[h] = payload
+                st.payloads[h] = payload
             found.append((h, payload))
         return found
 
@@ -204,7 +271,7 @@ class KVCacheManager:
         """(table entries the request would have, tokens it would have computed, new blocks each
         group can still take) once `cached` and `num_loaded` loaded blocks are its own. A hit's
         unreferenced blocks are among the free ones, so they do not count as room."""
-        have = len(req.block_ids) + cached.num_blocks
+        have = len(self.blocks(req.request_id).block_ids) + cached.num_blocks
         computed = req.num_computed_tokens + (cached.num_blocks + num_loaded) * self.block_size
         evictable_hits = sum(1 for b in cached.held() if b.ref_cnt == 0)
         return have, computed, (self.pool.num_free_blocks - evictable_hits) // self.groups.num_groups
@@ -219,33 +286,35 @@ class KVCacheManager:
         self, req: Request, num_new_tokens: int, cached: PrefixHit = NO_HIT,
         loaded: Optional[list[int]] = None,
     ) -> bool:
-        """Give `req` room for `num_new_tokens` more tokens; False if blocks are short.
+        """Give `req` room for `num_new_tokens` more tokens past its computed ones and the
+        `cached` and `loaded` blocks; False if blocks are short.
 
         `cached` blocks (a prefix hit for a request holding no blocks yet) are
         taken together with the new ones, or not at all; so are `loaded` (hashes
         of the second tier's blocks that follow them): fresh blocks, registered
         under those hashes, that the runner fills before the step
-        (`req.block_ids[hit:hit + len(loaded)]`). Each group gets the same number
+        (`block_tables(id)[0][hit:hit + len(loaded)]`). The caller advances the
+        request's computed tokens past both. Each group gets the same number
         of new blocks (its table has an entry for every block of the context).
         """
         loaded = loaded or []
-        tables = self._tables(req)
         hit = cached.num_blocks
         have, computed, spare = self._room(req, cached, len(loaded))
         need = self.blocks_for(computed + num_new_tokens) - have
         if need > spare:
             return False
+        st = self._state(req)
+        tables = self._tables(st)
         if hit:
             self.pool.touch(cached.held())
             for table, blocks in zip(tables, cached.blocks):
                 table.extend(NULL_BLOCK if b is None else b.block_id for b in blocks)
             if self._sliding:
-                req.num_null_blocks = sum(1 for b in cached.blocks[self._sliding[0]] if b is None)
+                st.num_null_blocks = sum(1 for b in cached.blocks[self._sliding[0]] if b is None)
         if hit or loaded:
-            req.num_computed_tokens = computed
-            req.num_registered_blocks = hit + len(loaded)
-        if req.offload_payloads:  # admitted: what it read is in its blocks now, or no longer needed
-            req.offload_payloads = {}
+            st.num_registered = hit + len(loaded)
+        if st.payloads:  # admitted: what it read is in its blocks now, or no longer needed
+            st.payloads = {}
         if need > 0:
             fresh = self.pool.allocate(need * self.groups.num_groups)
             for block, h in zip(fresh, loaded):  # group 0's (loads only come with one group)
@@ -258,36 +327,38 @@ class KVCacheManager:
         """Enter the request's newly completed blocks into the prefix cache."""
         if not self.enable_caching:
             return
-        self._update_hashes(req, req.num_computed_tokens)
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
-        for i in range(req.num_registered_blocks, full):
-            for g, table in enumerate(req.block_tables):
+        st = self._state(req)
+        hashes = self._update_hashes(req, req.num_computed_tokens)
+        full = min(req.num_computed_tokens // self.block_size, len(st.block_ids))
+        for i in range(st.num_registered, full):
+            for g, table in enumerate(st.tables):
                 if table[i] == NULL_BLOCK and g in self._sliding:
                     continue  # behind the window (re-registering after a swap-in)
                 block = self.pool.blocks[table[i]]
-                self.pool.register(block, group_hash(req.block_hashes[i], g))
-                if g == 0 and self.offload is not None and block.block_hash == req.block_hashes[i]:
+                self.pool.register(block, group_hash(hashes[i], g))
+                if g == 0 and self.offload is not None and block.block_hash == hashes[i]:
                     self._to_offload.append((block.block_id, block.block_hash))
-        req.num_registered_blocks = max(req.num_registered_blocks, full)
+        st.num_registered = max(st.num_registered, full)
 
     def free_out_of_window(self, req: Request) -> None:
         """Release the sliding groups' blocks that fell behind the window of the request's next
         query (at position num_computed_tokens). Cached ones stay findable until evicted, first
         among the free blocks: a later prompt rarely ends right where they are needed."""
-        if not self._sliding or not req.block_tables:
+        st = self._requests.get(req.request_id)
+        if not self._sliding or st is None or not st.tables:
             return
         bs = self.block_size
         first = min(self.groups.first_needed_block(self._sliding[0], req.num_computed_tokens, bs),
-                    len(req.block_ids))
-        if first <= req.num_null_blocks:
+                    len(st.block_ids))
+        if first <= st.num_null_blocks:
             return
         dropped = []
         for g in self._sliding:
-            table = req.block_tables[g]
-            for i in range(req.num_null_blocks, first):
+            table = st.tables[g]
+            for i in range(st.num_null_blocks, first):
                 dropped.append(self.pool.blocks[table[i]])
                 table[i] = NULL_BLOCK
-        req.num_null_blocks = first
+        st.num_null_blocks = first
         self.pool.free(dropped, evict_first=True)
 
     def release_tail(self, req: Request, num_tokens: int) -> None:
@@ -296,56 +367,61 @@ class KVCacheManager:
         They were allocated as lookahead and never entered the prefix cache, which only
         takes blocks of computed (so accepted) tokens.
         """
+        st = self.blocks(req.request_id)
         keep = self.blocks_for(num_tokens)
-        if len(req.block_ids) > keep:
-            tail = [self.pool.blocks[t[i]] for i in range(len(req.block_ids) - 1, keep - 1, -1)
-                    for t in req.block_tables]
-            for table in req.block_tables:
+        if len(st.block_ids) > keep:
+            tail = [self.pool.blocks[t[i]] for i in range(len(st.block_ids) - 1, keep - 1, -1)
+                    for t in st.tables]
+            for table in st.tables:
                 del table[keep:]
             self.pool.free(tail)
 
-    def _drop_all(self, req: Request) -> None:
-        self.pool.free(self._held(req))
-        req.block_tables = []
-        req.num_null_blocks = 0
-        req.num_registered_blocks = 0
+    def _drop_all(self, st: RequestBlocks) -> None:
+        self.pool.free(self._held(st))
+        st.tables = []
+        st.num_null_blocks = 0
+        st.num_registered = 0
 
     def free(self, req: Request) -> None:
-        self._drop_all(req)
-        if req.swapped_blocks:
-            self.host_free.extend(req.swapped_blocks)
-            req.swapped_blocks = []
+        """Release everything the request holds (device and host blocks) and forget it."""
+        st = self._requests.pop(req.request_id, None)
+        if st is None:
+            return
+        self._drop_all(st)
+        self.host_free.extend(st.swapped)
 
     # -- swap ---------------------------------------------------------------
     def swap_out(self, req: Request) -> Optional[list[tuple[int, int]]]:
         """Move the request's computed blocks to host memory; None if host space is short.
         Host blocks follow the tables group after group, NULL_BLOCK entries left out (the
         request keeps `num_null_blocks`, so swap_in rebuilds the same tables)."""
+        st = self._state(req)
         n = self.blocks_for(req.num_computed_tokens)
-        device = [t[i] for g, t in enumerate(req.block_tables)
-                  for i in range(req.num_null_blocks if g in self._sliding else 0, n)]
+        device = [t[i] for g, t in enumerate(st.tables)
+                  for i in range(st.num_null_blocks if g in self._sliding else 0, n)]
         if len(device) > len(self.host_free):
             return None
         host = [self.host_free.pop() for _ in device]
-        nulls = req.num_null_blocks
-        self._drop_all(req)
-        req.num_null_blocks = nulls
-        req.swapped_blocks = host
+        nulls = st.num_null_blocks
+        self._drop_all(st)
+        st.num_null_blocks = nulls
+        st.swapped = host
         return list(zip(device, host))
 
     def swap_in(self, req: Request) -> Optional[list[tuple[int, int]]]:
         """Bring a swapped request's blocks back; None if device blocks are short."""
-        n = len(req.swapped_blocks)
+        st = self._state(req)
+        n = len(st.swapped)
         if n > self.pool.num_free_blocks:
             return None
         dev = [b.block_id for b in self.pool.allocate(n)]
-        pairs = list(zip(req.swapped_blocks, dev))
-        self.host_free.extend(req.swapped_blocks)
-        req.swapped_blocks = []
-        tables = self._tables(req)
+        pairs = list(zip(st.swapped, dev))
+        self.host_free.extend(st.swapped)
+        st.swapped = []
+        tables = self._tables(st)
         it = iter(dev)
         width = self.blocks_for(req.num_computed_tokens)
         for g, table in enumerate(tables):
-            nulls = req.num_null_blocks if g in self._sliding else 0
+            nulls = st.num_null_blocks if g in self._sliding else 0
             table.extend([NULL_BLOCK] * nulls + [next(it) for _ in range(width - nulls)])
         return pairs

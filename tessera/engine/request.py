@@ -1,4 +1,9 @@
-"""A request as the scheduler sees it: tokens, progress, blocks and an explicit state."""
+"""A request as the scheduler sees it: tokens, progress and an explicit state.
+
+Its blocks are the KV cache manager's (kept there by request id), and what the model
+runner reads of it travels in the scheduler's output as plain data: this object stays
+on the scheduler's side of the step.
+"""
 from __future__ import annotations
 
 import enum
@@ -55,17 +60,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
-        # One block table per group of layers (attention/kv_groups.py; one group for most models),
-        # empty while the request holds no blocks; sliding groups' first `num_null_blocks` entries
-        # are NULL_BLOCK (behind the window).
-        self.block_tables: list[list[int]] = []
-        self.num_null_blocks = 0
-        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
-        self.num_registered_blocks = 0  # full blocks already entered in the prefix cache
-        self.swapped_blocks: list[int] = []  # host block ids while SWAPPED
-        # Disk-tier blocks already read and verified while the request waits for room (by hash),
-        # so a request admitted steps later does not read them again.
-        self.offload_payloads: dict[int, bytes] = {}
         self.generator = generator
         self.wait_for = wait_for  # sibling whose prompt prefill should land in the cache first
         # Tokens a proposer guessed for the coming step (speculative decoding); verified by the
@@ -82,11 +76,6 @@ class Request:
         # advanced by the tokens each step appends, so it survives preemption.
         self.grammar: Optional["GrammarState"] = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-
-    @property
-    def block_ids(self) -> list[int]:
-        """Group 0's block table: full attention, every block of the context."""
-        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:
@@ -119,4 +108,4 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+                f"computed={self.num_computed_tokens})")

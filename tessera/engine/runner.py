@@ -2,9 +2,13 @@
 
 All scheduled tokens of a step go through each layer as one packed batch
 without padding; attention alone looks at request boundaries (AttentionMetadata).
+The runner reads only the scheduler's plain output (engine/scheduler_output.py) and
+owns the KV cache's tensors; `ModelRunnerBase` is what the engine core asks of any
+runner, so one for another device or process is a new class beside this one.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -13,9 +17,8 @@ import torch
 from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.request import Request
 from tessera.engine.sampler import Sampler
-from tessera.engine.scheduler import SchedulerOutput
+from tessera.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tessera.engine.structured_output import GrammarState, MaskJob, StructuredOutputManager
 
 
@@ -30,7 +33,34 @@ class RunnerOutput:
     mask_time: Optional[float] = None  # seconds spent on structured-output masks this step, if any
 
 
-class ModelRunner:
+class ModelRunnerBase(ABC):
+    """What the engine core needs of a runner: execute a step, and read and write whole KV
+    blocks (the disk tier, KV transfers between replicas)."""
+
+    # The sampler whose generator unseeded requests draw from (calibration saves and restores
+    # its state so timing steps never shift seeded output).
+    sampler: Sampler
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Copy blocks as asked, run the model over the scheduled chunks, sample."""
+
+    @abstractmethod
+    def block_bytes(self) -> int:
+        """Bytes of one pool block, all its slots (what `read_blocks` returns per block)."""
+
+    @abstractmethod
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """The blocks' contents, one block after the other."""
+
+    @abstractmethod
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Fill blocks from `read_blocks`-shaped payloads."""
+
+
+class ModelRunner(ModelRunnerBase):
+    """The PyTorch runner: the model and its paged KV cache in host memory."""
+
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
                  groups: KVCacheGroups, structured: Optional[StructuredOutputManager] = None) -> None:
@@ -99,44 +129,33 @@ class ModelRunner:
         positions: list[int] = []
         qlens, seqlens, tables = [], [], []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        sample_chunks: list[ScheduledChunk] = []
         spec_rows: list[int] = []
-        spec_reqs: list[Request] = []
-        proposals: list[list[int]] = []
-        draft_probs: list[Optional[torch.Tensor]] = []
+        spec_chunks: list[ScheduledChunk] = []
         num_prompt = 0
         for s in order:
-            r = s.request
-            start, n, k = r.num_computed_tokens, s.num_new_tokens, s.num_spec_tokens
-            if k:
-                proposal = r.spec_token_ids[:k]
-                input_ids.extend(r.all_token_ids[start:start + 1])
-                input_ids.extend(proposal)
-                spec_rows.extend(range(len(input_ids) - n, len(input_ids)))
-                spec_reqs.append(r)
-                proposals.append(proposal)
-                q = r.spec_draft_probs
-                draft_probs.append(q[:k] if q is not None else None)
-            else:
-                input_ids.extend(r.all_token_ids[start:start + n])
+            start, n, k = s.start, s.num_new_tokens, s.num_spec_tokens
+            input_ids.extend(s.token_ids)
             positions.extend(range(start, start + n))
             if k:
+                spec_rows.extend(range(len(input_ids) - n, len(input_ids)))
+                spec_chunks.append(s)
                 # Position i of the run attends to the first start + i + 1 tokens: as decode rows of
                 # growing length over the same blocks, causal by construction, it goes through the
                 # paged decode kernel instead of the gathered-context prefill path (2x cheaper here).
                 qlens.extend([1] * n)
                 seqlens.extend(range(start + 1, start + n + 1))
-                tables.extend([r.block_tables] * n)
+                tables.extend([s.block_tables] * n)
             else:
                 qlens.append(n)
                 seqlens.append(start + n)
-                tables.append(r.block_tables)
-            if not (n - k == 1 and r.output_token_ids and start == r.num_tokens - 1):
+                tables.append(s.block_tables)
+            if not s.is_decode:
                 num_prompt += n  # prefill (or recompute) rather than a decode step
-            if s.produces_token and not k:
+            if s.samples and not k:
                 sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(r)
-        masks = self._start_masks(sample_reqs, spec_reqs, proposals)
+                sample_chunks.append(s)
+        masks = self._start_masks(sample_chunks, spec_chunks)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
@@ -152,35 +171,38 @@ class ModelRunner:
             mask_time = masks.apply(logits)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
-        if sample_reqs:
-            result = self.sampler(logits[:len(sample_rows)], sample_reqs)
-            for r, t in zip(sample_reqs, result.token_ids):
-                sampled[r.request_id] = [t]
+        if sample_chunks:
+            result = self.sampler(logits[:len(sample_rows)], [c.sampling for c in sample_chunks])
+            for c, t in zip(sample_chunks, result.token_ids):
+                sampled[c.request_id] = [t]
             if result.logprobs is not None:
-                logprobs.update({r.request_id: [lp] for r, lp in zip(sample_reqs, result.logprobs) if lp is not None})
+                logprobs.update({c.request_id: [lp] for c, lp in zip(sample_chunks, result.logprobs)
+                                 if lp is not None})
         spec_results: dict[str, tuple[int, int]] = {}
-        if spec_reqs:
-            spec = self.sampler.speculative(logits[len(sample_rows):], spec_reqs, proposals, draft_probs)
-            for r, tokens, proposal, accepted in zip(spec_reqs, spec.token_ids, proposals, spec.num_accepted):
-                sampled[r.request_id] = tokens
-                spec_results[r.request_id] = (len(proposal), accepted)
+        if spec_chunks:
+            proposals = [c.proposal for c in spec_chunks]
+            spec = self.sampler.speculative(logits[len(sample_rows):], [c.sampling for c in spec_chunks], proposals,
+                                            [c.draft_probs for c in spec_chunks])
+            for c, tokens, proposal, accepted in zip(spec_chunks, spec.token_ids, proposals, spec.num_accepted):
+                sampled[c.request_id] = tokens
+                spec_results[c.request_id] = (len(proposal), accepted)
             if spec.logprobs is not None:
-                logprobs.update({r.request_id: lp for r, lp in zip(spec_reqs, spec.logprobs) if lp is not None})
+                logprobs.update({c.request_id: lp for c, lp in zip(spec_chunks, spec.logprobs) if lp is not None})
         return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time)
 
-    def _start_masks(self, sample_reqs: list[Request], spec_reqs: list[Request],
-                     proposals: list[list[int]]) -> Optional[MaskJob]:
+    def _start_masks(self, sample_chunks: list[ScheduledChunk],
+                     spec_chunks: list[ScheduledChunk]) -> Optional[MaskJob]:
         """Start the step's grammar masks (logits rows: sampled rows, then each run's k + 1)."""
         if self.structured is None:
             return None
-        plain: list[tuple[int, GrammarState]] = [(i, r.grammar) for i, r in enumerate(sample_reqs)
-                                                 if r.grammar is not None and not r.grammar.done]
+        plain: list[tuple[int, GrammarState]] = [(i, c.grammar) for i, c in enumerate(sample_chunks)
+                                                 if c.grammar is not None and not c.grammar.done]
         runs: list[tuple[int, GrammarState, list[int]]] = []
-        row = len(sample_reqs)
-        for r, proposal in zip(spec_reqs, proposals):
-            if r.grammar is not None and not r.grammar.done:
-                runs.append((row, r.grammar, proposal))
-            row += len(proposal) + 1
+        row = len(sample_chunks)
+        for c in spec_chunks:
+            if c.grammar is not None and not c.grammar.done:
+                runs.append((row, c.grammar, c.proposal))
+            row += c.num_new_tokens
         if not plain and not runs:
             return None
         return self.structured.start_masks(row, plain, runs)

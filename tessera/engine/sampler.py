@@ -7,11 +7,28 @@ generator so their text does not depend on what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, Sequence
 
 import torch
 
-from tessera.engine.request import Request
+from tessera.sampling_params import SamplingParams
+
+
+class SampledRow(Protocol):
+    """What sampling reads of a request: the runner passes plain `SamplingInputs`
+    (engine/scheduler_output.py), a drafting proposer its live requests."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def generator(self) -> Optional[torch.Generator]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...  # read only when penalties are on
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...  # read only for a repetition penalty
 
 
 @dataclass
@@ -20,7 +37,7 @@ class SamplerOutput:
     logprobs: Optional[list[Optional[tuple[float, list[tuple[int, float]]]]]]  # (sampled lp, top)
 
 
-def _penalize(logits: torch.Tensor, reqs: list[Request]) -> None:
+def _penalize(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
     if not any(r.params.has_penalties for r in reqs):
         return
     rep = [r.params.repetition_penalty for r in reqs]
@@ -42,7 +59,7 @@ def _penalize(logits: torch.Tensor, reqs: list[Request]) -> None:
     logits -= torch.tensor(pres).unsqueeze(1) * (out_counts > 0).float()
 
 
-def _bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+def _bias(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
     """OpenAI's logit_bias: add each request's values to its row (in place)."""
     for i, r in enumerate(reqs):
         bias = r.params.logit_bias
@@ -51,7 +68,7 @@ def _bias(logits: torch.Tensor, reqs: list[Request]) -> None:
             logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype))
 
 
-def _truncate(logits: torch.Tensor, reqs: list[Request]) -> None:
+def _truncate(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
     """Apply top-k, top-p and min-p by masking logits to -inf (in place)."""
     top_k = [r.params.top_k for r in reqs]
     top_p = [r.params.top_p for r in reqs]
@@ -90,11 +107,11 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _uniform(self, req: Request) -> float:
+    def _uniform(self, req: SampledRow) -> float:
         gen = req.generator if req.generator is not None else self.generator
         return float(torch.rand(1, generator=gen))
 
-    def speculative(self, logits: torch.Tensor, reqs: list[Request], proposals: list[list[int]],
+    def speculative(self, logits: torch.Tensor, reqs: Sequence[SampledRow], proposals: list[list[int]],
                     draft_probs: Optional[list[Optional[torch.Tensor]]] = None) -> SpeculativeOutput:
         """Verify proposed tokens against the target model, keeping its distribution exactly.
 
@@ -176,7 +193,7 @@ class Sampler:
                 logprobs.append(entries)
         return SpeculativeOutput(out_tokens, logprobs, accepted_counts)
 
-    def draft(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], Optional[torch.Tensor]]:
+    def draft(self, logits: torch.Tensor, reqs: Sequence[SampledRow]) -> tuple[list[int], Optional[torch.Tensor]]:
         """A draft model's next token per request: the argmax for greedy requests, otherwise a
         draw from the draft's distribution after the request's temperature and truncation,
         returned as q [n, vocab] for rejection sampling (None when every request is greedy)."""
@@ -192,7 +209,7 @@ class Sampler:
         tokens = torch.where(torch.tensor(greedy), greedy_tokens, self._draw(probs, reqs))
         return tokens.tolist(), probs
 
-    def _draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, reqs: Sequence[SampledRow]) -> torch.Tensor:
         """One token per row by inverting the row's CDF at a uniform draw.
 
         One uniform number per request (from the request's own generator when it
@@ -211,7 +228,7 @@ class Sampler:
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
         return tokens.clamp_(max=probs.shape[1] - 1)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[SampledRow]) -> SamplerOutput:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None

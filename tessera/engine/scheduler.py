@@ -9,7 +9,7 @@ decodes are running; with no decode running, prefill uses the whole budget. The
 step's first prompt always gets at least `min_prefill_chunk` tokens, even past the
 target: when the decodes alone take longer than the target (a batch too large for
 it), prompts still flow at a useful rate instead of a token per step, which starved
-the batch and halved throughput at 32 streams (benchmarks/README.md, Wave 3). Waiting requests are admitted
+the batch and halved throughput at 32 streams (benchmarks/README.md, latency and capacity). Waiting requests are admitted
 first-come first-served while blocks, budget and the target allow; a newcomer's whole
 prompt must fit beside what the running requests' prompts still need (`_prompt_fits`),
 so admitting it does not preempt them later. When a running request cannot get a block
@@ -26,42 +26,8 @@ from tessera.config import EngineConfig
 from tessera.engine.cost_model import StepCostPredictor, StepShape
 from tessera.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from tessera.engine.request import Request, RequestStatus
+from tessera.engine.scheduler_output import SamplingInputs, ScheduledChunk, SchedulerOutput
 from tessera.engine.stats import SchedulerStats
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens fed through the model, proposals included
-    num_spec_tokens: int = 0  # of which proposals to verify (request.spec_token_ids[:num_spec_tokens])
-
-    @property
-    def produces_token(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, disk tier payload)
-    kv_loaded_shape: StepShape = field(default_factory=StepShape)  # the prefill those loads replace
-    preempted: list[str] = field(default_factory=list)
-    num_prefix_queries: int = 0
-    num_prefix_hits: int = 0
-    shape: StepShape = field(default_factory=StepShape)  # the step's work, for the cost model
-    predicted_s: Optional[float] = None  # the cost model's prediction for it, if there is a model
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -209,7 +175,7 @@ class Scheduler:
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
         start = req.num_computed_tokens
-        out.scheduled.append(ScheduledRequest(req, n, num_spec))
+        out.scheduled.append(make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec))
         step.ids.add(req.request_id)
         step.budget -= n
         samples = start + n - num_spec == req.num_tokens
@@ -332,8 +298,9 @@ class Scheduler:
                         break
                 if not self.kv.allocate_slots(req, n, cached, [h for h, _ in loaded]):
                     break
+                req.num_computed_tokens = start
                 if loaded:  # the runner fills these blocks from the disk tier before the step
-                    ids = req.block_ids[cached.num_blocks:cached.num_blocks + len(loaded)]
+                    ids = self.kv.block_tables(req.request_id)[0][cached.num_blocks:cached.num_blocks + len(loaded)]
                     out.kv_loads.extend(zip(ids, (payload for _, payload in loaded)))
                     out.kv_loaded_shape = out.kv_loaded_shape.plus(StepShape.chunk(
                         cached.num_blocks * self.kv.block_size, len(loaded) * self.kv.block_size, False))
@@ -364,10 +331,10 @@ class Scheduler:
         """
         appended: dict[str, list[int]] = {}
         for s in out.scheduled:
-            req = s.request
-            req.clear_speculation()
-            if req.is_finished:
+            req = self.requests.get(s.request_id)
+            if req is None or req.is_finished:
                 continue
+            req.clear_speculation()
             tokens = sampled.get(req.request_id) or []
             kept, reason = tokens, None
             for i, token in enumerate(tokens):  # a run ends at its first stop token or length limit
@@ -432,3 +399,23 @@ def _max_fitting(model: StepCostPredictor, base: StepShape, limit_s: float, uppe
         else:
             hi = mid - 1
     return lo
+
+
+def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: int = 0) -> ScheduledChunk:
+    """The runner's view of `n` tokens of `req` from its computed ones (`num_spec` of them its
+    proposals): plain data copied off the request, so the runner never reads the request."""
+    start = req.num_computed_tokens
+    if num_spec:
+        token_ids = req.all_token_ids[start:start + 1] + req.spec_token_ids[:num_spec]
+    else:
+        token_ids = req.all_token_ids[start:start + n]
+    params = req.params
+    sampling = SamplingInputs(params, req.generator, req.output_token_ids, req.all_token_ids) \
+        if params.has_penalties else SamplingInputs(params, req.generator)
+    q = req.spec_draft_probs
+    return ScheduledChunk(
+        request_id=req.request_id, token_ids=token_ids, start=start, block_tables=block_tables,
+        sampling=sampling, samples=start + n - num_spec == req.num_tokens,
+        is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
+        num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
+        grammar=req.grammar)

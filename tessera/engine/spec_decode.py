@@ -20,7 +20,7 @@ Three proposers:
 
 At large batch a step is compute-bound and verification rows are no longer free, so
 `SpeculationPolicy` shrinks k as the running batch grows and turns speculation off above a
-threshold or while requests wait, as sources 000 and 002 advise.
+threshold or while requests wait: verification rows stop being free once a step is compute-bound.
 """
 from __future__ import annotations
 
@@ -55,7 +55,11 @@ class Proposer(Protocol):
     # slots are then allocated before proposing rather than when the scheduler grants the run.
     writes_kv: bool
 
-    def propose(self, reqs: Sequence[Request], budgets: Sequence[int]) -> list[Proposal]: ...
+    def propose(self, reqs: Sequence[Request], budgets: Sequence[int],
+                block_tables: Sequence[list[list[int]]]) -> list[Proposal]:
+        """`block_tables[i]`: request i's tables from the KV manager (drafting models address
+        their cache with them)."""
+        ...
 
 
 class NgramProposer:
@@ -63,7 +67,7 @@ class NgramProposer:
     prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followed it.
 
     Free to compute and strong wherever the output copies its input (code edits, extraction,
-    summaries quoting the source): the case source 002 measures.
+    summaries quoting the source).
     """
 
     writes_kv = False
@@ -71,7 +75,8 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, reqs: Sequence[Request], budgets: Sequence[int]) -> list[Proposal]:
+    def propose(self, reqs: Sequence[Request], budgets: Sequence[int],
+                block_tables: Sequence[list[list[int]]] = ()) -> list[Proposal]:
         return [Proposal(self.lookup(r.all_token_ids, k)) for r, k in zip(reqs, budgets)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
@@ -123,7 +128,8 @@ class ModelProposer:
             valid += 1
         return min(valid, req.num_tokens - 1)
 
-    def propose(self, reqs: Sequence[Request], budgets: Sequence[int]) -> list[Proposal]:
+    def propose(self, reqs: Sequence[Request], budgets: Sequence[int],
+                block_tables: Sequence[list[list[int]]] = ()) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         # request index -> (position of the first token to feed, tokens to feed)
@@ -141,7 +147,7 @@ class ModelProposer:
                 take = feed[:self.max_chunk]
                 ids.extend(take)
                 pos.extend(range(start, start + len(take)))
-                tables.append(reqs[i].block_tables)
+                tables.append(block_tables[i])
                 qlens.append(len(take))
                 seqlens.append(start + len(take))
                 if len(take) == len(feed):
@@ -277,7 +283,8 @@ def propose_all(proposer: Proposer, policy: SpeculationPolicy, running: Sequence
         chosen.append(req)
         budgets.append(room)
     if chosen:
-        for req, proposal in zip(chosen, proposer.propose(chosen, budgets)):
+        tables = [kv.block_tables(r.request_id) for r in chosen]
+        for req, proposal in zip(chosen, proposer.propose(chosen, budgets, tables)):
             req.spec_token_ids = proposal.token_ids
             req.spec_draft_probs = proposal.draft_probs
     return k or None

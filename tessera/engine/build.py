@@ -1,0 +1,310 @@
+"""Builds an engine's parts from its config: load, size, calibrate, make proposers and the disk tier.
+
+Everything that happens once, before the first step, lives here, so the step loop
+(engine/llm_engine.py) holds no loading, sizing or calibration code. `build_engine`
+returns `EngineParts`, the finished pieces the loop drives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tessera.attention import AttentionBackend, get_backend
+from tessera.attention.kv_groups import KVCacheGroups
+from tessera.config import EngineConfig, ModelConfig
+from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, save_cached
+from tessera.engine.input_processor import InputLimits, InputProcessor
+from tessera.engine.kv_cache_manager import KVCacheManager
+from tessera.engine.kv_offload import DiskKVTier
+from tessera.engine.request import Request
+from tessera.engine.runner import ModelRunner, ModelRunnerBase
+from tessera.engine.sampler import Sampler
+from tessera.engine.scheduler import Scheduler, make_chunk
+from tessera.engine.scheduler_output import SchedulerOutput
+from tessera.engine.spec_decode import (
+    DraftModelProposer, LayerSkipProposer, Proposer, SpeculationPolicy, build_ngram, default_draft_layers,
+)
+from tessera.engine.structured_output import StructuredOutputManager
+from tessera.hostinfo import available_memory, cpu_model_name, source_digest
+from tessera.kernels import KernelUnavailable
+from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.sizing import activation_bytes, default_kv_cache_memory
+from tessera.tokenizer import Tokenizer
+
+logger = logging.getLogger("tessera")
+
+DEFAULT_MAX_MODEL_LEN = 4096
+CALIBRATION_BUDGET_S = 3.0  # start-up time the step-cost calibration may take; online refinement does the rest
+
+
+@dataclass
+class EngineParts:
+    """A built engine: the pieces the step loop drives, and what callers ask about them."""
+
+    config: EngineConfig  # resolved: max_model_len and kv_cache_memory filled in
+    loaded: object  # models.loader.LoadedModel: the weights, tokenizer and quantization
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    kv_groups: KVCacheGroups
+    attn_backend: AttentionBackend
+    kv: KVCacheManager
+    runner: ModelRunnerBase
+    structured: StructuredOutputManager
+    inputs: InputProcessor
+    cost_model: StepCostModel
+    scheduler: Scheduler
+    offload: Optional[DiskKVTier]
+    proposer: Optional[Proposer]
+    spec_policy: Optional[SpeculationPolicy]
+    kv_capacity_tokens: int  # the longest sequence the cache holds
+    kv_tokens_per_gib: float  # at max_model_len
+
+    @property
+    def kv_cache_format(self) -> str:
+        """"int8" or the cache's float dtype ("bfloat16", "float32")."""
+        return str(self.attn_backend.kv_cache_dtype(self.dtype)).removeprefix("torch.")
+
+
+def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
+    """Load the model (unless `loaded` is given), size the KV cache, make the runner, calibrate
+    the step-cost model, and make the scheduler, disk tier and proposer; raises
+    InvalidRequestError for settings that cannot work with this model."""
+    from tessera.models.loader import load_model
+    from tessera.models.registry import resolve_model
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    if loaded is None:
+        loaded = load_model(resolve_model(config.model), config.dtype, quantization=config.quantization,
+                            dense_copy=config.dense_copy, weight_cache=config.weight_cache)
+    mc, dtype = loaded.config, loaded.dtype
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > mc.max_position_embeddings:
+        raise InvalidRequestError(
+            f"--max-model-len {max_model_len} exceeds the model's limit of {mc.max_position_embeddings}")
+    groups = KVCacheGroups.for_engine(mc, config)
+    if any(mc.layer_windows()) and not groups.hybrid:
+        logger.info("sliding-window layers keep every block of the context (%s)",
+                    "--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager
+                    else "--kv-offload-dir stores whole-context blocks")
+    try:
+        backend = get_backend(config.attention_backend, config.kv_cache_dtype)
+        bytes_per_block = backend.bytes_per_block(groups.num_slots, mc.num_kv_heads, mc.head_dim,
+                                                  config.block_size, dtype)
+    except (ValueError, KernelUnavailable) as exc:
+        raise InvalidRequestError(str(exc)) from None
+    spec = config.speculative_config
+    draft = _load_draft(config, loaded) if spec is not None and spec.method == "draft_model" else None
+    if draft is not None:  # its cache shares the target's block ids, so every block holds both
+        dc = draft.config
+        bytes_per_block += backend.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim,
+                                                   config.block_size, draft.dtype)
+    kv_memory = config.kv_cache_memory
+    if kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
+        swap = config.swap_space if config.preemption_mode == "swap" else 0
+        others = swap + activation_bytes(mc, config, dtype, loaded.quant.dense_copy)
+        blocks_needed = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size)
+        kv_memory = default_kv_cache_memory(blocks_needed * bytes_per_block, available_memory(), others)
+    num_blocks = kv_memory // bytes_per_block
+    kv_capacity_tokens = groups.max_tokens(num_blocks, config.block_size, config.max_num_batched_tokens)
+    if kv_capacity_tokens < 1:
+        raise InvalidRequestError(
+            f"--kv-cache-memory {kv_memory} bytes holds no sequence in blocks of {bytes_per_block} bytes")
+    num_host_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
+    config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block)
+
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                        num_host_blocks, hash_extra=str(config.model), groups=groups)
+    structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
+    inputs = InputProcessor(loaded.tokenizer, InputLimits(mc.vocab_size, max_model_len, kv_capacity_tokens))
+    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups, structured)
+    logger.info("%s", config.profile_summary())
+    kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
+    cost_model = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
+    logger.info("step-cost model: %s", cost_model.summary())
+    scheduler = Scheduler(config, kv, max_model_len, cost_model)
+    offload = _build_offload(config, loaded, kv_format, runner)
+    kv.offload = offload  # only now: calibration's synthetic blocks are not written
+    proposer, policy = None, None
+    if spec is not None:
+        proposer = _build_proposer(config, loaded, draft, backend, groups, runner, num_blocks)
+        policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size)
+        logger.info("speculative decoding: %s, %d tokens, off above %d running request(s) or with a queue",
+                    spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size)
+    # Per sequence of max_model_len tokens (sliding-window groups hold less of a long one).
+    per_sequence = groups.blocks_per_sequence(max_model_len, config.block_size)
+    tokens_per_gib = max_model_len * 2**30 / (per_sequence * bytes_per_block)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.0f MiB, %s, %s, %.0f tokens per GiB at max_model_len); "
+        "max concurrency at max_model_len %d: %.1f", num_blocks, config.block_size,
+        num_blocks * bytes_per_block / 2**20, kv_format, groups.describe(), tokens_per_gib,
+        max_model_len, (num_blocks - (1 if groups.hybrid else 0)) / per_sequence)
+    _log_memory(config)
+    return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
+                       kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
+                       inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=offload,
+                       proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
+                       kv_tokens_per_gib=tokens_per_gib)
+
+
+def _log_memory(config: EngineConfig) -> None:
+    """Resident memory now, next to `tessera size`'s prediction for this process (the KV
+    cache's pages count once requests have touched them, so start-up is below the prediction).
+    `tessera size` prints the whole server by default, front-end process included; this line
+    compares like with like (this process) and names the difference, so the two figures a user
+    sees do not look contradictory."""
+    from tessera.hostinfo import resident_bytes
+    from tessera.sizing import estimate
+
+    try:
+        e = estimate(config, engine_process=True)
+    except Exception as exc:  # noqa: BLE001 - a log line must not stop a start (e.g. an unregistered path)
+        logger.debug("no memory prediction: %s", exc)
+        return
+    logger.info("memory: %.0f MiB resident at start-up in this process; `tessera size` predicts %.0f MiB for "
+                "it once the KV cache is in use (%.0f MiB for the server with its front-end process, "
+                "`--no-engine-process` drops that)", resident_bytes() / 2**20,
+                (e.total_bytes - e.frontend_bytes) / 2**20, e.total_bytes / 2**20)
+
+
+def _build_offload(config: EngineConfig, loaded, kv_format: str, runner: ModelRunnerBase) -> Optional[DiskKVTier]:
+    """The disk tier of the prefix cache, if configured; its files are keyed by everything that
+    changes a block's bytes, so a file from another model or layout is refused, never loaded."""
+    if config.kv_offload_dir is None:
+        return None
+    from tessera.models.registry import model_digest
+
+    mc = loaded.config
+    fields = {"model_sha256": model_digest(loaded.path), "dtype": str(loaded.dtype),
+              "kv_cache": kv_format, "block_size": config.block_size, "layers": mc.num_layers,
+              "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "hash_extra": str(config.model),
+              "format": 3}  # 3: int8 keys less their key bias's exact share (attention/base.py KeyBias)
+    return DiskKVTier(Path(config.kv_offload_dir).expanduser(), config.kv_offload_size, fields,
+                      runner.block_bytes())
+
+
+# -- speculative decoding -----------------------------------------------------------
+def _load_draft(config: EngineConfig, target):
+    """The draft model of `draft_model` speculation, checked against the target's tokenizer."""
+    from tessera.models.loader import load_model
+    from tessera.models.registry import resolve_model
+
+    spec = config.speculative_config
+    assert spec is not None and spec.model is not None
+    draft = load_model(resolve_model(spec.model), target.dtype, quantization=spec.quantization or config.quantization,
+                       dense_copy=config.dense_copy, weight_cache=config.weight_cache)
+    probe = "def add(a, b):\n    return a + b  # Grüße, 你好 🙂"
+    tok = target.tokenizer
+    same = (draft.tokenizer.encode(probe, add_special_tokens=False) == tok.encode(probe, add_special_tokens=False)
+            and set(draft.tokenizer.eos_token_ids) <= set(tok.eos_token_ids))
+    if not same:
+        raise InvalidRequestError(
+            f"--speculative-config: draft model {spec.model!r} does not share the tokenizer of "
+            f"{config.model!r}; a draft model must tokenize exactly as the target does")
+    return draft
+
+
+def _build_proposer(config: EngineConfig, loaded, draft, backend: AttentionBackend, groups: KVCacheGroups,
+                    runner: ModelRunner, num_blocks: int) -> Proposer:
+    spec = config.speculative_config
+    assert spec is not None
+    if spec.method == "ngram":
+        return build_ngram(spec)
+    sampler = Sampler(config.seed + 1)
+    mc = loaded.config
+    if spec.method == "layer_skip":
+        n = mc.num_layers
+        layers = spec.draft_layers or default_draft_layers(n)
+        if layers[-1] >= n:
+            raise InvalidRequestError(f"--speculative-config: draft_layers must be below {n}, the number "
+                                      f"of layers of {config.model!r}")
+        logger.info("layer-skip drafting with layers %s of %d", _ranges(layers), n)
+        return LayerSkipProposer(loaded.model, runner.kv_caches, backend, config.block_size, layers, sampler, groups)
+    assert draft is not None
+    dc = draft.config
+    caches = backend.allocate(dc.num_layers, num_blocks, config.block_size, dc.num_kv_heads, dc.head_dim, draft.dtype)
+    logger.info("draft model %s: %d layers, its KV cache in the same %d blocks", draft.path.name,
+                dc.num_layers, num_blocks)
+    return DraftModelProposer(draft.model, caches, backend, config.block_size, mc.vocab_size, sampler,
+                              config.max_num_batched_tokens)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2,5-6' for logs."""
+    parts, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(parts)
+
+
+# -- step-cost model ------------------------------------------------------------------
+def _calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBackend, kv_format: str,
+                          kv: KVCacheManager, runner: ModelRunnerBase) -> StepCostModel:
+    """Time synthetic steps on free KV blocks (nothing is cached or running yet) and fit the model.
+
+    The fit is kept in $TESSERA_HOME/cost_models under a key of everything that changes step
+    times (model, dtype, weights' storage, step limits, threads, CPU, Tessera's source), so a
+    restart skips the ~3 s; online correction absorbs what differs today.
+    """
+    from tessera.models.registry import tessera_home
+
+    path = tessera_home() / "cost_models" / f"{_cost_model_key(config, loaded, backend, kv_format)}.json"
+    cached = load_cached(path)
+    if cached is not None:
+        logger.info("step-cost model: calibration reused from %s", path)
+        return cached
+    vocab = loaded.config.vocab_size
+
+    def synthetic_step(chunks: list[tuple[int, int, bool]]) -> bool:
+        """Run one step of (start, tokens, samples) chunks on scratch blocks; False if they do not fit."""
+        params = SamplingParams(max_tokens=1, temperature=1.0)
+        sched = SchedulerOutput()
+        reqs: list[Request] = []
+        try:
+            for i, (start, n, samples) in enumerate(chunks):
+                length = start + n + (0 if samples else 1)
+                ids = [(7919 * (i + 1) + 104729 * t) % vocab for t in range(length)]
+                req = Request(f"calibration-{i}", ids, params, 1, [], generator=torch.Generator().manual_seed(i))
+                reqs.append(req)
+                if not kv.allocate_slots(req, start + n):
+                    return False
+                req.num_computed_tokens = start
+                sched.scheduled.append(make_chunk(req, n, kv.block_tables(req.request_id)))
+            runner.execute(sched)
+            return True
+        finally:
+            for req in reqs:
+                kv.free(req)
+
+    state = runner.sampler.generator.get_state()  # calibration must not shift seeded output
+    try:
+        model = calibrate(synthetic_step, max_tokens=config.max_num_batched_tokens, max_rows=config.max_num_seqs,
+                          max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S)
+    finally:
+        runner.sampler.generator.set_state(state)
+    save_cached(path, model)
+    return model
+
+
+def _cost_model_key(config: EngineConfig, loaded, backend: AttentionBackend, kv_format: str) -> str:
+    c = config
+    parts = {
+        "model": dataclasses.asdict(loaded.config), "path": str(loaded.path),
+        "dtype": str(loaded.dtype), "quant": repr(loaded.quant), "backend": type(backend).__name__,
+        "kv_cache": kv_format,
+        "limits": [c.block_size, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len],
+        "threads": torch.get_num_threads(), "cpu": cpu_model_name(), "source": source_digest(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]

@@ -1,0 +1,81 @@
+"""What the scheduler hands the model runner each step: plain data, no live requests.
+
+A `ScheduledChunk` is one request's work in a step (the tokens to feed, where they
+start, the block tables to address, what to sample with); `SchedulerOutput` is the
+step's chunks with the block copies to make first. The runner reads nothing else, so
+a runner is a new file (another device, another process) rather than an edit of the
+scheduler or the engine, and the request objects the scheduler mutates stay on its side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from tessera.engine.cost_model import StepShape
+from tessera.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tessera.engine.structured_output import GrammarState
+
+
+@dataclass
+class SamplingInputs:
+    """What sampling a request's next token reads: its parameters, its own generator when it is
+    seeded, and its tokens so far when penalties need them (empty otherwise)."""
+
+    params: SamplingParams
+    generator: Optional[torch.Generator] = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's tokens in a step.
+
+    `token_ids` are fed at positions `start`, `start + 1`, ...: a prompt chunk, one decode
+    token, or a decode token followed by `num_spec_tokens` proposals to verify (a run).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # tokens of the request already in the cache (its num_computed_tokens)
+    block_tables: list[list[int]]  # one per group of layers (the KV manager's, read-only here)
+    sampling: SamplingInputs
+    samples: bool = False  # the chunk reaches the end of the known tokens, so a token is sampled
+    is_decode: bool = False  # continues a generation (one known token) rather than computing a prompt
+    num_spec_tokens: int = 0
+    draft_probs: Optional[torch.Tensor] = None  # [num_spec_tokens, vocab] q the proposals were drawn from
+    grammar: Optional["GrammarState"] = None  # where the request stands in its grammar, if constrained
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def proposal(self) -> list[int]:
+        return self.token_ids[1:] if self.num_spec_tokens else []
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, disk tier payload)
+    kv_loaded_shape: StepShape = field(default_factory=StepShape)  # the prefill those loads replace
+    preempted: list[str] = field(default_factory=list)
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
+    shape: StepShape = field(default_factory=StepShape)  # the step's work, for the cost model
+    predicted_s: Optional[float] = None  # the cost model's prediction for it, if there is a model
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
