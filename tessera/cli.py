@@ -32,7 +32,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `tessera serve`; the server reads exactly these names from its args."""
+    """Flags of `tessera serve`; `ServingSpec.from_args` (tessera/server/config.py) reads them."""
     parser.add_argument("model", nargs="?", default=registry.DEFAULT_MODEL,
                         help="registry name, .gguf path, model folder or hub id (default: %(default)s)")
     parser.add_argument("more_models", nargs="*", metavar="MODEL",
@@ -244,38 +244,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def parse_pd(value: str) -> tuple[int, int]:
-    """'prefill=1,decode=2' -> (1, 2)."""
-    counts: dict[str, int] = {}
-    for part in value.split(","):
-        key, sep, num = part.partition("=")
-        key = key.strip()
-        if not sep or key not in ("prefill", "decode") or key in counts or not num.strip().isdigit():
-            raise TesseraError(f"--pd: expected prefill=N,decode=M, not {value!r}")
-        counts[key] = int(num)
-    if set(counts) != {"prefill", "decode"} or min(counts.values()) < 1:
-        raise TesseraError(f"--pd: needs at least one prefill and one decode replica: {value!r}")
-    return counts["prefill"], counts["decode"]
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tessera.server.app import serve, serve_models
-    from tessera.server.config import model_specs
+    import dataclasses
 
-    if args.replicas < 1:
-        raise TesseraError(f"--replicas must be at least 1, not {args.replicas}")
-    if args.ray_num_cpus_per_replica <= 0 or args.ray_num_gpus_per_replica < 0:
-        raise TesseraError("--ray-num-cpus-per-replica must be > 0 and --ray-num-gpus-per-replica >= 0")
-    args.pd = parse_pd(args.pd) if isinstance(args.pd, str) else args.pd
-    if args.config is None and not args.more_models and args.replicas == 1 and not args.ray and args.pd is None:
-        if args.served_model_name is None:
-            args.served_model_name = registry.display_name(args.model)
-        args.model = _resolve_for_engine(args.model)  # pull with a progress bar before the server logs
-        return serve(args) or 0
-    specs = model_specs(args)
-    for spec in specs:
-        _resolve_for_engine(spec.model)  # pull what is missing now, with progress bars
-    return serve_models(args, specs) or 0
+    from tessera.server.app import serve
+    from tessera.server.config import ServingSpec
+
+    spec = ServingSpec.from_args(args)  # every flag checked before anything is pulled or loaded
+    # Pull what is missing now, with progress bars, before the server logs; the engines then get
+    # local paths (registry names stay names).
+    models = tuple(dataclasses.replace(m, model=_resolve_for_engine(m.model)) for m in spec.models)
+    return serve(dataclasses.replace(spec, models=models)) or 0
 
 
 def cmd_size(args: argparse.Namespace) -> int:

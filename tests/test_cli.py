@@ -91,6 +91,65 @@ def test_serve_flags_defaults():
     assert (args.model, args.port, args.kv_cache_memory, args.max_num_seqs) == ("m.gguf", 9000, 1 << 30, 4)
 
 
+def serving_spec(*argv: str):
+    import argparse
+
+    from tessera.server.config import ServingSpec
+
+    parser = argparse.ArgumentParser()
+    cli.add_serve_args(parser)
+    return ServingSpec.from_args(parser.parse_args(list(argv)))
+
+
+def test_serve_flags_become_one_typed_spec():
+    spec = serving_spec()
+    (only,) = spec.models
+    assert (only.name, only.model, only.preload, only.keep_alive) == ("smollm2-135m", "smollm2-135m", True, None)
+    assert (spec.host, spec.port, spec.log_level, spec.log_stats, spec.ui) == ("127.0.0.1", 8000, "info", True, True)
+    assert (spec.engine_process, spec.engine_step_timeout, spec.request_timeout, spec.shutdown_timeout) \
+        == (True, 120.0, 600.0, 10.0)
+    assert spec.steps_on_main_thread and not spec.replicated and spec.ray is None
+    spec = serving_spec("m.gguf", "--served-model-name", "mine", "--no-engine-process", "--engine-step-timeout", "0",
+                        "--request-timeout", "0", "--keep-alive", "5m", "--disable-log-stats", "--no-ui",
+                        "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces", "--max-num-seqs", "4")
+    assert (spec.models[0].name, spec.models[0].keep_alive) == ("mine", None)  # one engine: never unloaded
+    assert (spec.engine_process, spec.engine_step_timeout, spec.request_timeout, spec.log_stats, spec.ui) \
+        == (False, None, None, False, False)
+    assert spec.otlp_traces_endpoint == "http://127.0.0.1:4318/v1/traces"
+    assert spec.engine_config(spec.models[0]).max_num_seqs == 4 and spec.steps_on_main_thread
+    spec = serving_spec("m.gguf", "--replicas", "2", "--keep-alive", "5m", "--router-policy", "round-robin")
+    assert spec.replicated and not spec.steps_on_main_thread and spec.models[0].keep_alive == 300
+    assert (spec.replicas, spec.replica_count, spec.router_policy) == (2, 2, "round-robin")
+    spec = serving_spec("--pd", "prefill=1,decode=2")
+    assert spec.pd == (1, 2) and spec.replica_count == 3 and spec.replicated
+    spec = serving_spec("--ray", "--ray-address", "auto", "--ray-num-cpus-per-replica", "2",
+                        "--ray-memory-per-replica", "1GiB")
+    assert spec.ray is not None and (spec.ray.address, spec.ray.num_cpus_per_replica, spec.ray.memory_per_replica) \
+        == ("auto", 2.0, 1 << 30)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--replicas", "0"], "--replicas must be at least 1"),
+    (["--ray-num-cpus-per-replica", "0"], "--ray-num-cpus-per-replica must be > 0"),
+    (["--pd", "prefill=1"], "--pd: needs at least one prefill and one decode"),
+    (["--port", "70000"], "--port must be from 0 to 65535"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be"),
+    (["--max-num-queued-requests", "-1"], "--max-num-queued-requests must be at least 0"),
+    (["--max-loaded-models", "0"], "--max-loaded-models must be at least 1"),
+    (["a", "b", "--served-model-name", "x"], "--served-model-name names one model"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+])
+def test_bad_serve_flags_are_one_clear_error(argv, needle):
+    from tessera.errors import TesseraError
+
+    with pytest.raises(TesseraError, match=needle):
+        serving_spec(*argv)
+
+
+def test_bad_serve_flag_is_one_line_before_anything_loads(home):
+    assert_one_line_error(run_tessera("serve", "no-such-model", "--replicas", "0", home=home), "--replicas")
+
+
 def test_keyboard_interrupt_exits_130(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt

@@ -18,7 +18,7 @@ import pytest
 from tessera.engine.async_engine import AsyncLLMEngine
 from tessera.errors import TesseraError
 from tessera.server.app import create_app
-from tessera.server.config import engine_config, model_specs, parse_duration
+from tessera.server.config import ServingSpec, parse_duration
 from tessera.server.models import FallbackCondition, FallbackRule, ModelRouter, ModelSpec, ServedModel
 
 from test_server_unit import FakeCore, serve_in_thread
@@ -211,23 +211,44 @@ def test_a_model_that_fails_to_load_is_503_and_others_serve():
         router.shutdown()
 
 
-def serve_args(**kw) -> argparse.Namespace:
+def test_preloading_builds_in_the_calling_thread_and_raises_its_failure():
+    """A server preloads on its main thread (a lone engine is built where it will step) and
+    does not start when a preload fails."""
+    threads = []
+
+    def build(served: ServedModel):
+        threads.append(threading.current_thread())
+        if served.name == "bad":
+            raise TesseraError("no such weights")
+        return fake_engine()
+
+    good, bad = ServedModel(ModelSpec("good", "m")), ServedModel(ModelSpec("bad", "m"))
+    router = ModelRouter([good, bad], builder=build, closer=lambda s: None)
+    try:
+        router.load(good)
+        assert good.status == "ready" and threads == [threading.current_thread()]
+        with pytest.raises(TesseraError, match="no such weights"):
+            router.load(bad)
+        assert bad.status == "failed" and "no such weights" in bad.error
+    finally:
+        router.shutdown()
+
+
+def serving_spec(*argv: str) -> ServingSpec:
     from tessera import cli
 
     parser = argparse.ArgumentParser()
     cli.add_serve_args(parser)
-    args = parser.parse_args(kw.pop("argv", []))
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return args
+    return ServingSpec.from_args(parser.parse_args(list(argv)))
 
 
 def test_specs_from_arguments_and_toml(tmp_path):
-    args = serve_args(argv=["smollm2-135m", "qwen2.5-coder-0.5b", "--keep-alive", "5m", "--max-num-seqs", "4"])
-    specs = model_specs(args)
+    spec = serving_spec("smollm2-135m", "qwen2.5-coder-0.5b", "--keep-alive", "5m", "--max-num-seqs", "4")
+    specs = spec.models
     assert [(s.name, s.keep_alive, s.preload) for s in specs] == [("smollm2-135m", 300, False),
                                                                  ("qwen2.5-coder-0.5b", 300, False)]
-    assert engine_config(specs[1], args).max_num_seqs == 4
+    assert spec.engine_config(specs[1]).max_num_seqs == 4
+    assert not spec.steps_on_main_thread  # several models: each engine loop on its own thread
     toml = tmp_path / "models.toml"
     toml.write_text('''
 keep_alive = "10m"
@@ -250,26 +271,32 @@ name = "small"
 model = "qwen2.5-coder-0.5b"
 keep_alive = -1
 ''')
-    args = serve_args(argv=["--config", str(toml), "--max-num-seqs", "2"])
-    coder, small = model_specs(args)
-    assert args.max_loaded_models == 1
+    spec = serving_spec("--config", str(toml), "--max-num-seqs", "2")
+    coder, small = spec.models
+    assert spec.max_loaded_models == 1
+    assert serving_spec("--config", str(toml), "--max-loaded-models", "3").max_loaded_models == 3  # the flag wins
     assert (coder.name, coder.aliases, coder.preload, coder.keep_alive) == ("coder", ["big"], True, 600)
     assert coder.fallback == FallbackRule("small", (FallbackCondition("queue_full"), FallbackCondition("queue_wait", 2.0)))
     assert coder.engine_overrides == {"max_num_seqs": 8, "kv_cache_memory": 1 << 30, "kv_cache_dtype": "int8"}
     assert coder.max_num_queued_requests == 16 and small.keep_alive is None and small.fallback is None
-    c = engine_config(coder, args)
+    c = spec.engine_config(coder)
     assert (c.model, c.max_num_seqs, c.kv_cache_memory, c.kv_cache_dtype) == ("qwen2.5-coder-1.5b", 8, 1 << 30, "int8")
-    assert engine_config(small, args).max_num_seqs == 2  # the server's flag where the model sets nothing
+    assert spec.engine_config(small).max_num_seqs == 2  # the server's flag where the model sets nothing
+    assert spec.queue_limit(coder) == 16 and spec.queue_limit(small) is None
     for bad, needle in (('[[model]]\nname = "x"', "`model` is required"),
                         ('[[model]]\nmodel = "m"\nspeed = 3', "unknown keys speed"),
                         ('[[model]]\nmodel = "m"\n[model.engine]\nwarp = 9', "no option 'warp'"),
                         ('[[model]]\nmodel = "m"\n[model.engine]\nkv_cache_dtype = "int3"', "must be one of"),
                         ('[[model]]\nmodel = "m"\nwhen = ["queue_full"]', "needs a `fallback`"),
                         ('[[model]]\nmodel = "m"\nfallback = "n"\nwhen = "soon"', "unknown fallback condition"),
-                        ('x = 1', "no [[model]] tables")):
+                        ('x = 1', "no [[model]] tables"),
+                        ('[[model]]\nmodel = "m"\nmax_queue_wait = -1', "max_queue_wait must be"),
+                        ('[[model]]\nmodel = "m"\nfallback = "n"', "which is not served"),
+                        ('[[model]]\nmodel = "m"\n[[model]]\nmodel = "m"', "is used twice"),
+                        ('[[model]]\nmodel = "m"\n[model.engine]\nmax_num_seqs = 0', "model 'm': --max-num-seqs")):
         toml.write_text(bad)
         with pytest.raises(TesseraError, match=re.escape(needle)):
-            model_specs(serve_args(argv=["--config", str(toml)]))
+            serving_spec("--config", str(toml))
 
 
 def _unloaded_within(model: ServedModel, seconds: float) -> bool:

@@ -184,7 +184,7 @@ def test_a_replica_dying_mid_decode_reruns_only_what_was_not_streamed():
 
 
 def test_pd_flag_parsing_and_roles():
-    from tessera.cli import parse_pd
+    from tessera.server.config import parse_pd
     from tessera.errors import TesseraError
 
     assert parse_pd("prefill=1,decode=2") == (1, 2) and parse_pd(" decode=1 , prefill=3") == (3, 1)

@@ -26,7 +26,7 @@ import uvicorn
 
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.async_engine import AsyncLLMEngine
-from tessera.engine.llm_engine import PreparedRequest
+from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
@@ -182,6 +182,19 @@ class FakeCore:
 
     def warm_up(self) -> None:
         pass
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        raise RuntimeError("a fake core does not restart")
+
+    def in_flight(self) -> list[str]:
+        return [r.prepared.request_id for r in self.waiting + self.running]
+
+    def describe(self) -> dict:
+        return {"engine_process": False, "pid": None}
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
@@ -651,16 +664,22 @@ def test_http_is_served_while_the_engine_steps(srv):
 
 
 def test_access_log_line_per_request(srv, caplog):
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "tessera.server.access" and "/v1/engine/stats" not in r.getMessage()]  # earlier tests
+
     with caplog.at_level(logging.INFO, logger="tessera.server.access"):
         post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2})
         httpx.get(f"{srv.url}/v1/models")
         post(srv, "/v1/completions", {"prompt": "x", "model": "nope"})
-    lines = [r.getMessage() for r in caplog.records
-             if r.name == "tessera.server.access" and "/v1/engine/stats" not in r.getMessage()]  # earlier tests
-    assert len(lines) == 3, lines
-    assert '"POST /v1/completions" 200' in lines[0] and "id=cmpl-" in lines[0]
-    assert "prompt_tokens=1 completion_tokens=2" in lines[0]
-    assert '"GET /v1/models" 200' in lines[1] and '"POST /v1/completions" 404' in lines[2]
+        deadline = time.monotonic() + 5  # a line is written once its response has been sent: just after
+        while len(lines()) < 3 and time.monotonic() < deadline:  # the client has read it
+            time.sleep(0.01)
+    seen = lines()
+    assert len(seen) == 3, seen
+    assert '"POST /v1/completions" 200' in seen[0] and "id=cmpl-" in seen[0]
+    assert "prompt_tokens=1 completion_tokens=2" in seen[0]
+    assert '"GET /v1/models" 200' in seen[1] and '"POST /v1/completions" 404' in seen[2]
 
 
 def test_openai_client_against_fake_engine(srv):
@@ -812,6 +831,51 @@ def test_dead_engine_gives_503():
         assert_error(health, 503, "engine")
         assert_error(post(s, "/v1/completions", {"prompt": "x"}), 503)
         assert httpx.get(f"{s.url}/v1/models").status_code == 200  # the HTTP side is still up
+
+
+class DyingCore(FakeCore):
+    """A core that dies on its own (as a process core's process can) and is restarted in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = False
+        self.restarts = 0
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead
+
+    def restart(self) -> None:
+        self.dead, self.restarts = False, self.restarts + 1
+
+    def describe(self) -> dict:
+        return {"engine_process": True, "pid": 4242, "restarts": self.restarts}
+
+
+def test_the_front_end_asks_the_core_protocol_not_its_kind():
+    """A core of a kind AsyncLLMEngine has never heard of: it reports where it runs through
+    `describe()`, and dying while idle (`alive` False) gets it `restart()`ed, then it serves."""
+    core = DyingCore()
+    engine = AsyncLLMEngine(core.config, engine=core)
+    try:
+        assert engine.core_info() == {"engine_process": True, "pid": 4242, "restarts": 0}
+        core.dead = True
+        deadline = time.monotonic() + 5
+        while core.restarts == 0:
+            assert time.monotonic() < deadline, "the idle core's death was not noticed"
+            time.sleep(0.01)
+        assert engine.core_info()["restarts"] == 1
+
+        async def one() -> str:
+            text = ""
+            async for out in engine.generate("hi", SamplingParams(max_tokens=5, temperature=0), "after"):
+                text = out.outputs[0].text
+            return text
+
+        assert asyncio.run(one()) == REPLY[:5]
+        engine.check_health()
+    finally:
+        engine.shutdown()
 
 
 def test_shutdown_drains_then_ends_running_requests_cleanly():

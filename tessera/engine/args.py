@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import fields
+from typing import Any, Mapping
 
 from tessera.config import (ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, KV_CACHE_DTYPES,
                             PREEMPTION_MODES, PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES,
@@ -93,10 +94,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
 
 
-def config_from_args(args: argparse.Namespace, model: str, auto_profile: str = DEFAULT_PROFILE) -> EngineConfig:
-    """`auto_profile` is what `--profile auto` means for this command (chat-solo for `tessera chat`)."""
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    values["model"] = model
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags of a parsed command line, by EngineConfig field name: what a server keeps
+    (not an EngineConfig) so that each model's own overrides still pass through the profile."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model" and hasattr(args, f.name)}
+
+
+def config_from_options(options: Mapping[str, Any], model: str, auto_profile: str = DEFAULT_PROFILE) -> EngineConfig:
+    """The EngineConfig of `model` from engine options (see `engine_options`); `auto_profile` is
+    what `--profile auto` means for this command (chat-solo for `tessera chat`)."""
+    values = {**options, "model": model}
     if values.get("profile") == "auto":
         values["profile"] = auto_profile
     return EngineConfig(**values)
+
+
+def config_from_args(args: argparse.Namespace, model: str, auto_profile: str = DEFAULT_PROFILE) -> EngineConfig:
+    return config_from_options(engine_options(args), model, auto_profile)

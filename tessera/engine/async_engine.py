@@ -12,27 +12,53 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from tessera.config import EngineConfig
 from tessera.engine.core_client import ProcessEngineCore
-from tessera.engine.input_processor import PreparedRequest
-from tessera.engine.errors import (  # noqa: F401 - QueueFullError and PredictedWaitError raised below
+from tessera.engine.errors import (
     EngineCoreDiedError, EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError, StepFailedError,
 )
+from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+    from tessera.engine.ray_core import RayPlacement
+    from tessera.tokenizer import Tokenizer
+
 logger = logging.getLogger("tessera")
 
 
 class EngineCore(Protocol):
-    """What the async front end needs of the synchronous engine (LLMEngine, or a fake in tests)."""
+    """What the async front end needs of the synchronous engine: LLMEngine in this process,
+    ProcessEngineCore (its engine in a child process), RayEngineCore (in a Ray actor), or a fake
+    in tests. The front end asks the core, never its kind, whether it lives and how to restart it."""
 
     config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+
+    @property
+    def alive(self) -> bool:
+        """False once the core has died on its own (a process core's process exited)."""
+        ...
+
+    def restart(self) -> None:
+        """Start a fresh core after it died (blocking); a core that cannot die raises RuntimeError."""
+        ...
+
+    def in_flight(self) -> list[str]:
+        """The ids of the requests the core holds (what a death loses)."""
+        ...
+
+    def describe(self) -> dict:
+        """Where the core runs (process id, restarts, Ray actor), for /v1/engine/stats."""
+        ...
 
     def prepare_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                         arrival_time: Optional[float] = None,
@@ -63,6 +89,25 @@ class EngineCore(Protocol):
     def warm_up(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+# Builds a core for a config; `wakeup` is the front end's event a waiting core returns early on.
+CoreFactory = Callable[[EngineConfig, threading.Event], EngineCore]
+
+
+def make_engine_core(config: EngineConfig, wakeup: Optional[threading.Event] = None, *,
+                     engine_process: bool = False, ray: Optional[RayPlacement] = None, name: str = "",
+                     log_level: str = "info") -> EngineCore:
+    """The one place that picks a core's kind: a Ray actor (`ray`, named `name` in Ray), a child
+    process (`engine_process`), or this process. Everything past here asks the EngineCore
+    protocol, so a new kind of core changes nothing else."""
+    if ray is not None:
+        from tessera.engine.ray_core import RayEngineCore  # Ray is optional: only imported for --ray
+
+        return RayEngineCore(config, ray, name=name or config.model, log_level=log_level, wakeup=wakeup)
+    if engine_process:
+        return ProcessEngineCore(config, log_level=log_level, wakeup=wakeup)
+    return LLMEngine(config)
 
 
 @runtime_checkable
@@ -122,19 +167,21 @@ class AsyncLLMEngine:
         max_queue_wait: Optional[float] = None,
         engine_process: bool = False,
         log_level: str = "info",
-        core_factory: Optional[Callable[[EngineConfig, threading.Event], EngineCore]] = None,
+        core_factory: Optional[CoreFactory] = None,
     ) -> None:
         """`start_thread=False` leaves the loop to the caller's `run_until()`: `tessera serve`
         runs it on the main thread, where torch's OpenMP threads measured about 1.4x faster
-        per step than from a secondary thread on this 2-core machine. `engine_process` runs the
-        engine in a process of its own (ProcessEngineCore); this object then only feeds it.
-        `core_factory(config, wakeup)` builds another kind of core (a Ray actor's, RayEngineCore)."""
+        per step than from a secondary thread on this 2-core machine. The core is `engine` if
+        given, else `core_factory(config, wakeup)` (the server's choice, see make_engine_core),
+        else an in-process LLMEngine, or with `engine_process` one in a process of its own (this
+        object then only feeds it)."""
         self._wakeup = threading.Event()
-        if engine is None and core_factory is not None:
-            engine = core_factory(config, self._wakeup)
-        if engine is None and engine_process:
-            engine = ProcessEngineCore(config, log_level=log_level, wakeup=self._wakeup)
-        self.engine: EngineCore = engine or LLMEngine(config)
+        if engine is None:
+            if core_factory is None:
+                engine = make_engine_core(config, self._wakeup, engine_process=engine_process, log_level=log_level)
+            else:
+                engine = core_factory(config, self._wakeup)
+        self.engine: EngineCore = engine
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
@@ -315,10 +362,9 @@ class AsyncLLMEngine:
                 self.engine.abort_request(str(payload))
 
     def _restart_core(self, exc: BaseException) -> None:
-        """The engine-core process died: fail what it was running, start a new one (health 503
-        meanwhile); if that fails too, the engine is dead."""
+        """The engine core died: fail what it was running, start a new one (health 503
+        meanwhile); if that fails too (or the core cannot restart), the engine is dead."""
         core = self.engine
-        assert isinstance(core, ProcessEngineCore), "only an engine-core process dies on its own"
         lost = core.in_flight()
         logger.error("%s; failing its %d request(s) and restarting it", exc, len(lost))
         self._restarting = str(exc)
@@ -335,9 +381,7 @@ class AsyncLLMEngine:
 
     def core_info(self) -> dict:
         """Where the engine runs, for /v1/engine/stats."""
-        if isinstance(self.engine, ProcessEngineCore):
-            return self.engine.describe()
-        return {"engine_process": False, "pid": None}
+        return self.engine.describe()
 
     def run_until(self, done: Callable[[], bool]) -> None:
         """Run the engine loop in the calling thread until `done()` or shutdown()."""
@@ -351,7 +395,7 @@ class AsyncLLMEngine:
                     self._num_waiting = self.engine.num_waiting_requests()
                 if not self.engine.has_unfinished_requests():
                     self._step_started = None
-                    if isinstance(self.engine, ProcessEngineCore) and not self.engine.alive:  # died while idle
+                    if not self.engine.alive:  # died while idle
                         self._restart_core(EngineCoreDiedError("the engine core exited while idle"))
                         continue
                     self._stats = self.engine.get_scheduler_stats()

@@ -1,4 +1,4 @@
-"""The HTTP server: a FastAPI app over one AsyncLLMEngine, and `serve(args)` for `tessera serve`.
+"""The HTTP server: a FastAPI app over the served models, and `serve(spec)` for `tessera serve`.
 
 The engine steps on a thread apart from the event loop (in `tessera serve`, the
 main thread, with uvicorn on its own thread), so the event loop here only parses,
@@ -13,16 +13,16 @@ see the KV cache drain.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar, cast
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,12 +37,18 @@ from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from tessera.server.models import ModelRouter, ModelSpec
+from tessera.server.models import ModelRouter, ServedModel
 from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, RejectionSink, ServerMetrics, ServerState
 from tessera.server.ui import install_ui
 
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.config import EngineConfig
+    from tessera.engine.async_engine import AsyncLLMEngine, CoreFactory, ServingEngine
+    from tessera.engine.ray_core import RayPlacement
+    from tessera.live_stats import LiveStats
+    from tessera.metrics import MetricFamilies, PrometheusStatLogger
+    from tessera.observability import StatLoggers, StatsConsumer
+    from tessera.server.config import RaySettings, ServingSpec
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
@@ -401,65 +407,187 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Build the engine from the `tessera serve` flags and serve HTTP until interrupted."""
-    from tessera.engine.args import config_from_args
-    from tessera.engine.async_engine import AsyncLLMEngine
-    from tessera.observability import StatsConsumer, build_stat_loggers
+def serve(spec: ServingSpec) -> int:
+    """Serve `spec`'s models from one port until SIGTERM or Ctrl-C, then drain. Every topology
+    takes this one path: one model is a server of one model, each model's engine comes from
+    `build_serving_engine` (at start with preload, else on first use), and a lone engine's loop
+    runs on this, the main, thread (`ServingSpec.steps_on_main_thread`)."""
+    from prometheus_client import Counter
 
-    level = getattr(args, "log_level", "info") or "info"
-    _configure_logging(level)
-    config = config_from_args(args, args.model)
-    name = args.served_model_name or args.model
-    loggers = build_stat_loggers(name, max_model_len=config.max_model_len,
-                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                 otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
-                                 log_stats=not getattr(args, "disable_log_stats", False))
-    sock = _bind(args.host, args.port)
-    consumer = StatsConsumer(loggers.all())  # metrics and traces are built on its thread, off the engine loop
+    from tessera.metrics import PREFIX, MetricFamilies
+
+    _configure_logging(spec.log_level)
+    families = MetricFamilies()  # one /metrics for every model, a `model_name` label each
+    degraded = families.get(Counter, PREFIX + "degraded_requests",
+                            "Requests answered by a fallback model instead of the one asked for, by cause "
+                            "(queue_full, queue_wait, kv_usage, unavailable).", ["model_name", "fallback", "cause"])
+    if spec.ray is not None:
+        _init_ray(spec.ray)
+    router = ModelRouter([ServedModel(m) for m in spec.models],
+                         builder=lambda served: build_serving_engine(served, spec, families),
+                         closer=close_serving_engine, max_loaded=spec.max_loaded_models,
+                         on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())
+    sock = _bind(spec.host, spec.port)
     try:
-        # The engine loop runs on this (main) thread and HTTP on its own thread: torch's
-        # OpenMP threads run a step markedly faster when driven from the main thread.
-        queue = args.max_num_queued_requests
-        if queue is None:
-            queue = PROFILE_SETTINGS[config.profile].max_num_queued_requests
-        logger.info("queue: up to %d waiting requests (%s), then HTTP 429", queue,
-                    "flag" if args.max_num_queued_requests is not None else f"profile {config.profile}")
-        engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer, start_thread=False,
-                                step_timeout=args.engine_step_timeout or None,
-                                max_queue_wait=args.max_queue_wait,
-                                engine_process=getattr(args, "engine_process", True), log_level=level)
-        engine.warm_up()
-        if loggers.prometheus is not None:
-            loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
-        try:
-            app = create_app(engine, [name], request_timeout=args.request_timeout, metrics=loggers.prometheus,
-                             live=loggers.live, ui=getattr(args, "ui", True))
-            # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
-            config = uvicorn.Config(app, log_level=level, access_log=False,
-                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
-            server = DrainingServer(config, app.state.tessera, args.shutdown_timeout)
-            host = f"[{args.host}]" if ":" in args.host else args.host
-            logger.info("serving %s as %r on http://%s:%d", engine.config.model, name, host, args.port)
-            http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tessera-http")
-
-            def stop_serving(*_: object) -> None:
-                server.drain()
-
-            signal.signal(signal.SIGTERM, stop_serving)
-            http.start()
-            try:
-                engine.run_until(lambda: not http.is_alive())
-            except KeyboardInterrupt:  # drain: keep stepping in-flight requests while HTTP shuts down
-                logger.info("shutting down")
-                stop_serving()
-                engine.run_until(lambda: not http.is_alive())
-        finally:
-            engine.shutdown()
+        for served in router.models:
+            if served.spec.preload:
+                _preload(router, served)
+        router.start_reaper()
+        app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui)
+        # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
+        config = uvicorn.Config(app, log_level=spec.log_level, access_log=False,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
+        server = DrainingServer(config, app.state.tessera, spec.shutdown_timeout)
+        host = f"[{spec.host}]" if ":" in spec.host else spec.host
+        logger.info("serving %s on http://%s:%d", ", ".join(
+            f"{m.name} ({m.spec.model}, {m.status})" for m in router.models), host, spec.port)
+        http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tessera-http")
+        signal.signal(signal.SIGTERM, lambda *_: server.drain())
+        http.start()
+        # build_serving_engine left a lone engine's loop to this thread
+        stepped = cast("AsyncLLMEngine", router.default.engine) if spec.steps_on_main_thread else None
+        _run_until_stopped(http, server, stepped)
     finally:
-        consumer.stop()
+        router.shutdown()
         sock.close()
     return 0
+
+
+def _preload(router: ModelRouter, served: ServedModel) -> None:
+    """Load a model before the server answers; a failure stops the server with one line."""
+    try:
+        router.load(served)
+    except TesseraError:
+        raise
+    except Exception as exc:  # a replica set's RuntimeError and kin: still one line, naming the model
+        raise TesseraError(f"model {served.name!r} failed to load: {type(exc).__name__}: {exc}") from exc
+
+
+def _run_until_stopped(http: threading.Thread, server: DrainingServer, engine: Optional[AsyncLLMEngine]) -> None:
+    """Until HTTP has stopped: step `engine`'s loop on this thread if there is one, else only wait
+    (each engine's loop has a thread of its own). Ctrl-C drains: the engines keep stepping the
+    running requests while HTTP shuts down; a second Ctrl-C stops at once."""
+    stepping = engine is not None
+    while http.is_alive():
+        try:
+            if stepping:
+                assert engine is not None
+                engine.run_until(lambda: not http.is_alive())
+                stepping = False  # HTTP stopped, or the loop died (its requests failed, /health says so)
+            else:
+                http.join(0.5)
+        except KeyboardInterrupt:
+            logger.info("shutting down")
+            server.drain()
+
+
+def build_serving_engine(served: ServedModel, spec: ServingSpec, families: MetricFamilies) -> ServingEngine:
+    """One model's engine, for any topology: an AsyncLLMEngine over an in-process or
+    engine-process core, or a ReplicaSet of them over process or Ray cores (P/D included).
+    Each engine gets the same wiring (`_start_engine`); the model's loggers are left on `served`
+    for the app (429s, the dashboard) and `close_serving_engine`."""
+    from tessera.engine.async_engine import make_engine_core
+
+    model = served.spec
+    config = spec.engine_config(model)
+    queue, wait = spec.queue_limit(model), spec.queue_wait(model)
+    source = "model config" if model.max_num_queued_requests else "flag"
+    if queue is None:
+        queue, source = PROFILE_SETTINGS[config.profile].max_num_queued_requests, f"profile {config.profile}"
+    logger.info("%s: queue of up to %d waiting requests%s (%s), then HTTP 429", served.name, queue,
+                " per replica" if spec.replicated else "", source)
+    if not spec.replicated:
+        on_main_thread = spec.steps_on_main_thread
+        loggers = _stat_loggers(spec, served.name, config, families)
+        core = functools.partial(make_engine_core, engine_process=spec.engine_process or not on_main_thread,
+                                 log_level=spec.log_level)
+        engine, consumer = _start_engine(spec, config, core, loggers, loggers.all(), queue, wait,
+                                         thread_name=f"tessera-stats-{served.name}", start_thread=not on_main_thread)
+        served.metrics, served.live, served.stats_consumer = loggers.prometheus, loggers.live, consumer
+        return engine
+
+    from tessera.engine.replicas import ReplicaSet
+    from tessera.live_stats import LiveStats
+
+    if config.num_threads is None:  # replicas must not fight over cores: each gets its share
+        threads = spec.ray.num_cpus_per_replica if spec.ray is not None else (os.cpu_count() or 1) / spec.replica_count
+        config = dataclasses.replace(config, num_threads=max(1, int(threads)))
+    placement = _placement(spec.ray) if spec.ray is not None else None
+    live = LiveStats(served.name)
+    consumers: dict[int, StatsConsumer] = {}
+    prometheus: dict[int, PrometheusStatLogger] = {}
+    replica_set: Optional[ReplicaSet] = None
+
+    def one(replica_id: int) -> AsyncLLMEngine:
+        """A replica: its own core, stats thread and Prometheus logger (a `replica` label), all
+        feeding the model's one LiveStats with the whole set's gauges (the dashboard)."""
+        loggers = _stat_loggers(spec, served.name, config, families, replica=str(replica_id), live=live)
+        sinks = [lg for lg in loggers.all() if lg is not live] + [_SetLive(live, lambda: replica_set)]
+        core = functools.partial(make_engine_core, engine_process=True, ray=placement,
+                                 name=f"{served.name}/{replica_id}", log_level=spec.log_level)
+        engine, consumer = _start_engine(spec, config, core, loggers, sinks, queue, wait,
+                                         thread_name=f"tessera-stats-{served.name}-{replica_id}")
+        consumers[replica_id], prometheus[replica_id] = consumer, loggers.prometheus
+        return engine
+
+    def close_one(replica_id: int, engine: AsyncLLMEngine) -> None:
+        consumer = consumers.pop(replica_id, None)
+        if consumer is not None:
+            consumer.stop()
+        prometheus.pop(replica_id, None)
+
+    def rejected(replica_id: int) -> None:
+        if replica_id in prometheus:
+            prometheus[replica_id].record_rejection()
+
+    replica_set = ReplicaSet(one, spec.replicas, spec.router_policy, close=close_one, on_rejection=rejected,
+                             pd=spec.pd)
+    served.metrics, served.live = None, live  # 429s are counted by the set (on_rejection) and here
+    return replica_set
+
+
+def _stat_loggers(spec: ServingSpec, name: str, config: EngineConfig, families: MetricFamilies, *,
+                  replica: Optional[str] = None, live: Optional[LiveStats] = None) -> StatLoggers:
+    from tessera.observability import build_stat_loggers
+
+    return build_stat_loggers(name, max_model_len=config.max_model_len,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              otlp_traces_endpoint=spec.otlp_traces_endpoint, log_stats=spec.log_stats,
+                              families=families, replica=replica, live=live)
+
+
+def _start_engine(spec: ServingSpec, config: EngineConfig, core: CoreFactory, loggers: StatLoggers,
+                  sinks: list, queue: int, wait: Optional[float], *, thread_name: str,
+                  start_thread: bool = True) -> tuple[AsyncLLMEngine, StatsConsumer]:
+    """An engine with the wiring every one gets: its stats on a thread of their own (metrics and
+    traces are built there, off the engine loop), the queue bound and forecast admission, the
+    watchdog, a warm-up, and the forecast on /metrics. Nothing is left running if it fails."""
+    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.observability import StatsConsumer
+
+    consumer = StatsConsumer(sinks, thread_name=thread_name)
+    try:
+        engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer, start_thread=start_thread,
+                                step_timeout=spec.engine_step_timeout, max_queue_wait=wait, core_factory=core)
+        try:
+            engine.warm_up()
+        except BaseException:
+            engine.shutdown()
+            raise
+    except BaseException:
+        consumer.stop()
+        raise
+    loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
+    return engine, consumer
+
+
+def close_serving_engine(served: ServedModel) -> None:
+    """Stop what `build_serving_engine` started beside the engine (after the engine has shut down,
+    so its last steps' stats still reached the loggers)."""
+    if served.metrics is not None:
+        served.metrics.watch_predicted_wait(lambda: None)
+    if served.stats_consumer is not None:
+        served.stats_consumer.stop()
 
 
 class _SetLive:
@@ -476,173 +604,21 @@ class _SetLive:
                          iteration_stats)
 
 
-def _init_ray(args: argparse.Namespace) -> None:
+def _init_ray(ray_settings: RaySettings) -> None:
     try:
         import ray
     except ImportError:
         raise TesseraError("--ray needs Ray: pip install 'tessera[ray]'") from None
     if not ray.is_initialized():
-        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True,
+        ray.init(address=ray_settings.address, include_dashboard=False, log_to_driver=True,
                  logging_level=logging.WARNING)
     logger.info("Ray cluster: %s", ", ".join(f"{k} {v:g}" for k, v in sorted(ray.cluster_resources().items())
                                               if k in ("CPU", "GPU", "memory")))
 
 
-def _core_factory(args: argparse.Namespace, name: str, replica_id: int, level: str):
-    """How a replica's engine core starts: a Ray actor with --ray, a local process otherwise."""
-    from tessera.engine.core_client import ProcessEngineCore
+def _placement(ray_settings: RaySettings) -> RayPlacement:
+    """What each replica asks of Ray."""
+    from tessera.engine.ray_core import RayPlacement
 
-    if not args.ray:
-        return lambda config, wakeup: ProcessEngineCore(config, log_level=level, wakeup=wakeup)
-    from tessera.engine.ray_core import RayEngineCore, RayPlacement
-
-    placement = RayPlacement(num_cpus=args.ray_num_cpus_per_replica, num_gpus=args.ray_num_gpus_per_replica,
-                             memory_bytes=getattr(args, "ray_memory_per_replica", None))
-    return lambda config, wakeup: RayEngineCore(config, placement, name=f"{name}/{replica_id}", log_level=level,
-                                                wakeup=wakeup)
-
-
-def serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
-    """Serve several models from one port: each engine in its own process, loaded on first use
-    (or at start with preload), unloaded after keep_alive or for room, routed by `model`."""
-    from prometheus_client import Counter
-
-    from tessera.engine.async_engine import AsyncLLMEngine, ServingEngine
-    from tessera.metrics import PREFIX, MetricFamilies
-    from tessera.observability import StatsConsumer, build_stat_loggers
-    from tessera.server.config import engine_config
-    from tessera.server.models import ServedModel
-
-    level = getattr(args, "log_level", "info") or "info"
-    _configure_logging(level)
-    families = MetricFamilies()
-    degraded = families.get(Counter, PREFIX + "degraded_requests",
-                            "Requests answered by a fallback model instead of the one asked for, by cause "
-                            "(queue_full, queue_wait, kv_usage, unavailable).", ["model_name", "fallback", "cause"])
-
-    pd = getattr(args, "pd", None)
-    replicated = args.replicas > 1 or args.ray or pd is not None
-    if args.ray:
-        _init_ray(args)
-
-    def build(served: ServedModel) -> ServingEngine:
-        if replicated:
-            return build_replicas(served)
-        config = engine_config(served.spec, args)
-        loggers = build_stat_loggers(served.name, max_model_len=config.max_model_len,
-                                     max_num_batched_tokens=config.max_num_batched_tokens or 512,
-                                     otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
-                                     log_stats=not getattr(args, "disable_log_stats", False), families=families)
-        consumer = StatsConsumer(loggers.all(), thread_name=f"tessera-stats-{served.name}")
-        queue = served.spec.max_num_queued_requests or args.max_num_queued_requests
-        if queue is None:
-            queue = PROFILE_SETTINGS[config.profile].max_num_queued_requests
-        wait = served.spec.max_queue_wait if served.spec.max_queue_wait is not None else args.max_queue_wait
-        try:
-            engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer,
-                                    step_timeout=args.engine_step_timeout or None, max_queue_wait=wait,
-                                    engine_process=True, log_level=level)
-        except BaseException:
-            consumer.stop()
-            raise
-        engine.warm_up()
-        loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
-        served.metrics, served.live = loggers.prometheus, loggers.live
-        served.stats_consumer = consumer
-        return engine
-
-    def build_replicas(served: ServedModel) -> ServingEngine:
-        """The model as a ReplicaSet: each replica with its own stats thread and Prometheus
-        logger (a `replica` label), all feeding the model's one LiveStats (the dashboard)."""
-        from tessera.engine.replicas import ReplicaSet
-        from tessera.live_stats import LiveStats
-
-        config = engine_config(served.spec, args)
-        if config.num_threads is None:  # replicas must not fight over cores: each gets its share
-            count = sum(pd) if pd is not None else args.replicas
-            threads = args.ray_num_cpus_per_replica if args.ray else (os.cpu_count() or 1) / count
-            config = dataclasses.replace(config, num_threads=max(1, int(threads)))
-        live = LiveStats(served.name)
-        consumers: dict[int, StatsConsumer] = {}
-        prometheus: dict = {}
-        queue = served.spec.max_num_queued_requests or args.max_num_queued_requests
-        if queue is None:
-            queue = PROFILE_SETTINGS[config.profile].max_num_queued_requests
-        wait = served.spec.max_queue_wait if served.spec.max_queue_wait is not None else args.max_queue_wait
-        replica_set: Optional[ReplicaSet] = None
-
-        def one(replica_id: int) -> AsyncLLMEngine:
-            loggers = build_stat_loggers(served.name, max_model_len=config.max_model_len,
-                                         max_num_batched_tokens=config.max_num_batched_tokens or 512,
-                                         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
-                                         log_stats=not getattr(args, "disable_log_stats", False), families=families,
-                                         replica=str(replica_id), live=live)
-            # the live record gets the whole set's gauges, not one replica's
-            sinks = [lg for lg in loggers.all() if lg is not live] + [_SetLive(live, lambda: replica_set)]
-            consumer = StatsConsumer(sinks, thread_name=f"tessera-stats-{served.name}-{replica_id}")
-            try:
-                engine = AsyncLLMEngine(config, max_num_queued_requests=queue, stats_sink=consumer,
-                                        step_timeout=args.engine_step_timeout or None, max_queue_wait=wait,
-                                        log_level=level, core_factory=_core_factory(args, served.name, replica_id,
-                                                                                    level))
-            except BaseException:
-                consumer.stop()
-                raise
-            engine.warm_up()
-            loggers.prometheus.watch_predicted_wait(engine.predicted_wait)
-            consumers[replica_id], prometheus[replica_id] = consumer, loggers.prometheus
-            return engine
-
-        def close_one(replica_id: int, engine: AsyncLLMEngine) -> None:
-            consumer = consumers.pop(replica_id, None)
-            if consumer is not None:
-                consumer.stop()
-            prometheus.pop(replica_id, None)
-
-        def rejected(replica_id: int) -> None:
-            if replica_id in prometheus:
-                prometheus[replica_id].record_rejection()
-
-        replica_set = ReplicaSet(one, args.replicas, args.router_policy, close=close_one, on_rejection=rejected,
-                                 pd=pd)
-        served.metrics, served.live = None, live  # 429s are counted by the set (on_rejection) and here
-        return replica_set
-
-    def close(served: ServedModel) -> None:
-        if served.metrics is not None:
-            served.metrics.watch_predicted_wait(lambda: None)
-        if served.stats_consumer is not None:
-            served.stats_consumer.stop()
-
-    router = ModelRouter([ServedModel(s) for s in specs], builder=build, closer=close,
-                         max_loaded=args.max_loaded_models,
-                         on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())
-    sock = _bind(args.host, args.port)
-    try:
-        for served in router.models:
-            if served.spec.preload:
-                router.load(served)
-                if served.status == "failed":
-                    raise TesseraError(f"model {served.name!r} failed to load: {served.error}")
-        router.start_reaper()
-        app = create_app(router=router, request_timeout=args.request_timeout, metrics=families,
-                         ui=getattr(args, "ui", True))
-        config = uvicorn.Config(app, log_level=level, access_log=False,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
-        server = DrainingServer(config, app.state.tessera, args.shutdown_timeout)
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        logger.info("serving %s on http://%s:%d", ", ".join(
-            f"{m.name} ({m.spec.model}, {m.status})" for m in router.models), host, args.port)
-        http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tessera-http")
-        signal.signal(signal.SIGTERM, lambda *_: server.drain())
-        http.start()
-        while http.is_alive():  # the engines run in their own processes; this thread only waits
-            try:
-                http.join(0.5)
-            except KeyboardInterrupt:
-                logger.info("shutting down")
-                server.drain()
-    finally:
-        router.shutdown()
-        sock.close()
-    return 0
+    return RayPlacement(num_cpus=ray_settings.num_cpus_per_replica, num_gpus=ray_settings.num_gpus_per_replica,
+                        memory_bytes=ray_settings.memory_per_replica)

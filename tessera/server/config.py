@@ -1,4 +1,5 @@
-"""Which models `tessera serve` serves: from its MODEL arguments or a TOML file (--config).
+"""What `tessera serve` serves and how: the `ServingSpec`, built once from the command line
+(`ServingSpec.from_args`), with the models from the MODEL arguments or a TOML file (--config).
 
     # models.toml
     keep_alive = "10m"            # server-wide defaults (flags of the same name override nothing here)
@@ -23,23 +24,29 @@
     model = "qwen2.5-coder-0.5b"
 
 Every engine option a model does not set comes from the server's command-line flags.
+
+The spec is the only thing the serving code reads: typed, checked here, so a bad setting is one
+clear error before anything loads, and the server never looks at an argparse namespace.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import re
 import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from tessera.config import EngineConfig
-from tessera.errors import TesseraError
+from tessera.engine.routing import ROUTER_POLICIES, RouterPolicyName
+from tessera.errors import ConfigError, TesseraError
 from tessera.server.models import FallbackCondition, FallbackRule, ModelSpec
 
 _DURATION = re.compile(r"\s*(-?[0-9.]+)\s*(ms|s|m|h)?\s*$")
 MODEL_KEYS = {"name", "model", "aliases", "preload", "keep_alive", "fallback", "when", "max_num_queued_requests",
               "max_queue_wait", "engine"}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig)) - {"model"}
 
 
 def parse_duration(value: Any) -> Optional[float]:
@@ -51,6 +58,177 @@ def parse_duration(value: Any) -> Optional[float]:
         raise TesseraError(f"not a duration: {value!r} (try 30s, 5m or 1h; -1 for never)")
     seconds = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}[m.group(2)]
     return None if seconds < 0 else seconds
+
+
+def parse_pd(value: str) -> tuple[int, int]:
+    """'prefill=1,decode=2' -> (1, 2)."""
+    counts: dict[str, int] = {}
+    for part in value.split(","):
+        key, sep, num = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("prefill", "decode") or key in counts or not num.strip().isdigit():
+            raise TesseraError(f"--pd: expected prefill=N,decode=M, not {value!r}")
+        counts[key] = int(num)
+    if set(counts) != {"prefill", "decode"} or min(counts.values()) < 1:
+        raise TesseraError(f"--pd: needs at least one prefill and one decode replica: {value!r}")
+    return counts["prefill"], counts["decode"]
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """Where replicas go with --ray: the cluster to join and what each replica reserves there
+    (its CPUs are also its torch thread count)."""
+
+    address: Optional[str] = None  # None: start a local Ray instance
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+    memory_per_replica: Optional[int] = None  # bytes; None: no reservation
+
+    def __post_init__(self) -> None:
+        if not self.num_cpus_per_replica > 0 or not self.num_gpus_per_replica >= 0:
+            raise ConfigError("--ray-num-cpus-per-replica must be > 0 and --ray-num-gpus-per-replica >= 0")
+        if self.memory_per_replica is not None and self.memory_per_replica <= 0:
+            raise ConfigError(f"--ray-memory-per-replica must be positive, not {self.memory_per_replica}")
+
+
+def _at_least(value: Optional[float], minimum: float, flag: str, what: str = "") -> None:
+    if value is not None and not value >= minimum:  # `not >=` also refuses NaN
+        raise ConfigError(f"{flag} must be {what or f'at least {minimum:g}'}, not {value}")
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """Everything a server reads: its models, the engine flags they share, the HTTP, logging and
+    admission settings, and the topology (one engine per model, replicas, Ray, P/D)."""
+
+    models: tuple[ModelSpec, ...]
+    # Engine flags by EngineConfig field name, as given (None: the profile's value); each model's
+    # `engine_overrides` go over them before the profile is applied (see `engine_config`).
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    log_stats: bool = True  # the periodic status line
+    otlp_traces_endpoint: Optional[str] = None
+    ui: bool = True  # the chat page and the dashboard
+    # The engine in a process of its own; stepping in the server (False) is only possible for a
+    # lone engine on the main thread (`steps_on_main_thread`); every other engine gets a process.
+    engine_process: bool = True
+    max_num_queued_requests: Optional[int] = None  # None: the profile's bound
+    max_queue_wait: Optional[float] = None  # seconds; None: admission by the queue bound only
+    engine_step_timeout: Optional[float] = 120.0  # watchdog seconds; None: off
+    request_timeout: Optional[float] = 600.0  # seconds; None: never
+    shutdown_timeout: float = 10.0
+    max_loaded_models: Optional[int] = None  # None: no limit
+    replicas: int = 1
+    router_policy: RouterPolicyName = "prefix-aware"
+    pd: Optional[tuple[int, int]] = None  # (prefill, decode) replicas
+    ray: Optional[RaySettings] = None  # None: replicas are local processes
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ConfigError("a server needs at least one model")
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for name in (m.name, *m.aliases):
+                if name in seen:
+                    raise ConfigError(f"model name {name!r} is used twice (by {seen[name]!r} and {m.name!r})")
+                seen[name] = m.name
+        for m in self.models:
+            if m.fallback is None:
+                continue
+            target = seen.get(m.fallback.model)
+            if target is None:
+                raise ConfigError(f"model {m.name!r} falls back to {m.fallback.model!r}, which is not served")
+            if target == m.name:
+                raise ConfigError(f"model {m.name!r} cannot fall back to itself")
+        unknown = set(self.engine_options) - _ENGINE_FIELDS
+        if unknown:
+            raise ConfigError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        for m in self.models:  # a bad engine option is an error now, not a model failing to load later
+            try:
+                self.engine_config(m)
+            except ConfigError as exc:
+                if not m.engine_overrides:
+                    raise
+                raise ConfigError(f"model {m.name!r}: {exc}") from None
+        if not self.host:
+            raise ConfigError("--host must not be empty")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be from 0 to 65535, not {self.port!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        _at_least(self.max_num_queued_requests, 0, "--max-num-queued-requests")
+        _at_least(self.max_queue_wait, 0, "--max-queue-wait", "a number of seconds >= 0")
+        _at_least(self.engine_step_timeout, 0, "--engine-step-timeout", "a number of seconds >= 0 (0 = off)")
+        _at_least(self.request_timeout, 0, "--request-timeout", "a number of seconds >= 0 (0 = never)")
+        _at_least(self.shutdown_timeout, 0, "--shutdown-timeout", "a number of seconds >= 0")
+        _at_least(self.max_loaded_models, 1, "--max-loaded-models")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"--replicas must be at least 1, not {self.replicas}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ConfigError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}, "
+                              f"not {self.router_policy!r}")
+        if self.pd is not None and (len(self.pd) != 2 or min(self.pd) < 1):
+            raise ConfigError(f"--pd needs at least one prefill and one decode replica, not {self.pd}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServingSpec":
+        """The spec of `tessera serve`'s flags (tessera/cli.py's add_serve_args): the one place a
+        parsed command line becomes server settings."""
+        from tessera.engine.args import engine_options
+
+        ray = RaySettings(address=args.ray_address, num_cpus_per_replica=args.ray_num_cpus_per_replica,
+                          num_gpus_per_replica=args.ray_num_gpus_per_replica,
+                          memory_per_replica=args.ray_memory_per_replica)  # checked even without --ray
+        pd = parse_pd(args.pd) if isinstance(args.pd, str) else args.pd
+        replicated = args.replicas > 1 or args.ray or pd is not None
+        keep_alive = parse_duration(args.keep_alive)
+        max_loaded = args.max_loaded_models
+        if args.config is not None:
+            models, loaded_in_file = models_from_toml(Path(args.config).expanduser(), keep_alive, args.preload)
+            max_loaded = max_loaded if max_loaded is not None else loaded_in_file
+        else:
+            models = models_from_names([args.model, *args.more_models], args.served_model_name, keep_alive,
+                                       args.preload, replicated)
+        return cls(
+            models=tuple(models), engine_options=engine_options(args), host=args.host, port=args.port,
+            log_level=args.log_level or "info", log_stats=not args.disable_log_stats,
+            otlp_traces_endpoint=args.otlp_traces_endpoint, ui=args.ui, engine_process=args.engine_process,
+            max_num_queued_requests=args.max_num_queued_requests, max_queue_wait=args.max_queue_wait,
+            engine_step_timeout=args.engine_step_timeout or None, request_timeout=args.request_timeout or None,
+            shutdown_timeout=args.shutdown_timeout, max_loaded_models=max_loaded, replicas=args.replicas,
+            router_policy=args.router_policy, pd=pd, ray=ray if args.ray else None)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether each model is a ReplicaSet (several cores, Ray actors, or prefill/decode)."""
+        return self.replicas > 1 or self.ray is not None or self.pd is not None
+
+    @property
+    def steps_on_main_thread(self) -> bool:
+        """A lone model, one engine, loaded at start and never unloaded: its loop runs on the
+        server's main thread, where torch's threads step markedly faster than from another
+        thread, and only such an engine may step in the server process (--no-engine-process)."""
+        only = self.models[0]
+        return len(self.models) == 1 and not self.replicated and only.preload and only.keep_alive is None
+
+    @property
+    def replica_count(self) -> int:
+        return sum(self.pd) if self.pd is not None else self.replicas
+
+    def engine_config(self, model: ModelSpec) -> EngineConfig:
+        """The model's EngineConfig: the server's engine flags, then its own overrides."""
+        from tessera.engine.args import config_from_options
+
+        return config_from_options({**self.engine_options, **model.engine_overrides}, model.model)
+
+    def queue_limit(self, model: ModelSpec) -> Optional[int]:
+        """The model's own bound on waiting requests, else the server's (None: the profile's)."""
+        return model.max_num_queued_requests or self.max_num_queued_requests
+
+    def queue_wait(self, model: ModelSpec) -> Optional[float]:
+        return model.max_queue_wait if model.max_queue_wait is not None else self.max_queue_wait
 
 
 def _load_toml(path: Path) -> dict:
@@ -67,33 +245,48 @@ def _load_toml(path: Path) -> dict:
         raise TesseraError(f"--config {path}: {exc}") from None
 
 
-def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
-    """The served models from --config, or else from the MODEL arguments (with the server flags)."""
+def models_from_names(names: list[str], served_model_name: Optional[str], keep_alive: Optional[float],
+                      preload: bool, replicated: bool) -> list[ModelSpec]:
+    """The MODEL arguments as served models. A lone model is loaded at start; it is unloaded
+    after `keep_alive` only as replicas (then built like any model of a multi-model server):
+    one engine is the server's own, stepped on its main thread (ServingSpec.steps_on_main_thread)."""
     from tessera.models import registry
 
-    keep_alive = parse_duration(args.keep_alive)
-    if args.config is None:
-        names = [args.model, *args.more_models]
-        if len(names) == 1:  # one model (as replicas): loaded at start, as `tessera serve MODEL` does
-            name = args.served_model_name or registry.display_name(args.model)
-            return [ModelSpec(name, args.model, preload=True, keep_alive=keep_alive)]
-        if args.served_model_name is not None:
-            raise TesseraError("--served-model-name names one model; with several, use --config and `name`")
-        return [ModelSpec(registry.display_name(m), m, preload=args.preload, keep_alive=keep_alive) for m in names]
-    doc = _load_toml(Path(args.config).expanduser())
+    if len(names) == 1:
+        name = served_model_name or registry.display_name(names[0])
+        return [_model_spec("the command line", name=name, model=names[0], preload=True,
+                            keep_alive=keep_alive if replicated else None)]
+    if served_model_name is not None:
+        raise TesseraError("--served-model-name names one model; with several, use --config and `name`")
+    return [_model_spec("the command line", name=registry.display_name(m), model=m, preload=preload,
+                        keep_alive=keep_alive) for m in names]
+
+
+def _model_spec(where: str, **kwargs: Any) -> ModelSpec:
+    try:
+        return ModelSpec(**kwargs)
+    except ValueError as exc:
+        raise TesseraError(f"{where}: {exc}") from None
+
+
+def models_from_toml(path: Path, keep_alive: Optional[float], preload: bool) -> tuple[list[ModelSpec], Optional[int]]:
+    """The [[model]] tables of a --config file, and its max_loaded_models (None if unset);
+    `keep_alive` and `preload` (the flags) are the defaults the file's own top-level keys beat."""
+    from tessera.models import registry
+
+    doc = _load_toml(path)
     tables = doc.get("model")
     if not isinstance(tables, list) or not tables:
-        raise TesseraError(f"--config {args.config}: no [[model]] tables")
+        raise TesseraError(f"--config {path}: no [[model]] tables")
     unknown = set(doc) - {"model", "keep_alive", "max_loaded_models", "preload"}
     if unknown:
-        raise TesseraError(f"--config {args.config}: unknown top-level keys {', '.join(sorted(unknown))}")
+        raise TesseraError(f"--config {path}: unknown top-level keys {', '.join(sorted(unknown))}")
     default_keep = parse_duration(doc["keep_alive"]) if "keep_alive" in doc else keep_alive
-    if "max_loaded_models" in doc and args.max_loaded_models is None:
-        args.max_loaded_models = int(doc["max_loaded_models"])
-    preload_all = bool(doc.get("preload", args.preload))
+    max_loaded = int(doc["max_loaded_models"]) if "max_loaded_models" in doc else None
+    preload_all = bool(doc.get("preload", preload))
     specs = []
     for i, t in enumerate(tables):
-        where = f"--config {args.config}, model #{i + 1}"
+        where = f"--config {path}, model #{i + 1}"
         if not isinstance(t, dict) or "model" not in t:
             raise TesseraError(f"{where}: `model` is required")
         bad = set(t) - MODEL_KEYS
@@ -112,13 +305,13 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
         engine = t.get("engine", {})
         if not isinstance(engine, dict):
             raise TesseraError(f"{where}: [model.engine] must be a table")
-        specs.append(ModelSpec(
-            name=str(t.get("name") or registry.display_name(str(t["model"]))), model=str(t["model"]),
+        specs.append(_model_spec(
+            where, name=str(t.get("name") or registry.display_name(str(t["model"]))), model=str(t["model"]),
             aliases=[str(a) for a in t.get("aliases", [])], preload=bool(t.get("preload", preload_all)),
             keep_alive=parse_duration(t["keep_alive"]) if "keep_alive" in t else default_keep,
             fallback=fallback, engine_overrides=_engine_overrides(engine, where),
             max_num_queued_requests=t.get("max_num_queued_requests"), max_queue_wait=t.get("max_queue_wait")))
-    return specs
+    return specs, max_loaded
 
 
 def _engine_parser() -> argparse.ArgumentParser:
@@ -146,13 +339,3 @@ def _engine_overrides(table: dict, where: str) -> dict:
             raise TesseraError(f"{where}: engine.{key} must be one of {', '.join(map(str, action.choices))}")
         out[key] = value
     return out
-
-
-def engine_config(spec: ModelSpec, args: argparse.Namespace) -> EngineConfig:
-    """The model's EngineConfig: the server's engine flags, then its own overrides."""
-    from tessera.engine.args import config_from_args
-
-    merged = copy.copy(args)
-    for key, value in spec.engine_overrides.items():
-        setattr(merged, key, value)
-    return config_from_args(merged, spec.model)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Optional
 
+from tessera.errors import TesseraError
 from tessera.server.errors import APIError, model_not_found
 
 if TYPE_CHECKING:
@@ -90,6 +91,20 @@ class ModelSpec:
     engine_overrides: dict = field(default_factory=dict)  # flag dests -> values, over the server's flags
     max_num_queued_requests: Optional[int] = None
     max_queue_wait: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for what in ("name", "model"):
+            value = getattr(self, what)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"a model's `{what}` must be a non-empty string, not {value!r}")
+        if self.keep_alive is not None and not self.keep_alive >= 0:
+            raise ValueError(f"keep_alive must be a duration >= 0 (or -1: never), not {self.keep_alive!r}")
+        queued = self.max_num_queued_requests
+        if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or queued < 0):
+            raise ValueError(f"max_num_queued_requests must be an integer >= 0, not {queued!r}")
+        wait = self.max_queue_wait
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0):
+            raise ValueError(f"max_queue_wait must be a number of seconds >= 0, not {wait!r}")
 
 
 class ServedModel:
@@ -292,23 +307,40 @@ class ModelRouter:
                            code="model_unavailable")
 
     def load(self, served: ServedModel) -> None:
-        """Load now, in this thread (start-up preloading)."""
-        self._start_load(served)
+        """Load now, in this thread (start-up preloading: a lone model's in-process engine is then
+        built on the main thread that will step it), or wait for a load already under way. Raises
+        what the builder raised (the model is then `failed`): a server that cannot preload a model
+        does not start."""
+        if self._claim_load(served):
+            error = self._load(served, log_failure=False)
+            if error is not None:
+                raise error
+            return
         served.load_event.wait()
+        if served.status == "failed":
+            raise TesseraError(f"model {served.name!r} failed to load: {served.error}")
 
     def _start_load(self, served: ServedModel) -> None:
+        if self._claim_load(served):
+            threading.Thread(target=self._load, args=(served,), name=f"tessera-load-{served.name}",
+                             daemon=True).start()
+
+    def _claim_load(self, served: ServedModel) -> bool:
+        """Mark `served` loading; False when it is loading or loaded already."""
         with self._lock:
             if served.status in ("loading", "ready"):
-                return
+                return False
             if self.builder is None:
                 raise APIError(503, f"Model {served.name!r} is not loaded.", type="server_error",
                                code="model_unavailable")
             served.status = "loading"
             served.error = None
             served.load_event.clear()
-        threading.Thread(target=self._load, args=(served,), name=f"tessera-load-{served.name}", daemon=True).start()
+        return True
 
-    def _load(self, served: ServedModel) -> None:
+    def _load(self, served: ServedModel, log_failure: bool = True) -> Optional[Exception]:
+        """Build the model's engine; a failure marks it `failed` and is returned (and logged
+        with `log_failure`: nobody else will see it)."""
         assert self.builder is not None
         served.unloaded.wait()  # an unload still closing this model's loggers finishes first
         self._make_room(served)
@@ -317,16 +349,18 @@ class ModelRouter:
         try:
             engine = self.builder(served)
         except Exception as exc:  # noqa: BLE001 - reported to this model's requests, the server goes on
-            logger.exception("model %r failed to load", served.name)
+            if log_failure:
+                logger.exception("model %r failed to load", served.name)
             with self._lock:
                 served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
             served.load_event.set()
-            return
+            return exc
         with self._lock:
             served.engine, served.status = engine, "ready"
             served.loaded_at, served.last_used = time.time(), time.monotonic()
         served.load_event.set()
         logger.info("model %r ready in %.1f s", served.name, time.monotonic() - t0)
+        return None
 
     def _make_room(self, incoming: ServedModel) -> None:
         """Unload least recently used idle models until `incoming` fits under max_loaded."""
