@@ -6,11 +6,15 @@
 #   benchmarks/compare.sh --smoke          start each server, 6 short requests 2 at a time, stop (no results kept)
 #   benchmarks/compare.sh --servers tessera,vllm --no-capacity
 #   benchmarks/compare.sh --servers tessera@bursty,tessera@multi-agent,tessera@fixed,vllm
+#   benchmarks/compare.sh --servers tessera=main~3,tessera --no-capacity   (before/after a change)
 #
 # `tessera@PROFILE` runs Tessera with `--profile PROFILE` and its preset's own sequence cap
 # (results labelled tessera-PROFILE); `tessera@fixed` is the fixed-budget scheduler of the
 # fixed token budget (`--target-itl-ms 0 --max-num-batched-tokens 512`), the baseline for the
 # latency-targeted one. Plain `tessera` uses the default profile with 32 sequences like the peers.
+# `tessera=REV` runs the same settings on the Tessera source of git revision REV (a detached
+# worktree under $REV_TREES, imported ahead of the installed package; results labelled
+# tessera-REV), so a change is measured against its parent in the same run.
 #
 # Each server is started in turn on its own port with equivalent settings (32 concurrent
 # sequences, 2048 tokens of context each), the runs are serialised by flock on $LOCK, and
@@ -29,6 +33,7 @@ MODEL=${MODEL:-smollm2-135m}
 PY=${PY:-$REPO/.venv/bin/python}
 RESULTS=${RESULTS:-$REPO/benchmarks/results}
 LOCK=${LOCK:-/tmp/tessera-bench.lock}
+REV_TREES=${REV_TREES:-/tmp/tessera-revs}
 DATASET=${DATASET:-random}
 SEED=${SEED:-0}
 THREADS=${THREADS:-2}
@@ -54,7 +59,7 @@ while [[ $# -gt 0 ]]; do
     --servers) SERVERS=$2; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
     --no-capacity) CAPACITY=0; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,8 +93,16 @@ stop_server() {
 }
 trap stop_server EXIT INT TERM
 
-port_of() { echo "${PORT[${1%%@*}]}"; }  # tessera@PROFILE listens where tessera does
-label_of() { echo "${1/@/-}"; }
+base_of() { local b=${1%%@*}; echo "${b%%=*}"; }  # tessera@PROFILE and tessera=REV are tessera
+port_of() { echo "${PORT[$(base_of "$1")]}"; }  # ... and listen where it does
+label_of() { local l=${1/@/-}; l=${l/=/-}; echo "${l//[~^\/]/_}"; }
+
+rev_tree() {  # rev_tree REV: a worktree of that revision's source (made once)
+  local dir
+  dir=$REV_TREES/$(git -C "$REPO" rev-parse --short "$1")
+  [[ -d $dir/tessera ]] || git -C "$REPO" worktree add --detach --force "$dir" "$1" >&2
+  echo "$dir"
+}
 
 tessera_profile_args() {  # the flags of a tessera@PROFILE variant
   case "$1" in
@@ -103,12 +116,13 @@ start_server() {  # start_server NAME LOGFILE
   port=$(port_of "$1")
   stop_server
   case "$name" in
-    tessera|tessera@*)
-      local extra="--max-num-seqs 32"
+    tessera|tessera@*|tessera=*)
+      local extra="--max-num-seqs 32" src=""
       [[ $name == tessera@* ]] && extra=$(tessera_profile_args "${name#tessera@}")
+      [[ $name == tessera=* ]] && src=$(rev_tree "${name#tessera=}")
       # shellcheck disable=SC2086
-      "${TESSERA[@]}" serve "$MODEL" --host 127.0.0.1 --port "$port" --served-model-name "$MODEL" \
-        --max-model-len 2048 --num-threads "$THREADS" $extra $TESSERA_ARGS \
+      PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}" "${TESSERA[@]}" serve "$MODEL" --host 127.0.0.1 --port "$port" \
+        --served-model-name "$MODEL" --max-model-len 2048 --num-threads "$THREADS" $extra $TESSERA_ARGS \
         > "$logfile" 2>&1 &
       ;;
     llamacpp)
@@ -180,7 +194,7 @@ read -r -a COUNTS <<< "$NUM_PROMPTS"
 (( ${#LEVELS[@]} == ${#COUNTS[@]} )) || { echo "CONCURRENCY and NUM_PROMPTS need the same length" >&2; exit 2; }
 
 for name in "${SERVER_LIST[@]}"; do
-  [[ -n "${PORT[${name%%@*}]:-}" ]] || { echo "unknown server $name (tessera[@PROFILE], llamacpp, vllm)" >&2; exit 2; }
+  [[ -n "${PORT[$(base_of "$name")]:-}" ]] || { echo "unknown server $name (tessera[@PROFILE|=REV], llamacpp, vllm)" >&2; exit 2; }
   label=$(label_of "$name")
   if [[ $SMOKE == 1 ]]; then smoke "$name"; continue; fi
   log "== $label"

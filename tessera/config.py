@@ -201,7 +201,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size
-    # Disk tier of the prefix cache (engine/kv_offload.py): a folder, and the most it may hold.
+    # Disk tier of the prefix cache (engine/core/kv_offload.py): a folder, and the most it may hold.
     kv_offload_dir: Optional[str] = None
     kv_offload_size: int = 8 << 30
     # Sliding-window layers keep only their window's blocks (attention/kv_groups.py); True keeps

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.engine import cost_model as cm
-from tessera.engine.cost_model import CalibrationPoint, StepCostModel, StepShape, calibrate, default_knots
+from tessera.engine.core import cost_model as cm
+from tessera.engine.core.cost_model import CalibrationPoint, StepCostModel, StepShape, calibrate, default_knots
 
 
 def synthetic_step_time(shape: StepShape) -> float:

@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 
 from tessera.config import EngineConfig
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.errors import EngineDeadError
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams

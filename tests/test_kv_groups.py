@@ -11,7 +11,7 @@ import random
 import pytest
 
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
-from tessera.engine.request import Request
+from tessera.engine.core.request import Request
 from tessera.llm import LLM
 from tessera.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tessera.engine.kv_offload import HEADER, DiskKVTier
+from tessera.engine.core.kv_offload import HEADER, DiskKVTier
 from tessera.errors import ConfigError
 from tessera.sampling_params import SamplingParams
 
@@ -45,7 +45,7 @@ def test_corrupt_foreign_and_truncated_files_are_refused_with_a_warning(tmp_path
     files[2].write_bytes(bytes(foreign))
     files[3].write_bytes(files[3].read_bytes()[:HEADER.size + 10])  # truncated
     (tier.dir / "zz-not-a-block.kvb").write_bytes(b"junk")
-    with caplog.at_level(logging.WARNING, logger="tessera.engine.kv_offload"):
+    with caplog.at_level(logging.WARNING, logger="tessera.engine.core.kv_offload"):
         assert tier.read(1) is None and tier.read(2) is None and tier.read(3) is None
         restarted = _tier(tmp_path)
     assert tier.stats.misses_rejected >= 2

@@ -6,7 +6,7 @@ import asyncio
 import httpx
 import pytest
 
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.live_stats import LiveStats, percentile
 from tessera.server.app import create_app

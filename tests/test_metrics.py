@@ -327,7 +327,7 @@ def test_real_server_metrics_count_exactly_the_requests_sent():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from tessera.config import EngineConfig
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.frontend.async_engine import AsyncLLMEngine
     from tessera.observability import StatLoggers
     from tessera.server.app import create_app
     from tessera.tracing import RequestTracer

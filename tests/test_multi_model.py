@@ -15,11 +15,11 @@ from typing import Optional
 import httpx
 import pytest
 
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.errors import TesseraError
 from tessera.server.app import create_app
 from tessera.server.config import ServingSpec, parse_duration
-from tessera.server.models import FallbackCondition, FallbackRule, ModelRouter, ModelSpec, ServedModel
+from tessera.server.router import FallbackCondition, FallbackRule, ModelRouter, ModelSpec, ServedModel
 
 from test_server_unit import FakeCore, serve_in_thread
 

@@ -16,7 +16,7 @@ import pytest
 from tessera.bench.hostile import run_hostile
 from tessera.bench.storm import run_cancel_storm
 from tessera.config import EngineConfig
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.metrics import PrometheusStatLogger
 from tessera.server.app import create_app

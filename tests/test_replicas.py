@@ -1,4 +1,4 @@
-"""A model served as several replicas (tessera/engine/replicas.py), with in-process fake engines:
+"""A model served as several replicas (tessera/deploy/replicas.py), with in-process fake engines:
 routing, moving a request off a dead or full replica before its first token, scaling without
 dropping requests, and the HTTP surface (/v1/engine/stats, POST /v1/engine/replicas).
 The same behaviour on a real two-node Ray cluster: tests/test_ray_replicas.py."""
@@ -11,11 +11,11 @@ from typing import Optional
 import httpx
 import pytest
 
-from tessera.engine.async_engine import AsyncLLMEngine, ServingEngine
-from tessera.engine.replicas import NoReplicaError, ReplicaSet
+from tessera.engine.frontend.async_engine import AsyncLLMEngine, ServingEngine
+from tessera.deploy.replicas import NoReplicaError, ReplicaSet
 from tessera.sampling_params import SamplingParams
 from tessera.server.app import create_app
-from tessera.server.models import ModelRouter, ModelSpec, ServedModel
+from tessera.server.router import ModelRouter, ModelSpec, ServedModel
 
 from test_server_unit import FakeCore, serve_in_thread
 

@@ -1,11 +1,11 @@
-"""Replica routing policies (tessera/engine/routing.py): pure functions of prompts and loads."""
+"""Replica routing policies (tessera/deploy/routing.py): pure functions of prompts and loads."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.engine.routing import (LeastLoaded, PrefixAware, PrefixAwareConfig, ReplicaLoad, RoundRobin,
+from tessera.deploy.routing import (LeastLoaded, PrefixAware, PrefixAwareConfig, ReplicaLoad, RoundRobin,
                                     make_policy, prefix_hashes)
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tessera.engine.sampler import Sampler
+from tessera.engine.worker.sampler import Sampler
 from tessera.sampling_params import SamplingParams
 
 

@@ -10,10 +10,10 @@ from hypothesis import given, settings, strategies as st
 
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
 from tessera.config import EngineConfig
-from tessera.engine.cost_model import StepShape
-from tessera.engine.kv_cache_manager import KVCacheManager
-from tessera.engine.request import Request, RequestStatus
-from tessera.engine.scheduler import Scheduler
+from tessera.engine.core.cost_model import StepShape
+from tessera.engine.core.kv_cache_manager import KVCacheManager
+from tessera.engine.core.request import Request, RequestStatus
+from tessera.engine.core.scheduler import Scheduler
 from tessera.sampling_params import SamplingParams
 
 EOS = 0

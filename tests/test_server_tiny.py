@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tessera.config import EngineConfig
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.server.app import create_app
 

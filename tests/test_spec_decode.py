@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.config import EngineConfig, SpeculativeConfig
-from tessera.engine.sampler import Sampler
+from tessera.engine.worker.sampler import Sampler
 from tessera.engine.spec_decode import NgramProposer, SpeculationPolicy, default_draft_layers
 from tessera.errors import ConfigError
 from tessera.sampling_params import SamplingParams
@@ -265,7 +265,7 @@ def test_server_with_a_draft_model_through_the_openai_client(loaded, other_draft
     import openai
 
     from tessera.config import EngineConfig
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.frontend.async_engine import AsyncLLMEngine
     from tessera.engine.llm_engine import LLMEngine
     from tessera.metrics import PrometheusStatLogger
     from tessera.server.app import create_app

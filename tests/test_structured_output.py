@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from tessera.config import EngineConfig
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.llm import LLM
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams

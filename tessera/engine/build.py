@@ -19,19 +19,19 @@ import torch
 from tessera.attention import AttentionBackend, get_backend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.cost_model import StepCostModel, calibrate, load_cached, save_cached
+from tessera.engine.core.cost_model import StepCostModel, calibrate, load_cached, save_cached
 from tessera.engine.input_processor import InputLimits, InputProcessor
-from tessera.engine.kv_cache_manager import KVCacheManager
-from tessera.engine.kv_offload import DiskKVTier
-from tessera.engine.request import Request
-from tessera.engine.runner import ModelRunner, ModelRunnerBase
-from tessera.engine.sampler import Sampler
-from tessera.engine.scheduler import Scheduler, make_chunk
-from tessera.engine.scheduler_output import SchedulerOutput
+from tessera.engine.core.kv_cache_manager import KVCacheManager
+from tessera.engine.core.kv_offload import DiskKVTier
+from tessera.engine.core.request import Request
+from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
+from tessera.engine.worker.sampler import Sampler
+from tessera.engine.core.scheduler import Scheduler, make_chunk
+from tessera.engine.core.scheduler_output import SchedulerOutput
 from tessera.engine.spec_decode import (
     DraftModelProposer, LayerSkipProposer, Proposer, SpeculationPolicy, build_ngram, default_draft_layers,
 )
-from tessera.engine.structured_output import StructuredOutputManager
+from tessera.engine.worker.structured_output import StructuredOutputManager
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.kernels import KernelUnavailable
 from tessera.sampling_params import InvalidRequestError, SamplingParams

@@ -1,7 +1,7 @@
 """Turning a request into engine input: tokenize, validate, size; no model needed.
 
 Kept apart from LLMEngine so the API process can do it when the engine runs in
-a process of its own (tessera/engine/core_client.py): the engine-core process
+a process of its own (tessera/engine/frontend/core_client.py): the engine-core process
 then only receives token ids and checked parameters, and a request that can
 never run is refused (HTTP 400) before it crosses over.
 """

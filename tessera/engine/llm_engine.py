@@ -23,9 +23,9 @@ from tessera.engine.errors import StepFailedError
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.output_processor import OutputProcessor
-from tessera.engine.request import Request, RequestStatus
-from tessera.engine.scheduler import LoadSnapshot
-from tessera.engine.scheduler_output import SchedulerOutput
+from tessera.engine.core.request import Request, RequestStatus
+from tessera.engine.core.scheduler import LoadSnapshot
+from tessera.engine.core.scheduler_output import SchedulerOutput
 from tessera.engine.spec_decode import propose_all
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -34,7 +34,7 @@ logger = logging.getLogger("tessera")
 
 
 class LLMEngine:
-    """One model's engine in this process; `EngineCore` (engine/async_engine.py) is its interface."""
+    """One model's engine in this process; `EngineCore` (engine/frontend/async_engine.py) is its interface."""
 
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         self.parts: EngineParts = build_engine(config, loaded)

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, KVTransfer, RequestOutput, TokenLogprob
-from tessera.engine.request import Request, RequestStatus
+from tessera.engine.core.request import Request, RequestStatus
 from tessera.engine.stats import FinishedRequestStats, IterationStats
 from tessera.tokenizer import IncrementalDetokenizer, Tokenizer
 

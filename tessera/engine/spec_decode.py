@@ -33,9 +33,9 @@ import torch
 from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import SpeculativeConfig
-from tessera.engine.kv_cache_manager import KVCacheManager
-from tessera.engine.request import Request
-from tessera.engine.sampler import Sampler
+from tessera.engine.core.kv_cache_manager import KVCacheManager
+from tessera.engine.core.request import Request
+from tessera.engine.worker.sampler import Sampler
 from tessera.models.base import CausalLM
 
 

@@ -37,14 +37,14 @@ from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from tessera.server.models import ModelRouter, ServedModel
+from tessera.server.router import ModelRouter, ServedModel
 from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, RejectionSink, ServerMetrics, ServerState
 from tessera.server.ui import install_ui
 
 if TYPE_CHECKING:
     from tessera.config import EngineConfig
-    from tessera.engine.async_engine import AsyncLLMEngine, CoreFactory, ServingEngine
-    from tessera.engine.ray_core import RayPlacement
+    from tessera.engine.frontend.async_engine import AsyncLLMEngine, CoreFactory, ServingEngine
+    from tessera.engine.frontend.ray_core import RayPlacement
     from tessera.live_stats import LiveStats
     from tessera.metrics import MetricFamilies, PrometheusStatLogger
     from tessera.observability import StatLoggers, StatsConsumer
@@ -275,7 +275,7 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     async def scale_replicas(request: Request) -> Response:
         """Scale a replicated model (`tessera serve --replicas N`) at run time: {"model": name,
         "replicas": n}. New replicas join rotation once loaded; removed ones drain first."""
-        from tessera.engine.replicas import ReplicaSet
+        from tessera.deploy.replicas import ReplicaSet
 
         state = _state(request)
         try:
@@ -486,7 +486,7 @@ def build_serving_engine(served: ServedModel, spec: ServingSpec, families: Metri
     engine-process core, or a ReplicaSet of them over process or Ray cores (P/D included).
     Each engine gets the same wiring (`_start_engine`); the model's loggers are left on `served`
     for the app (429s, the dashboard) and `close_serving_engine`."""
-    from tessera.engine.async_engine import make_engine_core
+    from tessera.engine.frontend.async_engine import make_engine_core
 
     model = served.spec
     config = spec.engine_config(model)
@@ -506,7 +506,7 @@ def build_serving_engine(served: ServedModel, spec: ServingSpec, families: Metri
         served.metrics, served.live, served.stats_consumer = loggers.prometheus, loggers.live, consumer
         return engine
 
-    from tessera.engine.replicas import ReplicaSet
+    from tessera.deploy.replicas import ReplicaSet
     from tessera.live_stats import LiveStats
 
     if config.num_threads is None:  # replicas must not fight over cores: each gets its share
@@ -562,7 +562,7 @@ def _start_engine(spec: ServingSpec, config: EngineConfig, core: CoreFactory, lo
     """An engine with the wiring every one gets: its stats on a thread of their own (metrics and
     traces are built there, off the engine loop), the queue bound and forecast admission, the
     watchdog, a warm-up, and the forecast on /metrics. Nothing is left running if it fails."""
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.frontend.async_engine import AsyncLLMEngine
     from tessera.observability import StatsConsumer
 
     consumer = StatsConsumer(sinks, thread_name=thread_name)
@@ -618,7 +618,7 @@ def _init_ray(ray_settings: RaySettings) -> None:
 
 def _placement(ray_settings: RaySettings) -> RayPlacement:
     """What each replica asks of Ray."""
-    from tessera.engine.ray_core import RayPlacement
+    from tessera.engine.frontend.ray_core import RayPlacement
 
     return RayPlacement(num_cpus=ray_settings.num_cpus_per_replica, num_gpus=ray_settings.num_gpus_per_replica,
                         memory_bytes=ray_settings.memory_per_replica)

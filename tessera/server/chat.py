@@ -16,7 +16,7 @@ from tessera.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion
                                      TopLogprob, UsageInfo)
 from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage, sse, usage_of
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import AsyncLLMEngine
+    from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.server.tools import (ParserEvent, ToolCallParser, add_tools_to_messages, check_tools,
                                   template_renders_tools, tool_choice_mode, tool_constraint)
 

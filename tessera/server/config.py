@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from tessera.config import EngineConfig
-from tessera.engine.routing import ROUTER_POLICIES, RouterPolicyName
+from tessera.deploy.routing import ROUTER_POLICIES, RouterPolicyName
 from tessera.errors import ConfigError, TesseraError
-from tessera.server.models import FallbackCondition, FallbackRule, ModelSpec
+from tessera.server.router import FallbackCondition, FallbackRule, ModelSpec
 
 _DURATION = re.compile(r"\s*(-?[0-9.]+)\s*(ms|s|m|h)?\s*$")
 MODEL_KEYS = {"name", "model", "aliases", "preload", "keep_alive", "fallback", "when", "max_num_queued_requests",

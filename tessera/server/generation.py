@@ -21,7 +21,7 @@ from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import ServingEngine
+    from tessera.engine.frontend.async_engine import ServingEngine
 
 
 class ClientDisconnected(Exception):

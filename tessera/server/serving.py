@@ -21,11 +21,11 @@ from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
-from tessera.server.models import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
+from tessera.server.router import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
 from tessera.server.protocol import UsageInfo
 
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import ServingEngine
+    from tessera.engine.frontend.async_engine import ServingEngine
 
 # nginx's "client closed request"; only ever seen in the access log, the client is gone.
 CLIENT_CLOSED_REQUEST = 499

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tessera.engine.structured_output import MAX_JSON_WHITESPACE
+from tessera.engine.worker.structured_output import MAX_JSON_WHITESPACE
 from tessera.sampling_params import InvalidRequestError, StructuredOutputsParams
 from tessera.server.protocol import ChatTool, NamedToolChoice
 

@@ -1,9 +1,9 @@
 """The engine-core process: one model's LLMEngine stepping on its own interpreter and cores.
 
-Started by tessera/engine/core_client.py (multiprocessing, spawn). It connects
+Started by tessera/engine/frontend/core_client.py (multiprocessing, spawn). It connects
 to two ZeroMQ sockets the API process bound: requests arrive on one (adds
 with token ids already checked, aborts, shutdown), and after every step the
-outputs go back on the other as deltas (tessera/engine/wire.py), with the
+outputs go back on the other as deltas (tessera/engine/frontend/wire.py), with the
 scheduler's stats, the step's IterationStats and the wait forecast. Nothing
 here parses HTTP or JSON, and the API process never runs model code: each
 side keeps its own GIL and cores, and a crash here (a fault in a kernel, the
@@ -29,7 +29,7 @@ from typing import Optional
 import zmq
 
 from tessera.config import EngineConfig
-from tessera.engine import wire
+from tessera.engine.frontend import wire
 from tessera.engine.errors import StepFailedError
 from tessera.engine.input_processor import PreparedRequest
 

@@ -28,7 +28,7 @@ def hash_block(parent_hash: Optional[int], token_ids: Iterable[int], extra: obje
     """Chain a full block's tokens onto its parent's hash, so equal hashes mean equal prefixes.
 
     A 64-bit BLAKE2b digest rather than Python's hash(): the same prompt gets the same hashes
-    in every process, which the disk tier (engine/kv_offload.py) needs across restarts."""
+    in every process, which the disk tier (engine/core/kv_offload.py) needs across restarts."""
     h = hashlib.blake2b(digest_size=8)
     h.update((parent_hash or 0).to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())

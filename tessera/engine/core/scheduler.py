@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from tessera.config import EngineConfig
-from tessera.engine.cost_model import StepCostPredictor, StepShape
-from tessera.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
-from tessera.engine.request import Request, RequestStatus
-from tessera.engine.scheduler_output import SamplingInputs, ScheduledChunk, SchedulerOutput
+from tessera.engine.core.cost_model import StepCostPredictor, StepShape
+from tessera.engine.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
+from tessera.engine.core.request import Request, RequestStatus
+from tessera.engine.core.scheduler_output import SamplingInputs, ScheduledChunk, SchedulerOutput
 from tessera.engine.stats import SchedulerStats
 
 

@@ -16,7 +16,7 @@ from tessera.engine.outputs import RequestMetrics
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tessera.engine.structured_output import GrammarState
+    from tessera.engine.worker.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):

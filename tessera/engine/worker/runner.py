@@ -2,7 +2,7 @@
 
 All scheduled tokens of a step go through each layer as one packed batch
 without padding; attention alone looks at request boundaries (AttentionMetadata).
-The runner reads only the scheduler's plain output (engine/scheduler_output.py) and
+The runner reads only the scheduler's plain output (engine/core/scheduler_output.py) and
 owns the KV cache's tensors; `ModelRunnerBase` is what the engine core asks of any
 runner, so one for another device or process is a new class beside this one.
 """
@@ -17,9 +17,9 @@ import torch
 from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.sampler import Sampler
-from tessera.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from tessera.engine.structured_output import GrammarState, MaskJob, StructuredOutputManager
+from tessera.engine.worker.sampler import Sampler
+from tessera.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from tessera.engine.worker.structured_output import GrammarState, MaskJob, StructuredOutputManager
 
 
 @dataclass

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Protocol
 
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
-from tessera.engine.block_pool import BlockPool, KVBlock, hash_block
-from tessera.engine.request import Request
+from tessera.engine.core.block_pool import BlockPool, KVBlock, hash_block
+from tessera.engine.core.request import Request
 
 
 class OffloadTier(Protocol):
-    """A second tier of the prefix cache, by block hash (engine/kv_offload.py)."""
+    """A second tier of the prefix cache, by block hash (engine/core/kv_offload.py)."""
 
     def contains(self, block_hash: int) -> bool: ...
 

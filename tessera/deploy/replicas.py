@@ -3,7 +3,7 @@
 Each replica is an AsyncLLMEngine over its own engine core (a Ray actor with
 `--ray`, a local engine-core process otherwise), with its own queue, stats and
 restart-on-crash. A ReplicaSet tokenizes a request once, asks its routing
-policy (tessera/engine/routing.py) which replica in rotation takes it, and
+policy (tessera/deploy/routing.py) which replica in rotation takes it, and
 streams that replica's outputs. It keeps requests whole:
 - a replica that refuses at admission (queue full, forecast wait) hands the
   request to the least-loaded other replica before the client sees a 429;
@@ -27,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Literal, Optional, Union
 
-from tessera.engine.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.errors import EngineDeadError, QueueFullError
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import KVTransfer, RequestOutput
-from tessera.engine.routing import ReplicaLoad, RouterPolicyName, make_policy
+from tessera.deploy.routing import ReplicaLoad, RouterPolicyName, make_policy
 from tessera.engine.stats import SchedulerStats
 from tessera.sampling_params import SamplingParams
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from tessera.engine.cost_model import StepShape
+from tessera.engine.core.cost_model import StepShape
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tessera.engine.structured_output import GrammarState
+    from tessera.engine.worker.structured_output import GrammarState
 
 
 @dataclass

@@ -16,7 +16,7 @@ from tessera.sampling_params import SamplingParams
 
 class SampledRow(Protocol):
     """What sampling reads of a request: the runner passes plain `SamplingInputs`
-    (engine/scheduler_output.py), a drafting proposer its live requests."""
+    (engine/core/scheduler_output.py), a drafting proposer its live requests."""
 
     @property
     def params(self) -> SamplingParams: ...

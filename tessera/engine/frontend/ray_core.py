@@ -3,7 +3,7 @@
 Ray decides where a replica runs (its CPUs, memory and GPUs come from the
 actor's resource request), restarts its process when it dies, and ends it
 with the server that created it. The data path stays the one the local
-engine-core process uses (ZeroMQ + msgspec deltas, tessera/engine/wire.py),
+engine-core process uses (ZeroMQ + msgspec deltas, tessera/engine/frontend/wire.py),
 over TCP instead of a Unix socket: this process binds two ports on its node's
 address and the actor connects to them. That is vLLM's data-parallel shape on
 Ray as well (Ray places the engine cores, ZeroMQ carries requests and
@@ -23,8 +23,8 @@ from typing import Any, Optional
 import zmq
 
 from tessera.config import EngineConfig
-from tessera.engine.core_client import ProcessEngineCore
-from tessera.engine.core_process import run_engine_core
+from tessera.engine.frontend.core_client import ProcessEngineCore
+from tessera.engine.frontend.core_process import run_engine_core
 
 logger = logging.getLogger("tessera")
 

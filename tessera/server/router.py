@@ -6,7 +6,7 @@ loading one model never stalls requests to the others; it is shut down after
 `keep_alive` seconds without requests, or when loading another needs room
 (least recently used first, never one with requests in flight), as Ollama's
 keep_alive and OLLAMA_MAX_LOADED_MODELS do. With several models each engine
-runs in its own process (tessera/engine/core_client.py), so a crash or an
+runs in its own process (tessera/engine/frontend/core_client.py), so a crash or an
 unload returns that model's memory and touches nobody else.
 
 Degradation: a model may name a `fallback` and the conditions (`when`) under
@@ -31,7 +31,7 @@ from tessera.errors import TesseraError
 from tessera.server.errors import APIError, model_not_found
 
 if TYPE_CHECKING:
-    from tessera.engine.async_engine import ServingEngine
+    from tessera.engine.frontend.async_engine import ServingEngine
 
 logger = logging.getLogger("tessera")
 

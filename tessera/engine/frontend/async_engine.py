@@ -15,20 +15,20 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from tessera.config import EngineConfig
-from tessera.engine.core_client import ProcessEngineCore
+from tessera.engine.frontend.core_client import ProcessEngineCore
 from tessera.engine.errors import (
     EngineCoreDiedError, EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError, StepFailedError,
 )
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.scheduler import LoadSnapshot
+from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
-    from tessera.engine.ray_core import RayPlacement
+    from tessera.engine.frontend.ray_core import RayPlacement
     from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger("tessera")
@@ -102,7 +102,7 @@ def make_engine_core(config: EngineConfig, wakeup: Optional[threading.Event] = N
     process (`engine_process`), or this process. Everything past here asks the EngineCore
     protocol, so a new kind of core changes nothing else."""
     if ray is not None:
-        from tessera.engine.ray_core import RayEngineCore  # Ray is optional: only imported for --ray
+        from tessera.engine.frontend.ray_core import RayEngineCore  # Ray is optional: only imported for --ray
 
         return RayEngineCore(config, ray, name=name or config.model, log_level=log_level, wakeup=wakeup)
     if engine_process:
@@ -113,7 +113,7 @@ def make_engine_core(config: EngineConfig, wakeup: Optional[threading.Event] = N
 @runtime_checkable
 class ServingEngine(Protocol):
     """What the HTTP server drives for one model: an AsyncLLMEngine, or a ReplicaSet of them
-    (tessera/engine/replicas.py)."""
+    (tessera/deploy/replicas.py)."""
 
     config: EngineConfig
     tokenizer: object

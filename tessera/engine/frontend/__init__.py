@@ -1,0 +1,1 @@
+"""Driving an engine core from the server: the async engine, and the core in its own process."""
