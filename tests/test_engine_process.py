@@ -9,14 +9,13 @@ import time
 from typing import Iterator
 
 import pytest
+from tiny_model import make_tiny_model
 
 from tessera.config import EngineConfig
-from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.errors import EngineDeadError
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
-
-from tiny_model import make_tiny_model
 
 PROMPTS = [[1, 2, 3, 4, 5], "the quick brown fox", [7] * 40]
 

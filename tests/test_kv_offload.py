@@ -82,9 +82,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    from tessera.models.loader import load_model
-
     from tiny_model import make_tiny_model
+
+    from tessera.models.loader import load_model
 
     return load_model(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama"), "float32")
 

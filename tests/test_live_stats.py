@@ -5,13 +5,12 @@ import asyncio
 
 import httpx
 import pytest
+from test_server_unit import MODEL, FakeCore, serve_in_thread
 
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.live_stats import LiveStats, percentile
 from tessera.server.app import create_app
-
-from test_server_unit import MODEL, FakeCore, serve_in_thread
 
 
 class Clock:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import logging
-import time
 import random
 import re
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families

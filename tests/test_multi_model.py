@@ -14,14 +14,13 @@ from typing import Optional
 
 import httpx
 import pytest
+from test_server_unit import FakeCore, serve_in_thread
 
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.errors import TesseraError
 from tessera.server.app import create_app
 from tessera.server.config import ServingSpec, parse_duration
 from tessera.server.router import FallbackCondition, FallbackRule, ModelRouter, ModelSpec, ServedModel
-
-from test_server_unit import FakeCore, serve_in_thread
 
 
 def fake_engine(step_s: float = 0.005, max_num_seqs: int = 4, queue: Optional[int] = None,

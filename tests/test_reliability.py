@@ -12,6 +12,8 @@ from typing import Iterator
 
 import httpx
 import pytest
+from test_server_unit import serve_in_thread
+from tiny_model import make_tiny_model
 
 from tessera.bench.hostile import run_hostile
 from tessera.bench.storm import run_cancel_storm
@@ -20,9 +22,6 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.metrics import PrometheusStatLogger
 from tessera.server.app import create_app
-
-from test_server_unit import serve_in_thread
-from tiny_model import make_tiny_model
 
 NAME = "tiny"
 

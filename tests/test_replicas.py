@@ -10,14 +10,13 @@ from typing import Optional
 
 import httpx
 import pytest
+from test_server_unit import FakeCore, serve_in_thread
 
-from tessera.engine.frontend.async_engine import AsyncLLMEngine, ServingEngine
 from tessera.deploy.replicas import NoReplicaError, ReplicaSet
+from tessera.engine.frontend.async_engine import AsyncLLMEngine, ServingEngine
 from tessera.sampling_params import SamplingParams
 from tessera.server.app import create_app
 from tessera.server.router import ModelRouter, ModelSpec, ServedModel
-
-from test_server_unit import FakeCore, serve_in_thread
 
 
 def fake(step_s: float = 0.002, fail_after_steps: Optional[int] = None, queue: Optional[int] = None) -> AsyncLLMEngine:
@@ -184,8 +183,8 @@ def test_a_replica_dying_mid_decode_reruns_only_what_was_not_streamed():
 
 
 def test_pd_flag_parsing_and_roles():
-    from tessera.server.config import parse_pd
     from tessera.errors import TesseraError
+    from tessera.server.config import parse_pd
 
     assert parse_pd("prefill=1,decode=2") == (1, 2) and parse_pd(" decode=1 , prefill=3") == (3, 1)
     for bad in ("prefill=1", "prefill=0,decode=1", "prefill=1,decode=x", "p=1,d=1", "prefill=1,prefill=1,decode=1",

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.deploy.routing import (LeastLoaded, PrefixAware, PrefixAwareConfig, ReplicaLoad, RoundRobin,
-                                    make_policy, prefix_hashes)
+from tessera.deploy.routing import (
+    LeastLoaded, PrefixAware, PrefixAwareConfig, ReplicaLoad, RoundRobin, make_policy, prefix_hashes,
+)
 
 
 def loads(*values: int) -> list[ReplicaLoad]:

@@ -6,7 +6,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
 from tessera.config import EngineConfig

@@ -14,14 +14,13 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
+from test_server_unit import serve_in_thread
+from tiny_model import make_tiny_model
 
 from tessera.config import EngineConfig
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.server.app import create_app
-
-from test_server_unit import serve_in_thread
-from tiny_model import make_tiny_model
 
 NAME = "tiny"
 

@@ -12,11 +12,10 @@ from typing import Callable
 
 import httpx
 import pytest
-
-from tessera.tokenizer import Tokenizer
-
 from test_models_gguf import write_tiny_gguf
 from test_server_openai import running_server
+
+from tessera.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

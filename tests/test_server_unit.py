@@ -25,10 +25,10 @@ import pytest
 import uvicorn
 
 from tessera.config import EngineConfig, ModelConfig
+from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server.app import DrainingServer, create_app

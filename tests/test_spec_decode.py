@@ -6,15 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from tessera.config import EngineConfig, SpeculativeConfig
-from tessera.engine.worker.sampler import Sampler
-from tessera.engine.spec_decode import NgramProposer, SpeculationPolicy, default_draft_layers
-from tessera.errors import ConfigError
-from tessera.sampling_params import SamplingParams
-
 from test_engine import GREEDY, alone, loaded, make_llm, prompts, texts  # noqa: F401 (fixtures)
 from tiny_model import make_tiny_model
+
+from tessera.config import EngineConfig, SpeculativeConfig
+from tessera.engine.spec_decode import NgramProposer, SpeculationPolicy, default_draft_layers
+from tessera.engine.worker.sampler import Sampler
+from tessera.errors import ConfigError
+from tessera.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "disable_by_batch_size": 64}  # on at any batch here: the invariance tests want it working
@@ -263,13 +262,13 @@ def test_server_with_a_draft_model_through_the_openai_client(loaded, other_draft
     each other, a request can opt out, a bad value is a 400, and the spec_decode metrics count."""
     import httpx
     import openai
+    from test_server_unit import serve_in_thread
 
     from tessera.config import EngineConfig
     from tessera.engine.frontend.async_engine import AsyncLLMEngine
     from tessera.engine.llm_engine import LLMEngine
     from tessera.metrics import PrometheusStatLogger
     from tessera.server.app import create_app
-    from test_server_unit import serve_in_thread
 
     spec = {"model": str(loaded.path), "num_speculative_tokens": 3}  # the target drafting for itself
     config = EngineConfig(model=str(loaded.path), dtype="float32", max_model_len=256, speculative_config=spec)

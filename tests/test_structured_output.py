@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from test_server_unit import serve_in_thread
+from tiny_model import make_tiny_model
 
 from tessera.config import EngineConfig
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
@@ -25,9 +27,6 @@ from tessera.llm import LLM
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from tessera.server.app import create_app
 from tessera.server.tools import ToolCallParser
-
-from test_server_unit import serve_in_thread
-from tiny_model import make_tiny_model
 
 NAME = "tiny"
 # Bounded schemas: a random model inside an unbounded string or number could run to max_tokens.

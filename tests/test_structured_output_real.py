@@ -15,11 +15,10 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-
-from tessera.bench.datasets import random_json_schema
-
 from test_server_openai import ServerProcess, running_server
 from test_structured_output import collect_stream
+
+from tessera.bench.datasets import random_json_schema
 
 pytestmark = pytest.mark.model
 

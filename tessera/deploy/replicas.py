@@ -27,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Literal, Optional, Union
 
-from tessera.engine.frontend.async_engine import AsyncLLMEngine
+from tessera.deploy.routing import ReplicaLoad, RouterPolicyName, make_policy
 from tessera.engine.errors import EngineDeadError, QueueFullError
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import KVTransfer, RequestOutput
-from tessera.deploy.routing import ReplicaLoad, RouterPolicyName, make_policy
 from tessera.engine.stats import SchedulerStats
 from tessera.sampling_params import SamplingParams
 

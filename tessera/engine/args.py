@@ -6,9 +6,10 @@ import re
 from dataclasses import fields
 from typing import Any, Mapping
 
-from tessera.config import (ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, KV_CACHE_DTYPES,
-                            PREEMPTION_MODES, PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES,
-                            EngineConfig)
+from tessera.config import (
+    ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
+    PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig,
+)
 
 
 def parse_size(text: str) -> int:

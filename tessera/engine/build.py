@@ -20,17 +20,17 @@ from tessera.attention import AttentionBackend, get_backend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.core.cost_model import StepCostModel, calibrate, load_cached, save_cached
-from tessera.engine.input_processor import InputLimits, InputProcessor
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.kv_offload import DiskKVTier
 from tessera.engine.core.request import Request
-from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
-from tessera.engine.worker.sampler import Sampler
 from tessera.engine.core.scheduler import Scheduler, make_chunk
 from tessera.engine.core.scheduler_output import SchedulerOutput
+from tessera.engine.input_processor import InputLimits, InputProcessor
 from tessera.engine.spec_decode import (
     DraftModelProposer, LayerSkipProposer, Proposer, SpeculationPolicy, build_ngram, default_draft_layers,
 )
+from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
+from tessera.engine.worker.sampler import Sampler
 from tessera.engine.worker.structured_output import StructuredOutputManager
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.kernels import KernelUnavailable
@@ -71,6 +71,21 @@ class EngineParts:
     def kv_cache_format(self) -> str:
         """"int8" or the cache's float dtype ("bfloat16", "float32")."""
         return str(self.attn_backend.kv_cache_dtype(self.dtype)).removeprefix("torch.")
+
+    def kv_cache_info(self) -> dict:
+        """The KV cache's format, capacity and disk tier, for /v1/engine/stats."""
+        c, kv, offload = self.config, self.kv, self.offload
+        return {"dtype": self.kv_cache_format, "block_size": c.block_size, "num_blocks": kv.num_blocks,
+                "tokens": kv.num_blocks * c.block_size, "max_sequence_tokens": self.kv_capacity_tokens,
+                "groups": self.kv_groups.describe(), "bytes": c.kv_cache_memory,
+                "tokens_per_gib": round(self.kv_tokens_per_gib, 1), "swap_blocks": kv.num_host_blocks,
+                "offload": None if offload is None else {
+                    "dir": str(offload.dir), "blocks": offload.num_blocks,
+                    "bytes": offload.disk_bytes, "max_bytes": offload.max_bytes,
+                    "hit_tokens": kv.offload_hits, "bytes_read": offload.stats.bytes_read,
+                    "bytes_written": offload.stats.bytes_written,
+                    "files_refused": offload.stats.misses_rejected,
+                    "writes_dropped": offload.stats.write_queue_dropped}}
 
 
 def build_engine(config: EngineConfig, loaded=None) -> EngineParts:

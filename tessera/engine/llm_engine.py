@@ -19,13 +19,13 @@ import torch
 
 from tessera.config import EngineConfig
 from tessera.engine.build import EngineParts, build_engine
-from tessera.engine.errors import StepFailedError
-from tessera.engine.input_processor import PreparedRequest
-from tessera.engine.outputs import KVTransfer, RequestOutput
-from tessera.engine.output_processor import OutputProcessor
 from tessera.engine.core.request import Request, RequestStatus
 from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.core.scheduler_output import SchedulerOutput
+from tessera.engine.errors import StepFailedError
+from tessera.engine.input_processor import PreparedRequest
+from tessera.engine.output_processor import OutputProcessor
+from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.spec_decode import propose_all
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -180,7 +180,11 @@ class LLMEngine:
         t_exec = time.perf_counter()
         result = self.runner.execute(sched)
         load_s = time.perf_counter() - t_exec if sched.kv_loads else 0.0
+        self._count_proposals(result.spec_results)  # before the update may finish their requests
         appended = self.scheduler.update_after_step(sched, result.sampled)
+        for s in sched.scheduled:
+            if s.grammar is not None and s.request_id in appended:
+                s.grammar.advance(appended[s.request_id])
         now = time.time()
         stats = IterationStats(
             timestamp=now,
@@ -192,7 +196,6 @@ class LLMEngine:
             spec_results=list(result.spec_results.values()),
             structured_mask_time=result.mask_time,
         )
-        self._record_step(sched, appended, result.spec_results)
         if self.offload is not None:
             self._offload_step(sched, stats, load_s)
         elif sched.kv_loads:  # blocks a prefill replica computed (--pd)
@@ -206,27 +209,12 @@ class LLMEngine:
         stats.step_time = end - t0
         return outputs, stats
 
-    def _record_step(self, sched: SchedulerOutput, appended: dict[str, list[int]],
-                     spec_results: dict[str, tuple[int, int]]) -> None:
-        """Advance grammars by the appended tokens and count verified proposals per request."""
-        for s in sched.scheduled:
-            if s.grammar is not None and s.request_id in appended:
-                s.grammar.advance(appended[s.request_id])
-            if s.request_id in spec_results:
-                req = self.scheduler.requests.get(s.request_id)
-                metrics = req.metrics if req is not None else self._metrics_of(s.request_id)
-                if metrics is not None:
-                    proposed, accepted = spec_results[s.request_id]
-                    metrics.spec_draft_tokens += proposed
-                    metrics.spec_accepted_tokens += accepted
-
-    def _metrics_of(self, child_id: str):
-        """A sequence that finished this step is no longer the scheduler's: find it by its parent."""
-        parent = self.outputs.parent_of(child_id)
-        for req in self.outputs.requests_of(parent) if parent is not None else []:
-            if req.request_id == child_id:
-                return req.metrics
-        return None
+    def _count_proposals(self, spec_results: dict[str, tuple[int, int]]) -> None:
+        """Verified proposals per request, into its metrics (acceptance rate per request)."""
+        for request_id, (proposed, accepted) in spec_results.items():
+            metrics = self.scheduler.requests[request_id].metrics
+            metrics.spec_draft_tokens += proposed
+            metrics.spec_accepted_tokens += accepted
 
     def _stop_string_hit(self, req: Request) -> None:
         self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
@@ -275,16 +263,4 @@ class LLMEngine:
 
     def kv_cache_info(self) -> dict:
         """The KV cache's format and capacity, for /v1/engine/stats."""
-        c, offload = self.config, self.offload
-        return {"dtype": self.kv_cache_format, "block_size": c.block_size, "num_blocks": self.kv.num_blocks,
-                "tokens": self.kv.num_blocks * c.block_size, "max_sequence_tokens": self.kv_capacity_tokens,
-                "groups": self.kv_groups.describe(), "bytes": c.kv_cache_memory,
-                "tokens_per_gib": round(self.parts.kv_tokens_per_gib, 1),
-                "swap_blocks": self.kv.num_host_blocks,
-                "offload": None if offload is None else {
-                    "dir": str(offload.dir), "blocks": offload.num_blocks,
-                    "bytes": offload.disk_bytes, "max_bytes": offload.max_bytes,
-                    "hit_tokens": self.kv.offload_hits, "bytes_read": offload.stats.bytes_read,
-                    "bytes_written": offload.stats.bytes_written,
-                    "files_refused": offload.stats.misses_rejected,
-                    "writes_dropped": offload.stats.write_queue_dropped}}
+        return self.parts.kv_cache_info()

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+from tessera.engine.core.request import Request, RequestStatus
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, KVTransfer, RequestOutput, TokenLogprob
-from tessera.engine.core.request import Request, RequestStatus
 from tessera.engine.stats import FinishedRequestStats, IterationStats
 from tessera.tokenizer import IncrementalDetokenizer, Tokenizer
 

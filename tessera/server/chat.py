@@ -10,15 +10,20 @@ from fastapi.responses import Response
 
 from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
-from tessera.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
-                                     DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
-                                     TopLogprob, UsageInfo)
+from tessera.server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatResponseMessage, ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
+    TopLogprob, UsageInfo,
+)
 from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage, sse, usage_of
+
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import AsyncLLMEngine
-from tessera.server.tools import (ParserEvent, ToolCallParser, add_tools_to_messages, check_tools,
-                                  template_renders_tools, tool_choice_mode, tool_constraint)
+
+from tessera.server.tools import (
+    ParserEvent, ToolCallParser, add_tools_to_messages, check_tools, template_renders_tools, tool_choice_mode,
+    tool_constraint,
+)
 
 
 def chat_logprobs(entries: list[TokenLogprob], num_top: int) -> ChatLogprobs:

@@ -21,8 +21,8 @@ from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
-from tessera.server.router import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
 from tessera.server.protocol import UsageInfo
+from tessera.server.router import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine

@@ -15,14 +15,14 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from tessera.config import EngineConfig
-from tessera.engine.frontend.core_client import ProcessEngineCore
+from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.errors import (
     EngineCoreDiedError, EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError, StepFailedError,
 )
+from tessera.engine.frontend.core_client import ProcessEngineCore
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import SamplingParams
 

@@ -28,12 +28,12 @@ from typing import Optional, Union
 import zmq
 
 from tessera.config import EngineConfig
+from tessera.engine.core.scheduler import LoadSnapshot
+from tessera.engine.errors import EngineCoreDiedError, EngineCoreStepError, StepFailedError
 from tessera.engine.frontend import wire
 from tessera.engine.frontend.core_process import run_engine_core
-from tessera.engine.errors import EngineCoreDiedError, EngineCoreStepError, StepFailedError
 from tessera.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.errors import TesseraError
 from tessera.sampling_params import InvalidRequestError, SamplingParams

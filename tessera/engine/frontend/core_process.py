@@ -29,8 +29,8 @@ from typing import Optional
 import zmq
 
 from tessera.config import EngineConfig
-from tessera.engine.frontend import wire
 from tessera.engine.errors import StepFailedError
+from tessera.engine.frontend import wire
 from tessera.engine.input_processor import PreparedRequest
 
 logger = logging.getLogger("tessera")

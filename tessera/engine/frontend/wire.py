@@ -17,9 +17,9 @@ from typing import Optional, Union
 
 import msgspec
 
+from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, KVTransfer, RequestMetrics, RequestOutput, TokenLogprob
 from tessera.engine.stats import IterationStats, SchedulerStats
-from tessera.engine.input_processor import PreparedRequest
 
 # -- API process -> engine core ----------------------------------------------------------------
 

@@ -17,8 +17,8 @@ import torch
 from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.worker.sampler import Sampler
 from tessera.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from tessera.engine.worker.sampler import Sampler
 from tessera.engine.worker.structured_output import GrammarState, MaskJob, StructuredOutputManager
 
 
