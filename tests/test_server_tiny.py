@@ -112,6 +112,17 @@ def test_too_long_is_400_not_a_crash(tiny):
     assert httpx.get(f"{tiny.url}/health").status_code == 200
 
 
+@pytest.mark.parametrize("prompt", [[5, -1], [5, 2**40], [5, 10**9]], ids=["negative", "past-u32", "past-vocab"])
+def test_echo_of_foreign_token_ids_is_400(tiny, prompt):
+    """`echo` decodes a token-id prompt before the engine sees it: ids the model has none for are
+    the client's error in OpenAI's shape (a negative one raised the tokenizer's OverflowError: 500)."""
+    r = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": True})
+    assert r.status_code == 400, r.text
+    assert "prompt token ids" in r.json()["error"]["message"]
+    ok = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "echo": True})
+    assert ok.status_code == 200, ok.text
+
+
 def test_refused_by_forecast_wait_leaks_nothing(tiny):
     """A request whose forecast wait is past its deadline never reaches the scheduler."""
     from tessera.engine.errors import PredictedWaitError

@@ -34,6 +34,13 @@ class PreparedRequest:
     kv_import: Optional[KVTransfer] = None
 
 
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Refuse a prompt of token ids the model has no embedding for (InvalidRequestError, HTTP 400);
+    decoding one (an echo) before this check raised the tokenizer's OverflowError instead."""
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+
+
 @dataclass(frozen=True)
 class InputLimits:
     """What a request is checked against: the model's vocabulary and the engine's sizes."""
@@ -62,8 +69,7 @@ class InputProcessor:
             ids = self.tokenizer.encode_bounded(prompt, lim.max_model_len, add_special_tokens)
         else:
             text, ids = None, list(prompt)
-            if any((not isinstance(t, int)) or t < 0 or t >= lim.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {lim.vocab_size})")
+            check_token_ids(ids, lim.vocab_size)
         if not ids:
             raise InvalidRequestError("prompt must contain at least one token")
         if params.logit_bias and max(params.logit_bias) >= lim.vocab_size:

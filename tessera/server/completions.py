@@ -8,6 +8,7 @@ from typing import Optional, Union
 from fastapi import Request
 from fastapi.responses import Response
 
+from tessera.engine.input_processor import check_token_ids
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -89,6 +90,12 @@ def _choice(index: int, c: CompletionOutput, num_logprobs: Optional[int], echo: 
                             stop_reason=c.stop_reason)
 
 
+def _echo(engine, ids: list[int]) -> str:
+    """A token-id prompt's text for `echo`, once its ids are known to be the model's."""
+    check_token_ids(ids, engine.model_config.vocab_size)
+    return engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
     state.router.resolve(body.model)  # 404 before anything else
@@ -103,8 +110,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     run = Run(state, request, route, prompts, params, f"cmpl-{uuid.uuid4().hex}", reprompt=lambda engine: prompts)
     echo_texts: Optional[list[str]] = None
     if body.echo:
-        echo_texts = [p if isinstance(p, str) else run.engine.tokenizer.decode(p, skip_special_tokens=False)
-                      for p in prompts]
+        echo_texts = [p if isinstance(p, str) else _echo(run.engine, p) for p in prompts]
 
     if body.stream:
         return await run.stream(CompletionStream(run.request_id, model, params.n, body.logprobs,
