@@ -100,7 +100,9 @@ class Tokenizer:
     def from_hf_folder(cls, folder: str | os.PathLike, config_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
         """Tokenizer of a Hugging Face model folder (tokenizer.json, tokenizer_config.json)."""
         folder = Path(folder)
-        from transformers import AutoTokenizer
+        # The module itself: transformers' lazy top-level names fail (ImportError) when threads
+        # reach them at once, as the replicas' front ends do when they start together.
+        from transformers.models.auto.tokenization_auto import AutoTokenizer
 
         try:
             hf_tok = AutoTokenizer.from_pretrained(str(folder))
@@ -289,7 +291,7 @@ def _gguf_metadata_digest(gf) -> str:
 
 
 def _convert_gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import AutoTokenizer  # the module: see from_hf_folder
 
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -145,3 +145,31 @@ def test_real_tokenizer_matches_transformers(model_path, name):
     else:  # this GGUF carries no template: chat is refused rather than guessed
         with pytest.raises(InvalidRequestError, match="no chat template"):
             tok.apply_chat_template(messages)
+
+
+def test_hf_folder_tokenizers_load_on_parallel_threads(tiny_model_dir):
+    """Replicas' front ends load their tokenizers at once; transformers' lazy top-level names failed
+    there (ImportError: cannot import name 'AutoTokenizer') when threads reached them together.
+    A fresh interpreter, so transformers is not imported yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, threading\n"
+        "from tessera.tokenizer import Tokenizer\n"
+        "errors = []\n"
+        "def load():\n"
+        "    try:\n"
+        "        Tokenizer.from_hf_folder(sys.argv[1])\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=load) for _ in range(4)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert not errors, errors\n"
+    )
+    folder = tiny_model_dir("llama")
+    for _ in range(2):  # the race lost on every try before the fix; twice is plenty
+        run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]

@@ -28,7 +28,7 @@ def rope_inv_freq(
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
     if kind not in ("linear", "llama3", "yarn"):
         raise ModelFormatError(f"RoPE scaling type {kind!r} is not supported (linear, llama3 and yarn are)")
-    from transformers import LlamaConfig
+    from transformers.models.llama.configuration_llama import LlamaConfig  # the module: thread-safe to import
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = {k: v for k, v in scaling.items() if k != "type"}

@@ -118,7 +118,7 @@ class StructuredOutputManager:
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
-                from transformers import PreTrainedTokenizerFast
+                from transformers.tokenization_utils_fast import PreTrainedTokenizerFast  # the module: thread-safe
 
                 hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
                 info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
