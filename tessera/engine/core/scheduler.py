@@ -174,16 +174,15 @@ class Scheduler:
         return n
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
-        start = req.num_computed_tokens
-        out.scheduled.append(make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec))
+        chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec)
+        out.scheduled.append(chunk)
         step.ids.add(req.request_id)
         step.budget -= n
-        samples = start + n - num_spec == req.num_tokens
-        shape = StepShape.chunk(start, n, samples)
+        shape = StepShape.chunk(chunk.start, n, chunk.samples)
         if num_spec:  # every position of a verified run is sampled
             shape = StepShape(shape.num_tokens, n, shape.num_attended)
         step.shape = step.shape.plus(shape)
-        if req.num_tokens - start == 1 and req.output_token_ids:
+        if chunk.is_decode:
             step.has_decodes = True
         else:
             step.has_prefill = True
