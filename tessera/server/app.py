@@ -37,7 +37,7 @@ from tessera.errors import TesseraError
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
-from tessera.server.ollama import install_ollama_api
+from tessera.server.ollama import OLLAMA_REQUESTS, install_ollama_api
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tessera.server.router import ModelRouter, ServedModel
 from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, RejectionSink, ServerMetrics, ServerState
@@ -340,11 +340,12 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     async def detokenize_endpoint(request: Request) -> Response:
         return await _guarded(request, _parse_then(request, DetokenizeRequest, detokenize))
 
-    install_ollama_api(app, _parse_then, root=not ui)
+    install_ollama_api(app, _parse_then, _json_body, root=not ui)
 
     if ui:
         install_ui(app)
-    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                               *OLLAMA_REQUESTS])
     return app
 
 

@@ -563,9 +563,14 @@ async def ps(request: Request) -> Response:
     return JSONResponse({"models": models})
 
 
-def install_ollama_api(app: FastAPI, parse: Parser, root: bool) -> None:
-    """Add Ollama's endpoints; `parse` reads and validates a body (app._parse_then). `root`: also
-    answer GET/HEAD / with "Ollama is running", as Ollama does (when the chat page is not there)."""
+OLLAMA_REQUESTS: list[type[BaseModel]] = [OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest]
+
+
+def install_ollama_api(app: FastAPI, parse: Parser, json_body: Callable[[type[BaseModel]], dict[str, Any]],
+                       root: bool) -> None:
+    """Add Ollama's endpoints; `parse` reads and validates a body (app._parse_then), `json_body`
+    describes it for /docs (the schemas are OLLAMA_REQUESTS). `root`: also answer GET/HEAD /
+    with "Ollama is running", as Ollama does (when the chat page is not there)."""
 
     def post(path: str, model: type[RequestModel], handler: Callable[[RequestModel, Request], Awaitable[Response]]
              ) -> None:
@@ -573,7 +578,7 @@ def install_ollama_api(app: FastAPI, parse: Parser, root: bool) -> None:
             return await _guarded(request, parse(request, model, handler))
 
         app.add_api_route(path, endpoint, methods=["POST"], name=f"ollama_{path.rsplit('/', 1)[-1]}",
-                          tags=["ollama"])
+                          tags=["ollama"], openapi_extra=json_body(model))
 
     post("/api/chat", OllamaChatRequest, chat)
     post("/api/generate", OllamaGenerateRequest, generate)
