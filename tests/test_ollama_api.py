@@ -223,6 +223,13 @@ def test_streamed_tool_calls_come_whole_and_agree_with_the_whole_answer():
         assert "".join(line["message"]["content"] for line in lines) == "Let me check."
 
 
+def test_a_call_whose_arguments_are_not_an_object_stays_text():
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'
+    whole = OllamaReply("chat", "m", Timing(time.perf_counter_ns()), True, False).whole(_outputs(text, [])[-1])
+    assert "tool_calls" not in whole["message"]
+    assert whole["message"]["content"] == 'Sure.{"name": "f", "arguments": [1, 2]}'
+
+
 # ----------------------------------------------------------------------------- /tokenize and /detokenize
 
 
@@ -358,7 +365,7 @@ def test_keep_alive_unloads_after_the_request_and_load_requests():
             r = client.generate(model="a", prompt="hi", keep_alive=0, options={"num_predict": 3})
             assert r.done and r.load_duration > 0  # it waited for the model to load
             wait_status("unloaded")
-            assert closed == ["a"]
+            assert closed == ["a"] and a.keep_alive is None  # a request's keep_alive lasts one loaded session
             # a request without keep_alive restores the configured one (never, for a)
             client.chat(model="a", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2})
             time.sleep(0.3)
@@ -376,6 +383,23 @@ def test_keep_alive_unloads_after_the_request_and_load_requests():
             assert r["message"] == {"role": "assistant", "content": ""}
             assert [m.model for m in client.ps().models] == ["a"]
             assert httpx.get(f"{url}/v1/engine/stats").json()["models"][0]["keep_alive_s"] is None
+    finally:
+        router.shutdown()
+
+
+def test_keep_alive_zero_does_not_unload_a_model_a_request_has_just_chosen():
+    model = ServedModel(ModelSpec("a", "m"))
+    router = ModelRouter([model], builder=lambda served: fake_engine(), closer=lambda served: None)
+    try:
+        asyncio.run(router.route("a"))  # chosen; its prompt is not with the engine yet
+        model.keep_alive = 0  # what an earlier request's keep_alive 0 left
+        router.start_reaper(interval_s=0.05)
+        time.sleep(0.5)  # many reaper rounds
+        assert model.status == "ready"
+        deadline = time.monotonic() + 5
+        while model.status != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert model.status == "unloaded"
     finally:
         router.shutdown()
 

@@ -250,14 +250,14 @@ def _logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
             for e in entries]
 
 
-def _tool_call(call_id: str, index: int, name: str, arguments: str) -> dict[str, Any]:
+def _tool_call(call_id: str, index: int, name: str, arguments: str) -> Optional[dict[str, Any]]:
+    """Ollama's form of a parsed call, its arguments an object; None when they are not one."""
     try:
         args = json.loads(arguments) if arguments.strip() else {}
     except json.JSONDecodeError:
-        args = None
-    if not isinstance(args, dict):  # only an unconstrained model writes these; Ollama would not call
-        raise InvalidRequestError(f"the model called {name!r} with arguments that are not a JSON object: "
-                                  f"{arguments[:200]!r}")
+        return None
+    if not isinstance(args, dict):
+        return None
     return {"id": call_id, "function": {"index": index, "name": name, "arguments": args}}
 
 
@@ -307,8 +307,13 @@ class OllamaReply:
         events = parser.feed(text) + (parser.finish() if finished else [])
         content = "".join(e.text for e in events if e.kind == "content")
         complete = len(parser.calls) if finished or parser.state != "args" else len(parser.calls) - 1
-        calls = [_tool_call(c.id, i, c.name, c.arguments)
-                 for i, c in enumerate(parser.calls[self.sent_calls:complete], start=self.sent_calls)]
+        calls = []
+        for i, c in enumerate(parser.calls[self.sent_calls:complete], start=self.sent_calls):
+            call = _tool_call(c.id, i, c.name, c.arguments)
+            if call is not None:
+                calls.append(call)
+            else:  # arguments that are not an object (only unconstrained text has them): left as text
+                content += f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}'
         self.sent_calls = max(self.sent_calls, complete)
         return content, calls
 

@@ -37,8 +37,8 @@ logger = logging.getLogger("tessera")
 
 ModelStatus = Literal["unloaded", "loading", "ready", "unloading", "failed"]
 NO_FALLBACK_HEADER = "x-tessera-no-fallback"
-# Unloading for room skips a model used this recently: a request may be between choosing it and
-# handing its prompt to the engine.
+# Unloading (for room, or idle past a keep_alive shorter than this) skips a model used this
+# recently: a request may be between choosing it and handing its prompt to the engine.
 RECENT_USE_S = 2.0
 
 _CONDITION = re.compile(r"\s*(queue_full|unavailable|queue_wait\s*>\s*([0-9.]+)\s*(ms|s)?|kv_usage\s*>\s*([0-9.]+))\s*$")
@@ -407,6 +407,7 @@ class ModelRouter:
         with self._lock:
             if served.status == "unloading":
                 served.status = "unloaded"
+            served.keep_alive = served.spec.keep_alive  # a request's keep_alive lasts one loaded session
         served.unloaded.set()
 
     # -- keep_alive ---------------------------------------------------------------------------
@@ -424,7 +425,7 @@ class ModelRouter:
                         continue
                     if m.engine.num_active() > 0 or m.engine.restarting():
                         m.last_used = now  # idle time counts from the end of the last request or restart
-                    elif now - m.last_used > ka:
+                    elif now - m.last_used > max(ka, RECENT_USE_S):  # (a request may be about to arrive)
                         self.unload(m, reason=f"idle for {ka:g} s (keep_alive)")
 
         self._reaper = threading.Thread(target=run, name="tessera-keep-alive", daemon=True)
