@@ -157,6 +157,11 @@ class Tokenizer:
         """Printable text of one token, special tokens included (for logprobs)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """The vocabulary's own strings for `ids` (byte-level pieces such as "Ġthe", as
+        transformers names them), which `/tokenize` returns as `token_strs`."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: Optional[list[dict]] = None) -> str:
         """Render a conversation with the model's own template (transformers' jinja renderer);

@@ -9,7 +9,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health (503 once the engine loop has died), GET /metrics (Prometheus),
 and GET /v1/engine/stats, a JSON view of the scheduler's SchedulerStats plus
 the number of HTTP requests in flight, for operators and tests that want to
-see the KV cache drain.
+see the KV cache drain. POST /tokenize and /detokenize (vLLM's, tokenize.py)
+and Ollama's /api/* (ollama.py) are registered in one block of create_app.
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ from tessera.errors import TesseraError
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
+from tessera.server.ollama import OLLAMA_REQUESTS, install_ollama_api
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tessera.server.router import ModelRouter, ServedModel
 from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, RejectionSink, ServerMetrics, ServerState
+from tessera.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tessera.server.ui import install_ui
 
 if TYPE_CHECKING:
@@ -84,7 +87,7 @@ class AccessLog:
                 status = message["status"]
             await send(message)
 
-        generating = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        generating = scope["method"] == "POST" and scope["path"].startswith(("/v1/", "/api/"))
         if server is not None and generating:
             server.active_requests += 1
         try:
@@ -327,9 +330,22 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
         return JSONResponse({"models": snapshots,
                              "configured": [m.describe() for m in state.router.models]})
 
+    # vLLM's tokenizer endpoints, and Ollama's API (its own error shape; "Ollama is running" at /
+    # only where the chat page is not).
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
+    async def tokenize_endpoint(request: Request) -> Response:
+        return await _guarded(request, _parse_then(request, TokenizeRequest, tokenize))
+
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize_endpoint(request: Request) -> Response:
+        return await _guarded(request, _parse_then(request, DetokenizeRequest, detokenize))
+
+    install_ollama_api(app, _parse_then, _json_body, root=not ui)
+
     if ui:
         install_ui(app)
-    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                               *OLLAMA_REQUESTS])
     return app
 
 
@@ -427,6 +443,7 @@ def serve(spec: ServingSpec) -> int:
                          builder=lambda served: build_serving_engine(served, spec, families),
                          closer=close_serving_engine, max_loaded=spec.max_loaded_models,
                          on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())
+    router.default.pinned = spec.steps_on_main_thread
     sock = _bind(spec.host, spec.port)
     try:
         for served in router.models:

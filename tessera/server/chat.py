@@ -19,6 +19,7 @@ from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import AsyncLLMEngine
+    from tessera.tokenizer import Tokenizer
 
 from tessera.server.tools import (
     ParserEvent, ToolCallParser, add_tools_to_messages, check_tools, template_renders_tools, tool_choice_mode,
@@ -106,8 +107,8 @@ class ChatStream:
         return [self._chunk([], usage)] if self.include_usage else []
 
 
-def _prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = engine.tokenizer
+def chat_prompt_text(tokenizer: Tokenizer, body: ChatCompletionRequest) -> str:
+    """The conversation (and its tools) rendered by the model's chat template."""
     messages = body.template_messages()
     tools = None
     if template_renders_tools(tokenizer.chat_template):
@@ -115,14 +116,18 @@ def _prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int
     else:
         messages = add_tools_to_messages(messages, body.tools or [])
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
                                              tools=tools)
     except InvalidRequestError:
         raise
     except Exception as exc:  # jinja templates raise for e.g. roles they do not know or a bad order
         raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}") from exc
+
+
+def chat_prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int]:
+    text = chat_prompt_text(engine.tokenizer, body)
     # The template already has BOS and friends.
-    ids = tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=False)
+    ids = engine.tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the chat template produced an empty prompt")
     return ids
@@ -146,7 +151,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     route = await state.route(body.model, request)
     model = route.reported
     run = Run(state, request, route, [], params, f"chatcmpl-{uuid.uuid4().hex}",
-              reprompt=lambda engine: [_prompt_ids(engine, body)])
+              reprompt=lambda engine: [chat_prompt_ids(engine, body)])
     run.prompts = run.reprompt(run.engine)
     parse_tools = mode != "none"
 

@@ -196,8 +196,10 @@ class Run:
             raise self.error(exc) from exc
         return finals
 
-    async def stream(self, renderer: StreamRenderer) -> Response:
-        """A text/event-stream response once every prompt is admitted, else the error response."""
+    async def stream(self, renderer: StreamRenderer, framing: Optional[StreamFraming] = None) -> Response:
+        """A streamed response once every prompt is admitted, else the error response; `framing`
+        is the API's (server-sent events by default)."""
+        framing = framing or SSE
         gen = self.generation()
         await gen.__aenter__()
         outputs = gen.outputs()
@@ -215,22 +217,23 @@ class Run:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             if isinstance(exc, DeadlineExceeded):
                 self._note("timed out before the first token; aborted")
-                return self._timeout_error().response()
+                return framing.error_response(self._timeout_error())
             if isinstance(exc, ServerShuttingDown):
                 self._note("server shutting down; aborted")
-                return shutting_down().response()
+                return framing.error_response(shutting_down())
             if isinstance(exc, Exception):
                 if await self._fall_back(exc):
                     renderer.model = self.route.reported
-                    return await self.stream(renderer)
-                return self.error(exc).response()
+                    return await self.stream(renderer, framing)
+                return framing.error_response(self.error(exc))
             raise
-        return StreamingResponse(self._events(gen, outputs, first, renderer), media_type="text/event-stream",
+        return StreamingResponse(self._events(gen, outputs, first, renderer, framing), media_type=framing.media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           **self.route.headers()})
 
     async def _events(self, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                      first: list[tuple[int, RequestOutput]], renderer: StreamRenderer) -> AsyncIterator[str]:
+                      first: list[tuple[int, RequestOutput]], renderer: StreamRenderer,
+                      framing: StreamFraming) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
         try:
             for event in renderer.start():
@@ -249,21 +252,37 @@ class Run:
             record_usage(self.request, usage)
             for event in renderer.finish(usage):
                 yield event
-            yield "data: [DONE]\n\n"
+            if framing.done:
+                yield framing.done
         except (ClientDisconnected, asyncio.CancelledError) as exc:  # our listener or Starlette's saw it first
             self._note("client disconnected mid-stream; aborted")
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except DeadlineExceeded:
             self._note("timed out mid-stream; aborted")
-            yield self._timeout_error().sse_event()
+            yield framing.error_event(self._timeout_error())
         except ServerShuttingDown:
             self._note("server shutting down; aborted")
-            yield shutting_down().sse_event()
+            yield framing.error_event(shutting_down())
         except Exception as exc:
-            yield self.error(exc).sse_event()
+            yield framing.error_event(self.error(exc))
         finally:
             await gen.close()
+
+
+@dataclass(frozen=True)
+class StreamFraming:
+    """How an API frames a stream: its media type, the event that ends it, and an error sent as
+    an event once the stream is under way or as a whole response before its first byte."""
+
+    media_type: str
+    done: str
+    error_event: Callable[[APIError], str]
+    error_response: Callable[[APIError], Response]
+
+
+# OpenAI's: server-sent events ending with "data: [DONE]".
+SSE = StreamFraming("text/event-stream", "data: [DONE]\n\n", APIError.sse_event, APIError.response)
 
 
 class StreamRenderer(Protocol):
