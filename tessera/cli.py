@@ -106,6 +106,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the chat page at / and the live dashboard at /dashboard; --no-ui leaves only "
                         "the API (default: on)")
+    g.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
+                   help="responses of POST /v1/responses kept in memory for GET and previous_response_id, the "
+                        "oldest dropped first (also at most 256 MiB of conversations); 0 stores none "
+                        "(default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default: %(default)s)")
     g.add_argument("--disable-log-stats", action="store_true",

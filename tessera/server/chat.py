@@ -15,7 +15,7 @@ from tessera.server.protocol import (
     ChatResponseMessage, ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
     TopLogprob, UsageInfo,
 )
-from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage, sse, usage_of
+from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import AsyncLLMEngine
@@ -54,7 +54,7 @@ def _delta(event: ParserEvent) -> DeltaMessage:
     return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))])
 
 
-class ChatStream:
+class ChatStream(StreamRenderer):
     """SSE events for a streamed chat completion: a role delta per choice first, then content (or
     tool-call) deltas, then a chunk with an empty delta and the finish reason."""
 
@@ -103,7 +103,7 @@ class ChatStream:
         return events
 
     def finish(self, usage: UsageInfo) -> list[str]:
-        return [self._chunk([], usage)] if self.include_usage else []
+        return ([self._chunk([], usage)] if self.include_usage else []) + [DONE]
 
 
 def _prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int]:
@@ -128,7 +128,11 @@ def _prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int
     return ids
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat_run(body: ChatCompletionRequest, request: Request, request_id: str) -> tuple[Run, bool]:
+    """What every chat-shaped API does before generating (chat completions here, and the
+    Responses and Messages APIs, which translate their requests into this one): the model, the
+    output constraint (the tools' or the request's own), the sampling params and the prompt
+    through the chat template. Also says whether the output is to be parsed for tool calls."""
     state: ServerState = request.app.state.tessera
     state.router.resolve(body.model)  # 404 before anything else
     num_logprobs = body.num_logprobs()
@@ -144,11 +148,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         constraint = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
     params = body.to_sampling_params(max_tokens=max_tokens, logprobs=num_logprobs, structured=constraint)
     route = await state.route(body.model, request)
-    model = route.reported
-    run = Run(state, request, route, [], params, f"chatcmpl-{uuid.uuid4().hex}",
-              reprompt=lambda engine: [_prompt_ids(engine, body)])
+    run = Run(state, request, route, [], params, request_id, reprompt=lambda engine: [_prompt_ids(engine, body)])
     run.prompts = run.reprompt(run.engine)
-    parse_tools = mode != "none"
+    return run, mode != "none"
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    run, parse_tools = await chat_run(body, request, f"chatcmpl-{uuid.uuid4().hex}")
+    params, model, num_logprobs = run.params, run.route.reported, body.num_logprobs()
 
     if body.stream:
         return await run.stream(ChatStream(run.request_id, model, params.n, num_logprobs, body.include_usage,

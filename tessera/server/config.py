@@ -111,6 +111,7 @@ class ServingSpec:
     log_stats: bool = True  # the periodic status line
     otlp_traces_endpoint: Optional[str] = None
     ui: bool = True  # the chat page and the dashboard
+    max_stored_responses: int = 1000  # the Responses API's in-memory store (store / previous_response_id)
     # The engine in a process of its own; stepping in the server (False) is only possible for a
     # lone engine on the main thread (`steps_on_main_thread`); every other engine gets a process.
     engine_process: bool = True
@@ -164,6 +165,7 @@ class ServingSpec:
         _at_least(self.request_timeout, 0, "--request-timeout", "a number of seconds >= 0 (0 = never)")
         _at_least(self.shutdown_timeout, 0, "--shutdown-timeout", "a number of seconds >= 0")
         _at_least(self.max_loaded_models, 1, "--max-loaded-models")
+        _at_least(self.max_stored_responses, 0, "--max-stored-responses")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError(f"--replicas must be at least 1, not {self.replicas}")
         if self.router_policy not in ROUTER_POLICIES:
@@ -194,7 +196,8 @@ class ServingSpec:
         return cls(
             models=tuple(models), engine_options=engine_options(args), host=args.host, port=args.port,
             log_level=args.log_level or "info", log_stats=not args.disable_log_stats,
-            otlp_traces_endpoint=args.otlp_traces_endpoint, ui=args.ui, engine_process=args.engine_process,
+            otlp_traces_endpoint=args.otlp_traces_endpoint, ui=args.ui, max_stored_responses=args.max_stored_responses,
+            engine_process=args.engine_process,
             max_num_queued_requests=args.max_num_queued_requests, max_queue_wait=args.max_queue_wait,
             engine_step_timeout=args.engine_step_timeout or None, request_timeout=args.request_timeout or None,
             shutdown_timeout=args.shutdown_timeout, max_loaded_models=max_loaded, replicas=args.replicas,
