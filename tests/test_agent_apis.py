@@ -478,6 +478,27 @@ def test_metrics_count_requests_per_endpoint(server, oai):
 # ----------------------------------------------------------------------------- mid-stream failures
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": 600, "stream": True}),
+    ("/v1/messages", {"model": NAME, "max_tokens": 600, "stream": True, "messages": USER}),
+])
+def test_a_client_leaving_mid_stream_aborts_its_request(server, path, body):
+    body = {**body, "temperature": 1.0, "seed": 1}
+    start = time.monotonic()
+    whole = httpx.post(f"{server}{path}", json={**body, "stream": False}, timeout=60).json()
+    whole_s = time.monotonic() - start
+    assert whole["usage"]["output_tokens"] > 150  # this seed runs long, so the stream below is cut early
+    with httpx.stream("POST", f"{server}{path}", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 12:
+                break
+    left = time.monotonic()
+    wait_idle(server)  # aborted and its blocks freed, well before its tokens would have run out
+    assert time.monotonic() - left < whole_s / 2
+
+
+
 def test_streams_fail_in_their_own_shape():
     """An error after the headers went out: Responses ends with response.failed, Messages with an
     `error` event in Anthropic's shape."""

@@ -1,15 +1,17 @@
 """POST /v1/chat/completions: messages through the model's chat template, OpenAI chat objects out."""
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
+from tessera.server.output import OutputParser, output_parser
 from tessera.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
@@ -128,11 +130,13 @@ def _prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int
     return ids
 
 
-async def chat_run(body: ChatCompletionRequest, request: Request, request_id: str) -> tuple[Run, bool]:
+async def chat_run(body: ChatCompletionRequest, request: Request,
+                   request_id: str) -> tuple[Run, bool, Callable[[], OutputParser]]:
     """What every chat-shaped API does before generating (chat completions here, and the
     Responses and Messages APIs, which translate their requests into this one): the model, the
     output constraint (the tools' or the request's own), the sampling params and the prompt
-    through the chat template. Also says whether the output is to be parsed for tool calls."""
+    through the chat template. Also returns whether the output is parsed for tool calls, and
+    what makes a parser for each sequence of the output."""
     state: ServerState = request.app.state.tessera
     state.router.resolve(body.model)  # 404 before anything else
     num_logprobs = body.num_logprobs()
@@ -150,11 +154,12 @@ async def chat_run(body: ChatCompletionRequest, request: Request, request_id: st
     route = await state.route(body.model, request)
     run = Run(state, request, route, [], params, request_id, reprompt=lambda engine: [_prompt_ids(engine, body)])
     run.prompts = run.reprompt(run.engine)
-    return run, mode != "none"
+    parse_tools = mode != "none"
+    return run, parse_tools, functools.partial(output_parser, parse_tools)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    run, parse_tools = await chat_run(body, request, f"chatcmpl-{uuid.uuid4().hex}")
+    run, parse_tools, _ = await chat_run(body, request, f"chatcmpl-{uuid.uuid4().hex}")
     params, model, num_logprobs = run.params, run.route.reported, body.num_logprobs()
 
     if body.stream:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from tessera.engine.outputs import RequestOutput
 from tessera.server.chat import chat_run
 from tessera.server.errors import APIError
-from tessera.server.output import OutputParser, output_parser, parse_whole, typed_sse
+from tessera.server.output import OutputParser, parse_whole, typed_sse
 from tessera.server.protocol import UsageInfo
 from tessera.server.protocol_anthropic import CountTokensRequest, MessageResponse, MessagesRequest, Usage, error_body
 from tessera.server.serving import Run, StreamRenderer, record_usage, usage_of
@@ -158,10 +158,10 @@ class MessagesStream(StreamRenderer):
 
 
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    run, parse_tools = await chat_run(body.chat_request(**body.sampling()), request, f"msg_{uuid.uuid4().hex}")
+    run, _, parsers = await chat_run(body.chat_request(**body.sampling()), request, f"msg_{uuid.uuid4().hex}")
     message = MessageResponse(id=run.request_id, model=run.route.reported,
                               usage=Usage(input_tokens=len(run.prompts[0])))
-    builder, parser, stops = MessageBuilder(message), output_parser(parse_tools), body.stop_sequences or []
+    builder, parser, stops = MessageBuilder(message), parsers(), body.stop_sequences or []
     if body.stream:
         return await run.stream(MessagesStream(builder, parser, stops))
     finals: Union[dict[int, RequestOutput], Response] = await run.collect()
@@ -177,5 +177,5 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt's length in tokens as the model would see it (template and tools included)."""
-    run, _ = await chat_run(body.chat_request(), request, f"count_{uuid.uuid4().hex}")
+    run, _, _ = await chat_run(body.chat_request(), request, f"count_{uuid.uuid4().hex}")
     return JSONResponse({"input_tokens": len(run.prompts[0])}, headers=run.route.headers())

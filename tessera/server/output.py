@@ -40,7 +40,8 @@ class PlainText:
 
 
 def output_parser(parse_tools: bool) -> OutputParser:
-    """The parser for one sequence of the model's output (tool calls when `parse_tools`)."""
+    """The parser for one sequence of the model's output (tool calls when `parse_tools`): the
+    one place that picks it (`chat.chat_run` hands it to the Responses and Messages APIs)."""
     return ToolCallParser() if parse_tools else PlainText()
 
 

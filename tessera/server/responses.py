@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from tessera.engine.outputs import RequestOutput
 from tessera.server.chat import chat_run
 from tessera.server.errors import APIError
-from tessera.server.output import OutputParser, output_parser, parse_whole, typed_sse
+from tessera.server.output import OutputParser, parse_whole, typed_sse
 from tessera.server.protocol import UsageInfo
 from tessera.server.protocol_responses import (
     FunctionCallOutput, IncompleteDetails, OutputItem, OutputMessage, OutputText, ReasoningItem, ReasoningText,
@@ -317,7 +317,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                        param="background")
     conversation = history + items_to_messages(body.input_items())
     chat = body.chat_request(conversation)
-    run, parse_tools = await chat_run(chat, request, f"resp_{_hex()}")
+    run, _, parsers = await chat_run(chat, request, f"resp_{_hex()}")
     response = ResponseObject(
         id=run.request_id, model=run.route.reported, instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, metadata=body.metadata or {},
@@ -330,7 +330,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                      else body.tool_choice or "auto"),
         tools=[t.model_dump(exclude_none=True) for t in body.tools or []])
     keep = StoredResponse(response, conversation) if body.store is not False else None
-    builder, parser = ResponseBuilder(response), output_parser(parse_tools)
+    builder, parser = ResponseBuilder(response), parsers()
 
     if body.background:
         assert keep is not None
