@@ -31,7 +31,9 @@ from tessera.server.messages import MessageBuilder, MessagesStream
 from tessera.server.output import PlainText
 from tessera.server.protocol_anthropic import MessageResponse
 from tessera.server.protocol_responses import ResponseObject
+from tessera.server.protocol import UsageInfo
 from tessera.server.responses import ResponseBuilder, ResponsesStream, ResponseStore, StoredResponse
+from tessera.server.tools import ParsedCall, ParserEvent
 
 NAME = "tiny"
 LIGHT = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
@@ -515,3 +517,40 @@ def test_streams_fail_in_their_own_shape():
     (event,) = m.error(err)
     assert event == 'event: error\ndata: {"type": "error", "error": {"type": "timeout_error", "message": ' \
                     '"too slow"}}\n\n'
+
+
+REASONED = [ParserEvent("reasoning", text="The user wants "), ParserEvent("reasoning", text="a light."),
+            ParserEvent("content", text="On it."), ParserEvent("call", call=ParsedCall(id="call_1", name="set_light")),
+            ParserEvent("args", text='{"room": "hall", '), ParserEvent("args", text='"on": true}')]
+
+
+def sse_payloads(events: list[str]) -> list[dict]:
+    return [json.loads(e.split("data: ", 1)[1]) for e in events]
+
+
+def test_reasoning_becomes_a_reasoning_item_and_a_thinking_block():
+    """What a reasoning parser's events turn into: a reasoning item before the message and the
+    call (Responses), a thinking block streamed as thinking_delta (Messages)."""
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=9, total_tokens=12)
+    rb = ResponseBuilder(ResponseObject(id="resp_x", model="m"))
+    events = sse_payloads(rb.start() + rb.feed(REASONED) + rb.end("stop", usage))
+    out = rb.response.model_dump(mode="json")["output"]
+    assert [item["type"] for item in out] == ["reasoning", "message", "function_call"]
+    assert out[0]["content"] == [{"type": "reasoning_text", "text": "The user wants a light."}]
+    assert out[1]["content"][0]["text"] == "On it." and out[2]["arguments"] == '{"room": "hall", "on": true}'
+    assert [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"] == \
+        ["The user wants ", "a light."]
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"] == out
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+    mb = MessageBuilder(MessageResponse(id="msg_x", model="m"))
+    events = sse_payloads(mb.start() + mb.feed(REASONED) + mb.end(("tool_use", None), usage))
+    content = mb.message.model_dump(mode="json")["content"]
+    assert content == [{"type": "thinking", "thinking": "The user wants a light.", "signature": ""},
+                       {"type": "text", "text": "On it."},
+                       {"type": "tool_use", "id": "toolu_1", "name": "set_light",
+                        "input": {"room": "hall", "on": True}}]
+    deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas == ["thinking_delta", "thinking_delta", "text_delta", "input_json_delta", "input_json_delta"]
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert starts[2] == {"type": "tool_use", "id": "toolu_1", "name": "set_light", "input": {}}

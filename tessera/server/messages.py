@@ -27,7 +27,7 @@ from tessera.server.errors import APIError
 from tessera.server.output import OutputParser, parse_whole, typed_sse
 from tessera.server.protocol import UsageInfo
 from tessera.server.protocol_anthropic import CountTokensRequest, MessageResponse, MessagesRequest, Usage, error_body
-from tessera.server.serving import Run, StreamRenderer, record_usage, usage_of
+from tessera.server.serving import StreamRenderer, record_usage, usage_of
 from tessera.server.tools import ParserEvent
 
 
@@ -104,9 +104,8 @@ class MessageBuilder:
         out = self._close()
         self.message.content.append(block)
         self.block = block
-        start = dict(block, input={}) if block["type"] == "tool_use" else block
         out.append(typed_sse("content_block_start", {"type": "content_block_start", "index": self._index(),
-                                                     "content_block": json.loads(json.dumps(start))}))
+                                                     "content_block": block}))
         return out
 
     def _close(self) -> list[str]:

@@ -32,8 +32,8 @@ from tessera.server.errors import APIError
 from tessera.server.output import OutputParser, parse_whole, typed_sse
 from tessera.server.protocol import UsageInfo
 from tessera.server.protocol_responses import (
-    FunctionCallOutput, IncompleteDetails, OutputItem, OutputMessage, OutputText, ReasoningItem, ReasoningText,
-    ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, items_to_messages,
+    FunctionCallOutput, FunctionToolChoice, IncompleteDetails, OutputItem, OutputMessage, OutputText, ReasoningItem,
+    ReasoningText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, items_to_messages,
 )
 from tessera.server.serving import Run, StreamRenderer, record_usage, usage_of
 from tessera.server.tools import ParserEvent
@@ -88,7 +88,7 @@ class ResponseStore:
         self._entries[rid] = (entry, size)
         self._bytes += size
         while self._entries and (len(self._entries) > self.max_responses or self._bytes > self.max_bytes):
-            oldest, (dropped, dropped_size) = self._entries.popitem(last=False)
+            _, (dropped, dropped_size) = self._entries.popitem(last=False)
             self._bytes -= dropped_size
             if dropped.task is not None:  # a running background response forgotten: stop its work
                 dropped.task.cancel()
@@ -312,6 +312,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.background and not body.store:
         raise APIError(400, "background responses must be stored (store: true): GET is how their result is read.",
                        param="background")
+    if body.background and store.max_responses == 0:
+        raise APIError(400, "background responses need the response store, which this server has turned off "
+                       "(--max-stored-responses 0).", param="background")
     if body.background and body.stream:
         raise APIError(400, "background responses cannot be streamed here; poll GET /v1/responses/{id} instead.",
                        param="background")
@@ -326,7 +329,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         top_p=body.top_p, user=body.user,
         text={"format": body.text.format.model_dump(mode="json", by_alias=True, exclude_none=True)}
         if body.text is not None and body.text.format is not None else {"format": {"type": "text"}},
-        tool_choice=(body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
+        tool_choice=(body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionToolChoice)
                      else body.tool_choice or "auto"),
         tools=[t.model_dump(exclude_none=True) for t in body.tools or []])
     keep = StoredResponse(response, conversation) if body.store is not False else None
