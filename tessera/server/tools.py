@@ -78,8 +78,10 @@ def tool_constraint(tools: list[ChatTool], choice: Any, parallel: bool,
     reasoning = settings.reasoning
     if reasoning is not None:
         opened = reasoning.always_starts_inside or prompt_opens_think(prompt, reasoning.opener, reasoning.closer)
+        # The newlines after the block belong to it: with "required" the calls' format starts at once.
         think: dict[str, Any] = {"type": "tag", "begin": "" if opened else reasoning.opener,
-                                 "content": {"type": "any_text"}, "end": reasoning.closer}
+                                 "content": {"type": "any_text"},
+                                 "end": [reasoning.closer + "\n\n", reasoning.closer + "\n", reasoning.closer]}
         fmt = {"type": "sequence", "elements": [think if opened else {"type": "optional", "content": think}, fmt]}
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
 

@@ -20,11 +20,16 @@ from tessera.server.output_parsers.base import (
     OutputParser, ParsedCall, ParserEvent, ToolParser, new_call, partial_suffix,
 )
 from tessera.server.output_parsers.hermes import HermesToolParser
+from tessera.server.output_parsers.llama import Llama3JsonToolParser
+from tessera.server.output_parsers.mistral import MistralToolParser
+from tessera.server.output_parsers.pythonic import PythonicToolParser
+from tessera.server.output_parsers.qwen3_coder import Qwen3CoderToolParser
 from tessera.server.output_parsers.reasoning import (
     REASONING_PARSERS, ThinkReasoningParser, prompt_opens_think,
 )
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser)}
 DEFAULT_TOOL_PARSER = "hermes"
 
 

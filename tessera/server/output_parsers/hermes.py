@@ -12,43 +12,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Optional
+from typing import Any
 
-from tessera.server.output_parsers.base import JsonScanner, ToolParser, json_text, partial_suffix
+from tessera.server.output_parsers.base import json_text, partial_suffix
+from tessera.server.output_parsers.json_calls import JsonCallParser, parse_call_objects
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 BARE_OPEN = '{"name": '
 _OPENERS = re.compile(r'<tool_call>|\{\s*"name"\s*:')
-# The head of a call, up to where the arguments' JSON starts (and something of it has come).
-HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)', re.S)
 
 
-def json_string(raw: str) -> str:
-    try:
-        return json.loads(f'"{raw}"')
-    except json.JSONDecodeError:
-        return raw
-
-
-def parse_call_objects(body: str) -> Optional[list[tuple[str, str]]]:
-    """(name, arguments JSON) of a call object or a list of them in any key order; None if the
-    text is not that."""
-    try:
-        obj = json.loads(body)
-        found = []
-        for item in obj if isinstance(obj, list) and obj else [obj]:
-            name = item["name"]
-            args = item.get("arguments", item.get("parameters", {}))
-            if not isinstance(name, str):
-                return None
-            found.append((name, args if isinstance(args, str) else json_text(args)))
-        return found
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        return None
-
-
-class HermesToolParser(ToolParser):
+class HermesToolParser(JsonCallParser):
     name = "hermes"
     instructions = (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -60,10 +35,7 @@ class HermesToolParser(ToolParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.state = "text"  # text | head | args | rest | tail
         self.bare = False  # the current call has no tags: it ends where its JSON object does
-        self.scanner = JsonScanner()
-        self.calls_in_tag = 0
 
     def hold_back(self, text: str) -> int:
         if text.rstrip().endswith("{"):  # '{' then whitespace may still become '{ "name":'
@@ -77,27 +49,11 @@ class HermesToolParser(ToolParser):
                 return False
             self.bare = found.group() != CALL_OPEN
             self.buf = self.buf[found.start() if self.bare else found.end():]
-            self.state, self.calls_in_tag = "head", 0
+            self.state, self.calls_here = "head", 0
             return True
-        if self.state == "head":
-            return self._head(final)
-        if self.state == "args":  # the arguments' JSON, sent as it comes until it ends
-            end = self.scanner.end(self.buf)
-            self.emit_args(self.buf[:len(self.buf) if end is None else end])
-            self.buf = self.buf[len(self.buf) if end is None else end:]
-            if end is None:
-                self.scanner.pos = 0
-                return False
-            self.state, self.scanner = "rest", JsonScanner(depth=1)
-            return True
-        if self.state == "rest":  # the call object after its arguments: up to its own '}'
-            end = self.scanner.end(self.buf)
-            if end is None:
-                return False
-            self.buf = self.buf[end:]
-            self.state = "text" if self.bare else "tail"
-            return True
-        # tail: after a call inside the tags: the closing tag, or another object in the same tag
+        if self.state != "tail":
+            return self.call_step(final)
+        # after a call inside the tags: the closing tag, or another object in the same tag
         rest = self.buf.lstrip()
         if rest.startswith(CALL_CLOSE):
             self.buf, self.state = rest[len(CALL_CLOSE):], "text"
@@ -111,40 +67,27 @@ class HermesToolParser(ToolParser):
             return True
         return False
 
-    def _head(self, final: bool) -> bool:
-        match = HEAD.match(self.buf)
-        if match is not None:
-            self.start_call(json_string(match.group(1)))
-            self.buf = self.buf[match.end():]
-            self.scanner, self.state = JsonScanner(), "args"
-            self.calls_in_tag += 1
-            return True
-        if self.bare:  # an object with a "name" but not in a call's shape: read it whole once complete
-            try:
-                _, end = json.JSONDecoder().raw_decode(self.buf)
-            except json.JSONDecodeError:
-                return False
-            self._whole(self.buf[:end])
-            self.buf, self.state = self.buf[end:], "text"
-            return True
+    def odd_object(self, final: bool) -> bool:
+        if self.bare:
+            return super().odd_object(final)
         close = self.buf.find(CALL_CLOSE)
-        if close >= 0:  # a call in another shape (unconstrained output): read it whole
-            self._whole(self.buf[:close])
-            self.buf, self.state = self.buf[close + len(CALL_CLOSE):], "text"
-            return True
-        return False
-
-    def _whole(self, body: str) -> None:
+        if close < 0:  # a call in another shape (unconstrained output): read it whole at the tag's end
+            return False
+        body, self.buf, self.state = self.buf[:close], self.buf[close + len(CALL_CLOSE):], "text"
         found = parse_call_objects(body)
         if found is None:
-            if self.calls_in_tag == 0:  # not a call: it was text all along
-                self.emit_content(body if self.bare else CALL_OPEN + body + CALL_CLOSE)
-            return
+            if self.calls_here == 0:  # not a call: it was text all along
+                self.emit_content(CALL_OPEN + body + CALL_CLOSE)
+            return True
         for name, arguments in found:
             self.whole_call(name, arguments)
+        return True
+
+    def after_call(self) -> None:
+        self.state = "text" if self.bare else "tail"
 
     def end(self) -> None:
-        if self.state == "head" and self.calls_in_tag == 0:  # never got as far as a name: it was text
+        if self.state == "head" and self.calls_here == 0:  # never got as far as a name: it was text
             self.emit_content((("" if self.bare else CALL_OPEN) + self.buf).rstrip())
         self.state = "text"
 
