@@ -65,6 +65,7 @@ REASONING_CASES = [
      "2+2 is 4.\n", "The answer is 4."),
     ("deepseek_r1", "<｜User｜>hi<｜Assistant｜>", "<think>\nhmm\n</think>\n\nHello!", "\nhmm\n", "Hello!"),
     ("deepseek_r1", "", "cut off while still thinking", "cut off while still thinking", ""),
+    ("deepseek_r1", "<｜Assistant｜><think>\n\n</think>\n\n", "Thinking was off.", "", "Thinking was off."),
     ("qwen3", "<|im_start|>assistant\n", "<think>\nThe user greets.\n</think>\n\nHello!", "\nThe user greets.\n",
      "Hello!"),
     ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "Hello, no thinking.", "", "Hello, no thinking."),
@@ -207,6 +208,8 @@ def test_reasoning_comes_before_the_calls_in_the_grammar():
     assert not accepts(opened, call)  # the template opened the block: it must close before a call
     free = tool_constraint(TOOLS, "required", True, settings_, prompt="<|im_start|>assistant\n")
     assert accepts(free, call) and accepts(free, "<think>\nhm\n</think>\n\n" + call)
+    off = tool_constraint(TOOLS, "required", True, settings_, prompt="<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert accepts(off, call) and not accepts(off, "<think>\nhm\n</think>\n\n" + call)  # thinking switched off
 
 
 # ----------------------------------------------------------------------------- settings
@@ -238,3 +241,22 @@ def test_history_written_in_the_parsers_syntax_reads_back(name):
     assert out[0]["role"] == "system" and "get_weather" in out[0]["content"]
     got = run(settings_, [out[-1]["content"]])["calls"]
     assert [(n, json.loads(a)) for n, a in got] == [("get_weather", {"city": "Paris", "days": 2})]
+
+
+def test_chat_template_flag_and_model_tables(tmp_path):
+    from tessera.server.config import models_from_toml, read_chat_template
+
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
+    assert read_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0].content }}"
+    assert read_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
+    with pytest.raises(ConfigError, match="neither a readable file nor a template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nmodel = "a"\ntool_call_parser = "mistral"\nchat_template = "{{ x }}"\n'
+        '[[model]]\nmodel = "b"\n')
+    flags = OutputParsing(tool_call_parser="pythonic", reasoning_parser="qwen3")
+    first, second = models_from_toml(tmp_path / "m.toml", None, False, flags)[0]
+    assert first.parsing == OutputParsing("mistral", "qwen3", "{{ x }}") and second.parsing == flags
+    (tmp_path / "bad.toml").write_text('[[model]]\nmodel = "a"\nreasoning_parser = "nope"\n')
+    with pytest.raises(Exception, match="reasoning-parser"):
+        models_from_toml(tmp_path / "bad.toml", None, False)

@@ -9,7 +9,8 @@ in the syntax of the model's tool-call parser (`tool_constraint`): text is free 
 model opens a call; from there the function name must be one of the tools and the arguments
 must validate against its `parameters` schema. "required" needs at least one call before any
 end, a named choice forces that call, `parallel_tool_calls: false` stops after one. With a
-reasoning parser, a think block may come first (must, when the template opened it).
+reasoning parser, a think block may come first (must, when the template opened it; none when
+the template closed an empty one, its way of switching thinking off).
 
 Parsing: `output_parser` (tessera/server/output_parsers) reads the text as it streams into
 reasoning, content and tool-call deltas (id and name first, then argument text as it arrives,
@@ -23,7 +24,7 @@ from typing import Any, Optional, Sequence
 from tessera.sampling_params import InvalidRequestError, StructuredOutputsParams
 from tessera.server.output_parsers import (
     TOOL_PARSERS, OutputParser, OutputParsing, ParsedCall, ParserEvent, ToolParser, output_parser,
-    prompt_opens_think,
+    prompt_closes_think, prompt_opens_think,
 )
 from tessera.server.output_parsers.hermes import HermesToolParser
 from tessera.server.protocol import ChatTool, NamedToolChoice
@@ -76,7 +77,7 @@ def tool_constraint(tools: list[ChatTool], choice: Any, parallel: bool,
         specs = [s for s in specs if s["name"] == choice.function.name]
     fmt = settings.tool_parser.call_format(specs, mode, parallel)
     reasoning = settings.reasoning
-    if reasoning is not None:
+    if reasoning is not None and not prompt_closes_think(prompt, reasoning.closer):
         opened = reasoning.always_starts_inside or prompt_opens_think(prompt, reasoning.opener, reasoning.closer)
         # The newlines after the block belong to it: with "required" the calls' format starts at once.
         think: dict[str, Any] = {"type": "tag", "begin": "" if opened else reasoning.opener,

@@ -25,7 +25,7 @@ from tessera.server.output_parsers.mistral import MistralToolParser
 from tessera.server.output_parsers.pythonic import PythonicToolParser
 from tessera.server.output_parsers.qwen3_coder import Qwen3CoderToolParser
 from tessera.server.output_parsers.reasoning import (
-    REASONING_PARSERS, ThinkReasoningParser, prompt_opens_think,
+    REASONING_PARSERS, ThinkReasoningParser, prompt_closes_think, prompt_opens_think,
 )
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
@@ -142,5 +142,5 @@ def output_parser(settings: OutputParsing, parse_tools: bool, *, tools: Sequence
 __all__ = [
     "DEFAULT_TOOL_PARSER", "REASONING_PARSERS", "TOOL_PARSERS", "ChainedParser", "OutputParser", "OutputParsing",
     "ParsedCall", "ParserEvent", "ThinkReasoningParser", "ToolParser", "detect_tool_parser", "new_call",
-    "output_parser", "partial_suffix", "prompt_opens_think",
+    "output_parser", "partial_suffix", "prompt_closes_think", "prompt_opens_think",
 ]

@@ -4,8 +4,8 @@ QwQ), whose reasoning is returned apart from the answer (`reasoning_content`).
 A template may open the think block itself (DeepSeek-R1's distills, Qwen3's thinking
 releases end the prompt with `<think>\\n`), so the output starts inside it: the parser is told
 so by the prompt (`prompt_opens_think`). deepseek_r1 treats output as reasoning until
-`</think>` whatever the prompt says, as vLLM's parser of that name does; qwen3 reads output
-without a `<think>` (thinking switched off) as the answer.
+`</think>` unless the prompt closed an empty block (thinking switched off), as vLLM's parser of
+that name does; qwen3 reads output without a `<think>` as the answer.
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def prompt_opens_think(prompt: str, opener: str = THINK_OPEN, closer: str = THIN
     return at >= 0 and prompt.find(closer, at) < 0
 
 
+def prompt_closes_think(prompt: str, closer: str = THINK_CLOSE) -> bool:
+    """Whether the prompt ends with an empty think block already closed: the template's way of
+    switching thinking off (Qwen3's enable_thinking=false), so the answer follows at once."""
+    return prompt.rstrip().endswith(closer)
+
+
 class ThinkReasoningParser:
     """Splits streamed text into reasoning (inside the think block) and content (after it)."""
 
@@ -33,8 +39,9 @@ class ThinkReasoningParser:
     always_starts_inside: ClassVar[bool] = False
 
     def __init__(self, prompt: str = "") -> None:
-        self.state = "inside" if self.always_starts_inside or prompt_opens_think(prompt, self.opener, self.closer) \
-            else "start"
+        inside = prompt_opens_think(prompt, self.opener, self.closer) or (
+            self.always_starts_inside and not prompt_closes_think(prompt, self.closer))
+        self.state = "inside" if inside else "start"
         self.at_start = True  # nothing of the block read yet: an opener written again is dropped
         self.buf = ""
         self.reasoning = ""
