@@ -236,7 +236,8 @@ def test_history_written_in_the_parsers_syntax_reads_back(name):
     syntax, which the same parser reads back as those calls."""
     settings_ = OutputParsing(tool_call_parser=name)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]}]
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]}]
     out = add_tools_to_messages(messages, TOOLS, settings_.tool_parser)
     assert out[0]["role"] == "system" and "get_weather" in out[0]["content"]
     got = run(settings_, [out[-1]["content"]])["calls"]

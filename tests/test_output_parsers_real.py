@@ -53,7 +53,8 @@ def test_pythonic_calls_forced_by_the_grammar_stream_like_the_whole(qwen, choice
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
               tools=[WEATHER, TIME], tool_choice=choice, temperature=0.8, seed=7, max_tokens=80,
               extra_body=NO_THINKING)
-    client.chat.completions.create(**{**kw, "max_tokens": 1})  # the prompt into the prefix cache (see test_structured_output_real)
+    # The prompt into the prefix cache first (see test_structured_output_real).
+    client.chat.completions.create(**{**kw, "max_tokens": 1})
     whole = client.chat.completions.create(logprobs=True, **kw).choices[0]
     assert whole.finish_reason == "tool_calls", whole.message
     raw = "".join(t.token for t in whole.logprobs.content).removesuffix("<|im_end|>")  # what the model wrote
@@ -75,7 +76,8 @@ def test_reasoning_comes_apart_in_whole_and_streamed_responses(qwen):
     block closes within the budget, and the parser splits it."""
     _, client = qwen
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], temperature=0.8, seed=3,
-              max_tokens=60, extra_body={"structured_outputs": {"regex": r"[A-Za-z ,.]{5,60}</think>\n\n[A-Za-z ,.!]{3,40}"}})
+              max_tokens=60,
+              extra_body={"structured_outputs": {"regex": r"[A-Za-z ,.]{5,60}</think>\n\n[A-Za-z ,.!]{3,40}"}})
     client.chat.completions.create(**{**kw, "max_tokens": 1})
     whole = client.chat.completions.create(**kw).choices[0]
     reasoning = whole.message.model_extra["reasoning_content"]
@@ -94,7 +96,8 @@ def test_enable_thinking_false_reaches_the_template(qwen):
     _, client = qwen
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
                                        temperature=0.0, max_tokens=20,
-                                       extra_body={**NO_THINKING, "structured_outputs": {"regex": "[A-Za-z ,.!]{3,30}"}})
+                                       extra_body={**NO_THINKING,
+                                                   "structured_outputs": {"regex": "[A-Za-z ,.!]{3,30}"}})
     message = r.choices[0].message
     assert message.content and message.model_extra.get("reasoning_content") is None  # the template closed the block
     # A variable the renderer owns cannot be set from a request.

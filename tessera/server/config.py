@@ -259,7 +259,8 @@ def read_chat_template(value: Optional[str]) -> Optional[str]:
         try:
             return path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"--chat-template: {value!r} is neither a readable file nor a template ({exc})") from None
+            raise ConfigError(f"--chat-template: {value!r} is neither a readable file nor a template "
+                              f"({exc})") from None
     return value
 
 

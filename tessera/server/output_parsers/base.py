@@ -229,10 +229,3 @@ class JsonScanner:
 def json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
-
-def is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except json.JSONDecodeError:
-        return False

@@ -106,7 +106,8 @@ class JsonCallParser(ToolParser):
         self.state = "text"
 
     @staticmethod
-    def json_call_tags(specs: list[dict[str, Any]], begin: str, end: str, key: str = "arguments") -> list[dict[str, Any]]:
+    def json_call_tags(specs: list[dict[str, Any]], begin: str, end: str,
+                       key: str = "arguments") -> list[dict[str, Any]]:
         """One structural tag per tool: `begin{"name": "f", "<key>": ` + its schema + `}end`."""
         from tessera.engine.worker.structured_output import MAX_JSON_WHITESPACE
 

@@ -159,10 +159,7 @@ class PythonicToolParser(ToolParser):
 
     @classmethod
     def render_calls(cls, calls: list[dict[str, Any]]) -> str:
-        def literal(v: Any) -> str:
-            return repr(v)
-
-        args = [", ".join(f"{k}={literal(v)}" for k, v in (c["arguments"] if isinstance(c["arguments"], dict)
+        args = [", ".join(f"{k}={v!r}" for k, v in (c["arguments"] if isinstance(c["arguments"], dict)
                                                              else {}).items()) for c in calls]
         return "[" + ", ".join(f"{c['name']}({a})" for c, a in zip(calls, args)) + "]"
 
