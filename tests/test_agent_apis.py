@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from test_server_unit import serve_in_thread
-from tiny_model import make_tiny_model
+from tiny_model import CHAT_TEMPLATE, make_tiny_model
 
 from tessera.config import EngineConfig
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
@@ -28,12 +28,12 @@ from tessera.metrics import MetricFamilies
 from tessera.server.app import create_app
 from tessera.server.errors import APIError
 from tessera.server.messages import MessageBuilder, MessagesStream
-from tessera.server.output import PlainText
 from tessera.server.protocol_anthropic import MessageResponse
 from tessera.server.protocol_responses import ResponseObject
 from tessera.server.protocol import UsageInfo
 from tessera.server.responses import ResponseBuilder, ResponsesStream, ResponseStore, StoredResponse
-from tessera.server.tools import ParsedCall, ParserEvent
+from tessera.server.router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.tools import OutputParsing, ParsedCall, ParserEvent, output_parser
 
 NAME = "tiny"
 LIGHT = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
@@ -43,14 +43,17 @@ ANTHROPIC_TOOLS = [{"name": "set_light", "description": "Switch a light", "input
 STORE_SIZE = 8
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[str]:
+def tiny_engine(folder) -> AsyncLLMEngine:
     from tessera.models.loader import load_model
 
-    folder = make_tiny_model(tmp_path_factory.mktemp("tiny-agents") / "llama", max_positions=1024)
     config = EngineConfig(model=str(folder), dtype="float32", max_model_len=1024, max_num_seqs=8,
                           kv_cache_memory=4 * 2**20)
-    engine = AsyncLLMEngine(config, engine=LLMEngine(config, loaded=load_model(folder, "float32")))
+    return AsyncLLMEngine(config, engine=LLMEngine(config, loaded=load_model(folder, "float32")))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    engine = tiny_engine(make_tiny_model(tmp_path_factory.mktemp("tiny-agents") / "llama", max_positions=1024))
     try:
         with serve_in_thread(create_app(engine, [NAME], metrics=MetricFamilies(),
                                         max_stored_responses=STORE_SIZE)) as url:
@@ -393,6 +396,7 @@ HOSTILE_RESPONSES = [
     {"input": "hi", "model": "no-such-model"}, {"input": "hi", "metadata": {"k": 1}},
     {"input": HUGE}, {"input": [{"role": "user", "content": HUGE}]},
     {"input": "hi", "instructions": ["not", "a", "string"]},
+    {"input": "hi", "reasoning": "high"}, {"input": "hi", "reasoning": {"effort": 3}},
     [1, 2], "just a string", None,
 ]
 ANTHROPIC_BASE = {"model": NAME, "max_tokens": 5}
@@ -424,6 +428,8 @@ HOSTILE_MESSAGES = [
     {**ANTHROPIC_BASE, "messages": USER, "tool_choice": {"type": "sometimes"}, "tools": ANTHROPIC_TOOLS},
     {**ANTHROPIC_BASE, "messages": USER, "model": "no-such-model"},
     {**ANTHROPIC_BASE, "messages": USER, "metadata": {"user_id": 5}},
+    {**ANTHROPIC_BASE, "messages": USER, "thinking": {"type": "sometimes"}},
+    {**ANTHROPIC_BASE, "messages": USER, "thinking": True},
     {**ANTHROPIC_BASE, "messages": [{"role": "user", "content": HUGE}]},
     [1, 2], "just a string", None,
 ]
@@ -506,14 +512,15 @@ def test_streams_fail_in_their_own_shape():
     `error` event in Anthropic's shape."""
     err = APIError(504, "too slow", type="timeout_error", code="request_timeout")
     builder = ResponseBuilder(ResponseObject(id="resp_x", model="m"))
-    stream = ResponsesStream(builder, PlainText(), None, ResponseStore())
+    stream = ResponsesStream(builder, output_parser(OutputParsing(), False), None, ResponseStore())
     events = stream.start() + stream.error(err)
     failed = json.loads(events[-1].split("data: ", 1)[1])
     assert events[-1].startswith("event: response.failed\n")
     assert failed["response"]["status"] == "failed" and failed["response"]["error"] == {
         "code": "request_timeout", "message": "too slow"}
     assert failed["sequence_number"] == 2
-    m = MessagesStream(MessageBuilder(MessageResponse(id="msg_x", model="m")), PlainText(), [])
+    m = MessagesStream(MessageBuilder(MessageResponse(id="msg_x", model="m")),
+                       output_parser(OutputParsing(), False), [])
     (event,) = m.error(err)
     assert event == 'event: error\ndata: {"type": "error", "error": {"type": "timeout_error", "message": ' \
                     '"too slow"}}\n\n'
@@ -554,3 +561,113 @@ def test_reasoning_becomes_a_reasoning_item_and_a_thinking_block():
     assert deltas == ["thinking_delta", "thinking_delta", "text_delta", "input_json_delta", "input_json_delta"]
     starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
     assert starts[2] == {"type": "tool_use", "id": "toolu_1", "name": "set_light", "input": {}}
+
+
+# ----------------------------------------------------------------------------- reasoning, through the server
+
+# A template that opens the think block unless the request switches thinking off (then it closes
+# an empty one, as Qwen3's does for enable_thinking=false), served with the qwen3 reasoning parser.
+THINK_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+THINKER = "tiny-thinker"
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory) -> Iterator[str]:
+    """A server whose model's output is read by the qwen3 reasoning parser under THINK_TEMPLATE
+    (the --reasoning-parser and --chat-template flags land in the model's OutputParsing). The
+    random model never writes </think>: with thinking on its whole output is reasoning, with it
+    off its whole output is the answer."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny-thinker") / "llama", max_positions=1024)
+    engine = tiny_engine(folder)
+    parsing = OutputParsing(reasoning_parser="qwen3", chat_template=THINK_TEMPLATE)
+    spec = ModelSpec(THINKER, str(folder), parsing=parsing)
+    try:
+        with serve_in_thread(create_app(router=ModelRouter([ServedModel(spec, engine)]))) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("effort", [None, "high", "none"])
+def test_responses_reasoning_item_from_the_reasoning_parser(thinker, effort):
+    oai = openai.OpenAI(base_url=f"{thinker}/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=THINKER, input="why is the sky blue?", max_output_tokens=24, temperature=1.0,
+              extra_body={"seed": 6})
+    if effort is not None:
+        kw["reasoning"] = {"effort": effort}
+    whole = oai.responses.create(**kw)
+    thinking = effort != "none"
+    assert [item.type for item in whole.output] == (["reasoning"] if thinking else ["message"])
+    if thinking:
+        (part,) = whole.output[0].content
+        assert part.type == "reasoning_text" and part.text and whole.output_text == ""
+    else:
+        assert whole.output_text  # no reasoning item: the answer is the message
+    assert (whole.reasoning.effort if whole.reasoning is not None else None) == effort  # echoed
+    events = list(oai.responses.create(stream=True, **kw))
+    final = events[-1].response
+    assert without_ids(final.model_dump()["output"]) == without_ids(whole.model_dump()["output"])
+    deltas = "".join(e.delta for e in events if e.type == ("response.reasoning_text.delta" if thinking
+                                                          else "response.output_text.delta"))
+    assert deltas == (whole.output[0].content[0].text if thinking else whole.output_text)
+    assert final.usage == whole.usage
+    # The same parser factory reads chat completions: the reasoning apart, as reasoning_content.
+    chat = httpx.post(f"{thinker}/v1/chat/completions", timeout=60, json={
+        "model": THINKER, "messages": [{"role": "user", "content": "why is the sky blue?"}], "max_tokens": 24,
+        "temperature": 1.0, "seed": 6,
+        "chat_template_kwargs": None if effort is None else {"enable_thinking": thinking,
+                                                            "reasoning_effort": effort}}).json()
+    message = chat["choices"][0]["message"]
+    if thinking:
+        assert message["reasoning_content"] == whole.output[0].content[0].text and message["content"] == ""
+    else:
+        assert "reasoning_content" not in message and message["content"] == whole.output_text
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"},
+                                      {"type": "disabled"}, None])
+def test_messages_thinking_block_from_the_reasoning_parser(thinker, thinking):
+    claude = anthropic.Anthropic(base_url=thinker, api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=THINKER, max_tokens=24, messages=[{"role": "user", "content": "why is the sky blue?"}],
+              extra_body={"seed": 9, "temperature": 1.0})
+    if thinking is not None:
+        kw["thinking"] = thinking
+    whole = claude.messages.create(**kw)
+    on = thinking is None or thinking["type"] != "disabled"  # the template's default is on
+    assert [b.type for b in whole.content] == (["thinking"] if on else ["text"])
+    assert (whole.content[0].thinking if on else whole.content[0].text)
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert without_ids(final.model_dump()) == without_ids(whole.model_dump())
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert {d.type for d in deltas} == ({"thinking_delta"} if on else {"text_delta"})
+    assert "".join(d.thinking if on else d.text for d in deltas) == \
+        (whole.content[0].thinking if on else whole.content[0].text)
+    # The prompt is the one the setting renders: count_tokens agrees with usage either way.
+    counted = claude.messages.count_tokens(**{k: v for k, v in kw.items() if k not in ("max_tokens", "extra_body")})
+    assert counted.input_tokens == whole.usage.input_tokens
+
+
+def test_thinking_settings_reach_the_template():
+    from tessera.server.protocol_anthropic import MessagesRequest
+    from tessera.server.protocol_responses import ResponsesRequest
+
+    def messages(thinking):
+        return MessagesRequest.model_validate({"max_tokens": 5, "messages": USER, "thinking": thinking}) \
+            .chat_request().chat_template_kwargs
+
+    assert messages({"type": "enabled", "budget_tokens": 2048}) == {"enable_thinking": True}
+    assert messages({"type": "disabled"}) == {"enable_thinking": False}
+    assert messages(None) is None
+
+    def responses(reasoning):
+        return ResponsesRequest.model_validate({"input": "hi", "reasoning": reasoning}).chat_request(
+            [{"role": "user", "content": "hi"}]).chat_template_kwargs
+
+    assert responses({"effort": "low", "summary": "auto"}) == {"enable_thinking": True, "reasoning_effort": "low"}
+    assert responses({"effort": "none"}) == {"enable_thinking": False, "reasoning_effort": "none"}
+    assert responses({"summary": "auto"}) is None and responses(None) is None

@@ -24,11 +24,11 @@ from fastapi.responses import JSONResponse, Response
 from tessera.engine.outputs import RequestOutput
 from tessera.server.chat import chat_run
 from tessera.server.errors import APIError
-from tessera.server.output import OutputParser, parse_whole, typed_sse
+from tessera.server.output import parse_whole, typed_sse
 from tessera.server.protocol import UsageInfo
 from tessera.server.protocol_anthropic import CountTokensRequest, MessageResponse, MessagesRequest, Usage, error_body
 from tessera.server.serving import StreamRenderer, record_usage, usage_of
-from tessera.server.tools import ParserEvent
+from tessera.server.tools import OutputParser, ParserEvent
 
 
 async def anthropic_errors(handler: Awaitable[Response]) -> Response:

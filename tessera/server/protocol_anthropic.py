@@ -119,8 +119,16 @@ class Metadata(OpenAIModel):
 
 
 class ThinkingConfig(OpenAIModel):
+    """Extended thinking, as Claude Code sends it: the chat template's `enable_thinking`
+    (Qwen3's and other hybrid reasoners' switch), on unless `disabled` ("adaptive" lets the
+    model decide, which a hybrid model does with thinking on). `budget_tokens` is accepted and
+    not enforced: the reasoning shares `max_tokens` with the answer."""
+
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Optional[int] = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.type != "disabled"}
 
 
 class OutputFormat(OpenAIModel):
@@ -170,6 +178,7 @@ class CountTokensRequest(OpenAIModel):
             "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                         "parameters": t.input_schema}}
                       for t in self.tools] if self.tools else None,
+            "chat_template_kwargs": self.thinking.template_kwargs() if self.thinking is not None else None,
             **sampling,
         })
 

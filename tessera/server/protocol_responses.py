@@ -3,8 +3,8 @@ response object with its output items.
 
 A request is translated into a chat completion request (`ResponsesRequest.chat_request`), so
 the chat template, tool calling (choice, constraint, parsing) and structured output are the
-ones chat completions use. Fields OpenAI has and Tessera has no use for (reasoning effort,
-truncation, include, prompt cache keys) are ignored, as unknown fields are everywhere; a known
+ones chat completions use. Fields OpenAI has and Tessera has no use for (truncation, include,
+prompt cache keys) are ignored, as unknown fields are everywhere; a known
 field with the wrong type, an input item of a type Tessera does not serve, or a tool other than
 a function is a 400.
 """
@@ -146,6 +146,21 @@ class TextConfig(OpenAIModel):
     verbosity: Optional[str] = None
 
 
+class ReasoningConfig(OpenAIModel):
+    """`reasoning.effort` as the chat template's switches: "none" turns thinking off
+    (`enable_thinking: false`, Qwen3's and other hybrid reasoners' variable), any other effort
+    turns it on, and the effort itself is passed as `reasoning_effort` for templates that read
+    it (gpt-oss's). `summary` is accepted; the reasoning comes back whole, never summarised."""
+
+    effort: Optional[str] = None
+    summary: Optional[str] = None
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        if self.effort is None:
+            return None
+        return {"enable_thinking": self.effort != "none", "reasoning_effort": self.effort}
+
+
 class ResponsesRequest(OpenAIModel):
     model: Optional[str] = None
     input: Union[list[InputItem], str]  # the list first: a bad item is the error reported
@@ -154,6 +169,7 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
     text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = None
@@ -197,6 +213,7 @@ class ResponsesRequest(OpenAIModel):
             "tools": [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                       for t in self.tools] if self.tools else None,
             "tool_choice": choice,
+            "chat_template_kwargs": self.reasoning.template_kwargs() if self.reasoning is not None else None,
         })
 
 

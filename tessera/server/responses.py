@@ -29,14 +29,14 @@ from fastapi.responses import JSONResponse, Response
 from tessera.engine.outputs import RequestOutput
 from tessera.server.chat import chat_run
 from tessera.server.errors import APIError
-from tessera.server.output import OutputParser, parse_whole, typed_sse
+from tessera.server.output import parse_whole, typed_sse
 from tessera.server.protocol import UsageInfo
 from tessera.server.protocol_responses import (
     FunctionCallOutput, FunctionToolChoice, IncompleteDetails, OutputItem, OutputMessage, OutputText, ReasoningItem,
     ReasoningText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, items_to_messages,
 )
 from tessera.server.serving import Run, StreamRenderer, record_usage, usage_of
-from tessera.server.tools import ParserEvent
+from tessera.server.tools import OutputParser, ParserEvent
 
 # What the store keeps by default: the newest responses, and at most this many bytes of their
 # conversations (each response holds its whole conversation so far).
@@ -327,6 +327,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         parallel_tool_calls=body.parallel_tool_calls is not False, previous_response_id=body.previous_response_id,
         store=body.store is not False, background=bool(body.background), temperature=body.temperature,
         top_p=body.top_p, user=body.user,
+        reasoning=body.reasoning.model_dump(mode="json") if body.reasoning is not None else None,
         text={"format": body.text.format.model_dump(mode="json", by_alias=True, exclude_none=True)}
         if body.text is not None and body.text.format is not None else {"format": {"type": "text"}},
         tool_choice=(body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionToolChoice)
