@@ -104,3 +104,39 @@ def test_enable_thinking_false_reaches_the_template(qwen):
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
+def test_responses_and_messages_read_through_the_same_parsers(qwen):
+    """The Responses and Messages APIs get the chat path's parser: pythonic calls forced by the
+    grammar come back as function_call items / tool_use blocks, the think block the template
+    opened as a reasoning item / thinking block, and the agents' thinking switches (effort
+    "none", thinking disabled) reach the template."""
+    import anthropic
+
+    proc, _ = qwen
+    oai = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    claude = anthropic.Anthropic(base_url=proc.url, api_key="unused", max_retries=0, timeout=600)
+    ask = "What is the weather in Paris?"
+    weather = WEATHER["function"]
+    r = oai.responses.create(model=MODEL, input=ask, tools=[{"type": "function", **weather}], tool_choice="required",
+                             reasoning={"effort": "none"}, max_output_tokens=80, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.output[0].type == "function_call" and calls[0].name == "get_weather", r.output
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
+    m = claude.messages.create(model=MODEL, max_tokens=80, messages=[{"role": "user", "content": ask}],
+                               tools=[{"name": weather["name"], "description": weather["description"],
+                                       "input_schema": weather["parameters"]}],
+                               tool_choice={"type": "tool", "name": "get_weather"}, thinking={"type": "disabled"},
+                               extra_body={"temperature": 0})
+    assert m.stop_reason == "tool_use" and m.content[0].type == "tool_use" and m.content[0].name == "get_weather"
+    jsonschema.validate(m.content[0].input, SCHEMAS["get_weather"])
+
+    hello = [{"role": "user", "content": "Say hello."}]
+    r = oai.responses.create(model=MODEL, input=hello, max_output_tokens=12, temperature=0)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text.strip(), r.output
+    kw = dict(model=MODEL, max_tokens=12, messages=hello, thinking={"type": "enabled", "budget_tokens": 1024},
+              extra_body={"temperature": 0})
+    whole = claude.messages.create(**kw)
+    assert whole.content[0].type == "thinking" and whole.content[0].thinking == r.output[0].content[0].text
+    with claude.messages.stream(**kw) as stream:
+        assert stream.get_final_message().content == whole.content
