@@ -27,6 +27,7 @@ from tessera.engine.outputs import CompletionOutput, RequestOutput
 from tessera.server.app import create_app
 from tessera.server.ollama import OllamaReply, Timing
 from tessera.server.router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.tools import OutputParsing, output_parser
 
 NAME = "tiny"
 MAX_LEN = 256
@@ -208,7 +209,7 @@ def _outputs(text: str, cuts: list[int]) -> list[RequestOutput]:
 def test_streamed_tool_calls_come_whole_and_agree_with_the_whole_answer():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
             '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-    whole = OllamaReply("chat", "m", Timing(time.perf_counter_ns()), True, False).whole(_outputs(text, [])[-1])
+    whole = OllamaReply("chat", "m", Timing(time.perf_counter_ns()), output_parser(OutputParsing(), True), False).whole(_outputs(text, [])[-1])
     calls = whole["message"]["tool_calls"]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]
@@ -216,7 +217,7 @@ def test_streamed_tool_calls_come_whole_and_agree_with_the_whole_answer():
     rng = random.Random(0)
     for _ in range(30):
         cuts = sorted(rng.sample(range(1, len(text)), 8))
-        reply = OllamaReply("chat", "m", Timing(time.perf_counter_ns()), True, False)
+        reply = OllamaReply("chat", "m", Timing(time.perf_counter_ns()), output_parser(OutputParsing(), True), False)
         lines = [json.loads(line) for out in _outputs(text, cuts) for line in reply.render(0, out)]
         streamed = [c for line in lines for c in line["message"].get("tool_calls", [])]
         assert [c["function"] for c in streamed] == [c["function"] for c in calls]
@@ -225,7 +226,7 @@ def test_streamed_tool_calls_come_whole_and_agree_with_the_whole_answer():
 
 def test_a_call_whose_arguments_are_not_an_object_stays_text():
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'
-    whole = OllamaReply("chat", "m", Timing(time.perf_counter_ns()), True, False).whole(_outputs(text, [])[-1])
+    whole = OllamaReply("chat", "m", Timing(time.perf_counter_ns()), output_parser(OutputParsing(), True), False).whole(_outputs(text, [])[-1])
     assert "tool_calls" not in whole["message"]
     assert whole["message"]["content"] == 'Sure.{"name": "f", "arguments": [1, 2]}'
 

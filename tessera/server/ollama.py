@@ -41,7 +41,7 @@ from tessera import __version__
 from tessera.engine.input_processor import check_token_ids
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
-from tessera.server.chat import chat_prompt_ids, chat_prompt_text
+from tessera.server.chat import chat_prompt, chat_prompt_text
 from tessera.server.errors import APIError, validation_error
 from tessera.server.protocol import ChatCompletionRequest, UsageInfo
 from tessera.server.protocol_ollama import (
@@ -50,7 +50,9 @@ from tessera.server.protocol_ollama import (
 )
 from tessera.server.router import ServedModel
 from tessera.server.serving import Run, ServerState, StreamFraming, clamp_logprob, record_usage, usage_of
-from tessera.server.tools import ToolCallParser, check_tools, tool_choice_mode, tool_constraint
+from tessera.server.tools import (
+    OutputParser, OutputParsing, check_tools, output_parser, tool_choice_mode, tool_constraint,
+)
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -76,8 +78,7 @@ def ollama_error(err: APIError) -> JSONResponse:
     return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
 
 
-NDJSON = StreamFraming("application/x-ndjson", "", lambda err: json.dumps({"error": err.message}) + "\n",
-                       ollama_error)
+NDJSON = StreamFraming("application/x-ndjson", ollama_error)
 
 
 async def _guarded(request: Request, handler: Awaitable[Response]) -> Response:
@@ -211,7 +212,7 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
     return _as_chat_request(messages, tools)
 
 
-def _generate_ids(engine: ServingEngine, body: OllamaGenerateRequest) -> list[int]:
+def _generate_ids(engine: ServingEngine, settings: OutputParsing, body: OllamaGenerateRequest) -> list[int]:
     """The prompt's ids: `context` (an earlier response's), then the prompt through the chat
     template as a user turn after `system`, or as it is with `raw` (or a model without a template)."""
     tokenizer = engine.tokenizer
@@ -224,7 +225,7 @@ def _generate_ids(engine: ServingEngine, body: OllamaGenerateRequest) -> list[in
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) \
             + [{"role": "user", "content": prompt}]
-        text, special = chat_prompt_text(tokenizer, _as_chat_request(messages)), False
+        text, special = chat_prompt_text(tokenizer, settings, _as_chat_request(messages)), False
     return context + tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=special)
 
 
@@ -274,12 +275,12 @@ class OllamaReply:
     object with the statistics; a whole (non-streamed) answer is the same final object with
     all the text in it, parsed by the same code."""
 
-    def __init__(self, kind: str, model: str, timing: Timing, parse_tools: bool, logprobs: bool) -> None:
+    def __init__(self, kind: str, model: str, timing: Timing, parser: Optional[OutputParser], logprobs: bool) -> None:
         self.kind = kind  # "chat" | "generate"
         self.model = model
         self.timing = timing
         self.logprobs = logprobs
-        self.parser: Optional[ToolCallParser] = ToolCallParser() if parse_tools else None
+        self.parser = parser  # the model's tool-call parser when the request has tools
         self.sent_calls = 0
         self.final: Optional[RequestOutput] = None
 
@@ -306,7 +307,8 @@ class OllamaReply:
             return text, []
         events = parser.feed(text) + (parser.finish() if finished else [])
         content = "".join(e.text for e in events if e.kind == "content")
-        complete = len(parser.calls) if finished or parser.state != "args" else len(parser.calls) - 1
+        # Ollama sends each call whole: the last one is complete once another follows or the text ends.
+        complete = len(parser.calls) if finished else max(len(parser.calls) - 1, 0)
         calls = []
         for i, c in enumerate(parser.calls[self.sent_calls:complete], start=self.sent_calls):
             call = _tool_call(c.id, i, c.name, c.arguments)
@@ -333,6 +335,10 @@ class OllamaReply:
     def finish(self, usage: UsageInfo) -> list[str]:
         assert self.final is not None
         return [json.dumps(self._last(self._piece("", [], None, done=True), self.final)) + "\n"]
+
+    def error(self, err: APIError) -> list[str]:
+        """Ollama ends a failed stream with one {"error": ...} line."""
+        return [json.dumps({"error": err.message}) + "\n"]
 
     # -- the final object ------------------------------------------------------------
     def whole(self, output: RequestOutput) -> dict[str, Any]:
@@ -362,7 +368,7 @@ class OllamaReply:
 async def _load_or_unload(state: ServerState, request: Request, served: ServedModel, keep: Optional[float],
                           kind: str, timing: Timing) -> Response:
     """An empty conversation or prompt loads the model (keep_alive 0: unloads it), as Ollama does."""
-    reply = OllamaReply(kind, served.name, timing, parse_tools=False, logprobs=False)
+    reply = OllamaReply(kind, served.name, timing, parser=None, logprobs=False)
     if keep == 0:
         if served.fixed or served.pinned:
             raise APIError(400, f'"{served.name}" stays loaded: it is this server\'s own engine, which '
@@ -379,7 +385,8 @@ async def _load_or_unload(state: ServerState, request: Request, served: ServedMo
 
 async def _answer(state: ServerState, request: Request, body: OllamaGenerationRequest, served: ServedModel,
                   kind: str, timing: Timing, prompt: Callable[[ServingEngine], list[int]],
-                  constraint: Optional[StructuredOutputsParams], parse_tools: bool) -> Response:
+                  constraint: Optional[StructuredOutputsParams],
+                  parser: Optional[Callable[[], OutputParser]]) -> Response:
     """Route, tokenize, run and answer (streamed or whole); keep_alive applies once it is done."""
     keep = _keep_alive(body.keep_alive, served)
     route = await state.route(served.name, request)
@@ -393,7 +400,7 @@ async def _answer(state: ServerState, request: Request, body: OllamaGenerationRe
         params = _sampling_params(body, _max_tokens(engine, body, len(ids)), constraint)
         run = Run(state, request, route, [ids], params, f"ollama-{uuid.uuid4().hex}",
                   reprompt=lambda other: [prompt(other)])
-        reply = OllamaReply(kind, route.reported, timing, parse_tools, bool(body.logprobs))
+        reply = OllamaReply(kind, route.reported, timing, parser() if parser else None, bool(body.logprobs))
         if body.stream is not False:
             return await run.stream(reply, NDJSON)
         finals = await run.collect()
@@ -421,9 +428,14 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
         check_tools(chat_body.tools)
         if constraint is not None:
             raise InvalidRequestError("format cannot be combined with tools")
-        constraint = tool_constraint(chat_body.tools, None, True)
+    settings = served.output_parsing  # the model's tool-call syntax, in the prompt, grammar and parser
+    if parse_tools:
+        assert chat_body.tools
+        constraint = tool_constraint(chat_body.tools, None, True, settings)
+    tools = chat_body.tools or ()
     return await _answer(state, request, body, served, "chat", timing,
-                         lambda engine: chat_prompt_ids(engine, chat_body), constraint, parse_tools)
+                         lambda engine: chat_prompt(engine, settings, chat_body)[1], constraint,
+                         (lambda: output_parser(settings, True, tools=tools)) if parse_tools else None)
 
 
 async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
@@ -442,7 +454,8 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
         return await _load_or_unload(state, request, served, _keep_alive(body.keep_alive, served), "generate",
                                      timing)
     return await _answer(state, request, body, served, "generate", timing,
-                         lambda engine: _generate_ids(engine, body), _constraint(body), parse_tools=False)
+                         lambda engine: _generate_ids(engine, served.output_parsing, body), _constraint(body),
+                         parser=None)
 
 
 # ----------------------------------------------------------------------------- models

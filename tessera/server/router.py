@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 from tessera.errors import TesseraError
 from tessera.server.errors import APIError, model_not_found
+from tessera.server.output_parsers import OutputParsing
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
@@ -91,6 +92,7 @@ class ModelSpec:
     engine_overrides: dict = field(default_factory=dict)  # flag dests -> values, over the server's flags
     max_num_queued_requests: Optional[int] = None
     max_queue_wait: Optional[float] = None
+    parsing: OutputParsing = field(default_factory=OutputParsing)  # tool-call / reasoning parsers, template
 
     def __post_init__(self) -> None:
         for what in ("name", "model"):
@@ -136,6 +138,14 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def output_parsing(self) -> OutputParsing:
+        """How this model's output is read (its tool-call parser detected from its chat template
+        unless configured) and the template its prompts are rendered with; every API asks here."""
+        engine = self.engine
+        template = getattr(engine.tokenizer, "chat_template", None) if engine is not None else None
+        return self.spec.parsing.resolved(template)
 
     def available(self) -> bool:
         if self.status != "ready" or self.engine is None:

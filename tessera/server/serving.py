@@ -46,6 +46,13 @@ class RejectionSink(Protocol):
     def record_rejection(self) -> None: ...
 
 
+@runtime_checkable
+class HTTPRequestSink(Protocol):
+    """Something counting HTTP requests by endpoint (tessera.metrics.MetricFamilies)."""
+
+    def record_http_request(self, endpoint: str, method: str, status: int, seconds: float) -> None: ...
+
+
 class LiveView(Protocol):
     """What the dashboard's endpoint needs from tessera.live_stats.LiveStats."""
 
@@ -130,6 +137,9 @@ class Run:
     # Re-tokenizes the prompts for another model's engine, so a request its model refuses at
     # admission (queue full, forecast wait) can go to the fallback; None: no second chance.
     reprompt: Optional[Callable[[ServingEngine], list[Union[str, list[int]]]]] = None
+    # False for work that outlives its HTTP request (a background response): a disconnect then
+    # aborts nothing; the deadline, a cancel and shutdown still do.
+    watch_client: bool = True
 
     @property
     def engine(self) -> ServingEngine:
@@ -141,8 +151,8 @@ class Run:
 
     def generation(self, restartable: bool = False) -> Generation:
         self.request.state.request_id = self.request_id
-        return Generation(self.engine, self.request, self.prompts, self.params, self.request_id,
-                          self.state.deadline(), self.state.generations, restartable=restartable)
+        return Generation(self.engine, self.request if self.watch_client else None, self.prompts, self.params,
+                          self.request_id, self.state.deadline(), self.state.generations, restartable=restartable)
 
     def error(self, exc: BaseException) -> APIError:
         return self.state.error(exc, self.route.model)
@@ -252,41 +262,44 @@ class Run:
             record_usage(self.request, usage)
             for event in renderer.finish(usage):
                 yield event
-            if framing.done:
-                yield framing.done
         except (ClientDisconnected, asyncio.CancelledError) as exc:  # our listener or Starlette's saw it first
             self._note("client disconnected mid-stream; aborted")
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except DeadlineExceeded:
             self._note("timed out mid-stream; aborted")
-            yield framing.error_event(self._timeout_error())
+            for event in renderer.error(self._timeout_error()):
+                yield event
         except ServerShuttingDown:
             self._note("server shutting down; aborted")
-            yield framing.error_event(shutting_down())
+            for event in renderer.error(shutting_down()):
+                yield event
         except Exception as exc:
-            yield framing.error_event(self.error(exc))
+            for event in renderer.error(self.error(exc)):
+                yield event
         finally:
             await gen.close()
 
 
 @dataclass(frozen=True)
 class StreamFraming:
-    """How an API frames a stream: its media type, the event that ends it, and an error sent as
-    an event once the stream is under way or as a whole response before its first byte."""
+    """How an API frames a stream: its media type, and its error as a whole response when the
+    request fails before the stream's first byte (once under way, the renderer's `error` events
+    end it)."""
 
     media_type: str
-    done: str
-    error_event: Callable[[APIError], str]
     error_response: Callable[[APIError], Response]
 
 
-# OpenAI's: server-sent events ending with "data: [DONE]".
-SSE = StreamFraming("text/event-stream", "data: [DONE]\n\n", APIError.sse_event, APIError.response)
+# OpenAI's (and Anthropic's): server-sent events.
+SSE = StreamFraming("text/event-stream", APIError.response)
 
 
 class StreamRenderer(Protocol):
-    """Turns engine outputs into one endpoint's SSE events ("data: {...}\\n\\n" strings)."""
+    """Turns engine outputs into one endpoint's SSE events ("data: {...}\\n\\n" strings).
+
+    `error`'s default is OpenAI's chat and completions streams' (one data line); the Responses
+    and Messages streams fail with typed events of their own."""
 
     model: str  # the `model` of every chunk (changed if a fallback model takes the request over)
 
@@ -295,6 +308,13 @@ class StreamRenderer(Protocol):
     def render(self, prompt_index: int, output: RequestOutput) -> list[str]: ...
 
     def finish(self, usage: UsageInfo) -> list[str]: ...
+
+    def error(self, err: APIError) -> list[str]:
+        """The events that end the stream when `err` stops it after its headers were sent."""
+        return [err.sse_event()]
+
+
+DONE = "data: [DONE]\n\n"
 
 
 def sse(payload: str) -> str:

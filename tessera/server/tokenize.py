@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from tessera.engine.input_processor import check_token_ids
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.chat import chat_prompt_text
+from tessera.server.tools import OutputParsing
 from tessera.server.errors import APIError
 from tessera.server.protocol import ChatCompletionRequest, ChatMessage, ChatTool, OpenAIModel
 
@@ -46,17 +47,18 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
-async def _engine(state: ServerState, model: Optional[str]) -> ServingEngine:
-    """The named model's engine, loaded; never a fallback (another model has another tokenizer)."""
+async def _engine(state: ServerState, model: Optional[str]) -> tuple[ServingEngine, OutputParsing]:
+    """The named model's engine, loaded, and how its prompts are rendered; never a fallback
+    (another model has another tokenizer)."""
     route = await state.router.route(model, allow_fallback=False)
     engine = route.model.engine
     if engine is None:
         raise APIError(503, f"Model {route.model.name!r} was unloaded; retry.", type="server_error",
                        code="model_unavailable")
-    return engine
+    return engine, route.model.output_parsing
 
 
-def _text(engine: ServingEngine, body: TokenizeRequest) -> tuple[str, bool]:
+def _text(engine: ServingEngine, settings: OutputParsing, body: TokenizeRequest) -> tuple[str, bool]:
     """The text to encode and whether to add special tokens to it."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt")
@@ -68,13 +70,13 @@ def _text(engine: ServingEngine, body: TokenizeRequest) -> tuple[str, bool]:
         raise APIError(400, "continue_final_message is not supported", param="continue_final_message")
     chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
                                  add_generation_prompt=body.add_generation_prompt)
-    return chat_prompt_text(engine.tokenizer, chat), bool(body.add_special_tokens)
+    return chat_prompt_text(engine.tokenizer, settings, chat), bool(body.add_special_tokens)
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
-    engine = await _engine(state, body.model)
-    text, special = _text(engine, body)
+    engine, settings = await _engine(state, body.model)
+    text, special = _text(engine, settings, body)
     tokenizer = engine.tokenizer
     ids = await asyncio.to_thread(tokenizer.encode, text, special)  # a 16 MiB body takes a while
     out = {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids}
@@ -85,7 +87,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
-    engine = await _engine(state, body.model)
+    engine, _ = await _engine(state, body.model)
     tokenizer = engine.tokenizer
     try:
         check_token_ids(body.tokens, tokenizer.vocab_size)
