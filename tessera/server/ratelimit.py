@@ -10,7 +10,7 @@ Tokens are charged as they are generated (prompt tokens when the prompt is admit
 generated token when it comes out), so a long stream spends its key's budget while it runs and
 the key's next request waits until the bucket is out of debt. So that many requests admitted at
 once cannot all spend the same budget, each admitted request reserves the key's recent mean
-tokens per request up front; what it generates is charged against that reservation first, and
+tokens per request up front (at most the bucket's burst); what it generates is charged against that reservation first, and
 the unused part is returned when it ends.
 
 Everything here runs on the server's event loop (the auth middleware and the request's
@@ -158,9 +158,9 @@ class KeyLimiter:
 
 class FairShare:
     """Each model's waiting queue shared between the keys using it: while the queue is at least
-    half full, a key may hold at most `bound // active keys` of it (and never the last places
-    while other keys exist), so one key's burst cannot take every place and turn everyone else's
-    requests into 429s. Keys count as active for a model for ACTIVE_WINDOW_S after their last
+    half full, a key may hold at most `bound // active keys` of it, and never the last quarter
+    while other keys exist (room for another key's first requests before it counts as active),
+    so one key's burst cannot take every place and turn everyone else's requests into 429s. Keys count as active for a model for ACTIVE_WINDOW_S after their last
     request to it."""
 
     def __init__(self, num_keys: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -178,7 +178,7 @@ class FairShare:
         if bound is not None and bound > 0 and self.num_keys > 1:
             active = sum(1 for k, s in shares.items() if k == key or s.queued > 0
                          or now - s.last_seen < ACTIVE_WINDOW_S)
-            share = min(max(1, bound // active), max(1, bound - max(1, bound // 8)))
+            share = min(max(1, bound // active), max(1, bound - max(1, bound // 4)))
             if mine.queued >= share and num_queued >= bound // 2:
                 return Refusal("queue_share", f"This API key already holds {mine.queued} of the model's "
                                               f"{bound} queue places, its fair share while other keys wait; "
@@ -216,7 +216,7 @@ class KeyMeter:
     def __post_init__(self) -> None:
         tokens = self.limiter.tokens
         if tokens is not None:
-            self.reserved = max(1.0, self.limiter.tokens_per_request)
+            self.reserved = max(1.0, min(self.limiter.tokens_per_request, tokens.capacity))
             tokens.charge(self.reserved, self.limiter.clock())
 
     @property
