@@ -23,6 +23,7 @@ from test_server_unit import MODEL, FakeCore, serve_in_thread
 
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.errors import ConfigError, TesseraError
+from tessera.live_stats import LiveStats
 from tessera.metrics import MetricFamilies
 from tessera.server.app import create_app
 from tessera.server.auth import (ADMIN, INFERENCE, METRICS, PUBLIC, UI, AccessSettings, ApiKey, describe_access,
@@ -62,7 +63,7 @@ def keyed_server(keys=STANDARD_KEYS, *, core: Optional[FakeCore] = None, queue: 
     families = MetricFamilies()
     access = AccessSettings(keys=tuple(keys), metrics_require_key=metrics_require_key, log_requests=log_requests)
     app = create_app(engine, [MODEL, "alias"], metrics=families, access=access, beyond_loopback=beyond_loopback,
-                     families=families)
+                     families=families, live=LiveStats(MODEL))
     if extra_route:
         @app.get("/v1/unlisted")
         async def unlisted() -> dict:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 import socket
+import ssl
 import statistics
 import subprocess
 import threading
@@ -202,7 +203,7 @@ def test_tls_with_a_self_signed_certificate_and_the_openai_client(certificate):
     with guarded_server(settings, keys=STANDARD_KEYS) as url:
         https = url.replace("http://", "https://")
         # (clients closed before the server stops: uvicorn's TLS shutdown waits on open idle connections)
-        with httpx.Client(verify=str(cert)) as http:
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
             client = openai.OpenAI(base_url=f"{https}/v1", api_key=INFERENCE_KEY, http_client=http, max_retries=0)
             reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                    temperature=0)
