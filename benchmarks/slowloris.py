@@ -3,11 +3,13 @@ send a request head one byte per second (slowloris), kept at N open (a closed on
 the whole measurement.
 
     python benchmarks/slowloris.py                      # starts `tessera serve smollm2-135m`, 500 sockets
+    python benchmarks/slowloris.py --serve-args "--timeout-header 30"
     python benchmarks/slowloris.py --url http://127.0.0.1:8000 --model NAME
 
 Loopback only, bounded in count (at most 1,000 sockets) and time (--seconds, at most 300). Reports
-the normal client's TTFT p50/p95 alone and under the slow sockets, its non-2xx answers, and how
-the slow sockets ended (closed by the server's header timeout with a 408, and after how long).
+the normal client's TTFT p50/p95 alone (before and after) and under the slow sockets, its non-2xx
+answers, and how the slow sockets ended (closed by the server's header timeout with a 408, and
+after how long).
 Writes JSON to --output (default benchmarks/results/slowloris.json).
 """
 from __future__ import annotations
@@ -49,12 +51,12 @@ async def stream_once(http: httpx.AsyncClient, model: str, max_tokens: int) -> t
     return 200, ttft
 
 
-async def normal_client(url: str, model: str, seconds: float, max_tokens: int) -> dict:
+async def normal_client(url: str, model: str, requests: int, max_tokens: int) -> dict:
+    """`requests` streamed requests one after another, each on a new connection."""
     statuses: dict[int, int] = {}
     ttfts: list[float] = []
-    deadline = time.monotonic() + seconds
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-        while time.monotonic() < deadline:
+    for _ in range(requests):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             status, ttft = await stream_once(http, model, max_tokens)
             statuses[status] = statuses.get(status, 0) + 1
             if status == 200:
@@ -73,12 +75,12 @@ class Slowloris:
         self.answers: dict[str, int] = {}
         self.refused = 0
 
-    async def run(self, seconds: float) -> None:
+    async def run(self, seconds: float, stop: asyncio.Event) -> None:
         deadline = time.monotonic() + seconds
-        await asyncio.gather(*(self._slot(deadline) for _ in range(self.n)))
+        await asyncio.gather(*(self._slot(deadline, stop) for _ in range(self.n)))
 
-    async def _slot(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
+    async def _slot(self, deadline: float, stop: asyncio.Event) -> None:
+        while time.monotonic() < deadline and not stop.is_set():
             try:
                 reader, writer = await asyncio.open_connection(self.host, self.port)
             except OSError:
@@ -90,7 +92,7 @@ class Slowloris:
             head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"X-a: " + b"b" * 100_000
             try:
                 for i in range(len(head)):
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline or stop.is_set():
                         return
                     writer.write(head[i:i + 1])
                     await writer.drain()
@@ -109,18 +111,29 @@ class Slowloris:
                 writer.close()
 
 
-async def measure(url: str, model: str, sockets: int, seconds: float, max_tokens: int) -> dict:
+async def measure(url: str, model: str, sockets: int, seconds: float, requests: int, max_tokens: int) -> dict:
+    """Baseline, then under the slow sockets (kept open until the client is done, at most
+    `seconds`), then baseline again: the two baselines bracket the machine's own drift."""
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit("slowloris.py only runs against a loopback address")
-    baseline = await normal_client(url, model, seconds / 2, max_tokens)
+    await normal_client(url, model, 2, max_tokens)  # warm-up
+    before = await normal_client(url, model, requests, max_tokens)
     slow = Slowloris(parsed.hostname, parsed.port or 80, sockets)
-    attack = asyncio.create_task(slow.run(seconds + 5))
-    await asyncio.sleep(5)  # every slow socket open and trickling before the client measures
-    loaded = await normal_client(url, model, seconds, max_tokens)
+    stop = asyncio.Event()
+    attack = asyncio.create_task(slow.run(seconds, stop))
+    await asyncio.sleep(3)  # every slow socket open and trickling before the client measures
+    started = time.monotonic()
+    loaded = await normal_client(url, model, requests, max_tokens)
+    attacked_s = time.monotonic() - started
+    stop.set()
     await attack
+    after = await normal_client(url, model, requests, max_tokens)
+    baseline_ttfts = before["ttfts"] + after["ttfts"]
+    baseline = {"requests": before["requests"] + after["requests"], "ttft_p50_s": pct(baseline_ttfts, 0.5),
+                "ttft_p95_s": pct(baseline_ttfts, 0.95), "before": before, "after": after}
     lived = slow.closed_by_server
-    return {"sockets": sockets, "seconds": seconds, "baseline": baseline, "under_slowloris": loaded,
+    return {"sockets": sockets, "attacked_s": attacked_s, "baseline": baseline, "under_slowloris": loaded,
             "ttft_p95_ratio": loaded["ttft_p95_s"] / baseline["ttft_p95_s"],
             "non_2xx": {k: v for k, v in loaded["statuses"].items() if k != 200},
             "slow_sockets": {"opened": slow.opened, "closed_by_server": len(lived), "refused": slow.refused,
@@ -134,8 +147,9 @@ def main() -> int:
     p.add_argument("--url", default=None, help="a running server (default: start `tessera serve MODEL`)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--sockets", type=int, default=500)
-    p.add_argument("--seconds", type=float, default=40.0, help="measurement under the slow sockets")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=120.0, help="longest the slow sockets stay (at most 300)")
+    p.add_argument("--requests", type=int, default=12, help="the normal client's requests in each phase")
+    p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--port", type=int, default=8141)
     p.add_argument("--serve-args", default="", help="extra `tessera serve` flags when this script starts it")
     p.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "slowloris.json")
@@ -159,13 +173,13 @@ def main() -> int:
                 pass
             time.sleep(0.5)
     try:
-        result = asyncio.run(measure(url, args.model, args.sockets, args.seconds, args.max_tokens))
+        result = asyncio.run(measure(url, args.model, args.sockets, args.seconds, args.requests, args.max_tokens))
     finally:
         if server is not None:
             server.terminate()
             server.wait(60)
-    for run in ("baseline", "under_slowloris"):
-        result[run].pop("ttfts")
+    for run in (result["baseline"]["before"], result["baseline"]["after"], result["under_slowloris"]):
+        run.pop("ttfts")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
