@@ -125,6 +125,31 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template text itself) used instead of the "
                         "model's own")
+    g = parser.add_argument_group("network access (see README, 'Serving on a network')")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY, or x-api-key), with every scope; "
+                        "repeatable; also read from TESSERA_API_KEY")
+    g.add_argument("--api-keys-file", default=None, metavar="TOML",
+                   help="named keys stored as SHA-256, each with scopes (inference, metrics, admin), rpm, tpm, "
+                        "max_concurrent and allowed models")
+    g.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs a key with the metrics scope (default: open, like /health)")
+    g.add_argument("--log-requests", action="store_true",
+                   help="log each request's prompt and sampling settings and its output (default: never)")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile, serve HTTPS")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN[,ORIGIN]",
+                   help="origins whose pages may call the API from a browser (CORS), e.g. https://app.example; "
+                        "* for any (default: same origin only)")
+    g.add_argument("--timeout-header", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this, else 408 and close (default: %(default)s)")
+    g.add_argument("--timeout-body", type=float, default=60.0, metavar="SECONDS",
+                   help="a request's body must arrive within this after its headers (default: %(default)s)")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="idle keep-alive connections close after this (default: %(default)s)")
+    g.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at most; past it a new one closes the longest-idle connection "
+                        "(default: %(default)s)")
     add_engine_args(parser)
 
 

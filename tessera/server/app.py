@@ -36,6 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tessera.config import PROFILE_FIELDS, PROFILE_SETTINGS
 from tessera.errors import TesseraError
+from tessera.server.auth import (CLIENT_REQUEST_ID, AccessControl, AccessSettings, describe_access, is_loopback,
+                                 request_key)
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
@@ -52,6 +54,7 @@ from tessera.server.serving import (
     CLIENT_CLOSED_REQUEST, HTTPRequestSink, LiveView, RejectionSink, ServerMetrics, ServerState,
 )
 from tessera.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from tessera.server.transport import TransportSettings, install_cors, uvicorn_config
 from tessera.server.ui import install_ui
 
 if TYPE_CHECKING:
@@ -115,6 +118,11 @@ class AccessLog:
                     f"{status if status is not None else 500} {elapsed * 1000:.1f}ms")
             if "request_id" in request_state:
                 line += f" id={request_state['request_id']}"
+            if CLIENT_REQUEST_ID in request_state:
+                line += f" req={request_state[CLIENT_REQUEST_ID]}"
+            grant = request_key(scope)
+            if grant is not None:
+                line += f" key={grant[0].name}"
             usage = request_state.get("usage")
             if usage is not None:
                 line += f" prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}"
@@ -193,10 +201,14 @@ def _body_too_large() -> APIError:
 def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[list[str]] = None, *,
                router: Optional[ModelRouter] = None, request_timeout: Optional[float] = None,
                metrics: Optional[ServerMetrics] = None, live: Optional[LiveView] = None, ui: bool = True,
-               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, access: Optional[AccessSettings] = None,
+               beyond_loopback: bool = False, transport: Optional[TransportSettings] = None,
+               families: Optional[MetricFamilies] = None) -> FastAPI:
     """The app over one engine (`model_names`: the names clients may use, the first reported;
     `metrics`/`live` its loggers) or over a `router` of several models. `ui` adds the chat page
-    (/) and the dashboard (/dashboard); `max_stored_responses` bounds the Responses API's store."""
+    (/) and the dashboard (/dashboard); `max_stored_responses` bounds the Responses API's store.
+    `access`: API keys and what stays open (the admin routes are off beyond loopback without an
+    admin key); `transport`: the CORS origins; `families`: where the per-key metrics go."""
     if router is None:
         if engine is None or not model_names:
             raise ValueError("create_app needs an engine and at least one served model name, or a router")
@@ -204,9 +216,13 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
         router.default.metrics = metrics if isinstance(metrics, RejectionSink) else None
     app = FastAPI(title="Tessera", summary="OpenAI-compatible LLM inference server",
                   docs_url="/docs", redoc_url=None)
-    app.state.tessera = ServerState(router=router, request_timeout=request_timeout, metrics=metrics)
+    access = access or AccessSettings()
+    app.state.tessera = ServerState(router=router, request_timeout=request_timeout, metrics=metrics,
+                                    log_requests=access.log_requests)
     install_error_handlers(app)
+    app.add_middleware(AccessControl, settings=access, beyond_loopback=beyond_loopback, families=families)
     app.add_middleware(AccessLog)
+    install_cors(app, transport or TransportSettings())
 
     # The bodies are parsed here rather than by FastAPI so that JSON is accepted whatever the
     # Content-Type (curl -d sends a form type) and every schema error is the same 400.
@@ -249,8 +265,11 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     async def models(request: Request) -> ModelList:
         """Every name served (aliases included), loaded or not; `status` says which."""
         state = _state(request)
+        grant = request_key(request.scope)
         cards = []
         for name, served in state.router.names():
+            if grant is not None and not grant[0].allows_model(name, served.name):
+                continue  # a key sees only the models it may use
             engine = served.engine
             cards.append(ModelCard(id=name, created=int(state.started), root=served.spec.model,
                                    max_model_len=engine.config.max_model_len if engine is not None else None,
@@ -493,15 +512,20 @@ def serve(spec: ServingSpec) -> int:
             if served.spec.preload:
                 _preload(router, served)
         router.start_reaper()
+        beyond_loopback = not is_loopback(spec.host)
         app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui,
-                         max_stored_responses=spec.max_stored_responses)
+                         max_stored_responses=spec.max_stored_responses, access=spec.access,
+                         beyond_loopback=beyond_loopback, transport=spec.transport, families=families)
         # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
-        config = uvicorn.Config(app, log_level=spec.log_level, access_log=False,
+        config = uvicorn_config(app, spec.transport, log_level=spec.log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
         server = DrainingServer(config, app.state.tessera, spec.shutdown_timeout)
+        for line in describe_access(spec.access, beyond_loopback):
+            logger.info("%s", line)
         host = f"[{spec.host}]" if ":" in spec.host else spec.host
-        logger.info("serving %s on http://%s:%d", ", ".join(
-            f"{m.name} ({m.spec.model}, {m.status})" for m in router.models), host, spec.port)
+        logger.info("serving %s on %s://%s:%d", ", ".join(
+            f"{m.name} ({m.spec.model}, {m.status})" for m in router.models),
+            "https" if spec.transport.tls else "http", host, spec.port)
         http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tessera-http")
         signal.signal(signal.SIGTERM, lambda *_: server.drain())
         http.start()

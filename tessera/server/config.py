@@ -42,7 +42,9 @@ from tessera.config import EngineConfig
 from tessera.deploy.routing import ROUTER_POLICIES, RouterPolicyName
 from tessera.errors import ConfigError, TesseraError
 from tessera.server.output_parsers import OutputParsing
+from tessera.server.auth import AccessSettings
 from tessera.server.router import FallbackCondition, FallbackRule, ModelSpec
+from tessera.server.transport import TransportSettings
 
 _DURATION = re.compile(r"\s*(-?[0-9.]+)\s*(ms|s|m|h)?\s*$")
 MODEL_KEYS = {"name", "model", "aliases", "preload", "keep_alive", "fallback", "when", "max_num_queued_requests",
@@ -127,6 +129,8 @@ class ServingSpec:
     router_policy: RouterPolicyName = "prefix-aware"
     pd: Optional[tuple[int, int]] = None  # (prefill, decode) replicas
     ray: Optional[RaySettings] = None  # None: replicas are local processes
+    access: AccessSettings = field(default_factory=AccessSettings)  # API keys, scopes, limits, --log-requests
+    transport: TransportSettings = field(default_factory=TransportSettings)  # TLS, CORS, socket timeouts
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -206,7 +210,8 @@ class ServingSpec:
             max_num_queued_requests=args.max_num_queued_requests, max_queue_wait=args.max_queue_wait,
             engine_step_timeout=args.engine_step_timeout or None, request_timeout=args.request_timeout or None,
             shutdown_timeout=args.shutdown_timeout, max_loaded_models=max_loaded, replicas=args.replicas,
-            router_policy=args.router_policy, pd=pd, ray=ray if args.ray else None)
+            router_policy=args.router_policy, pd=pd, ray=ray if args.ray else None,
+            access=AccessSettings.from_args(args), transport=TransportSettings.from_args(args))
 
     @property
     def replicated(self) -> bool:

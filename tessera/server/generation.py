@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
 
@@ -19,6 +20,9 @@ from starlette.requests import Request
 
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
+from tessera.server.auth import request_key
+
+request_logger = logging.getLogger("tessera.server.requests")
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
@@ -59,11 +63,13 @@ class Generation:
 
     def __init__(self, engine: ServingEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
                  params: SamplingParams, request_id: str, deadline: Optional[float] = None,
-                 live: Optional[set[Generation]] = None, restartable: bool = False) -> None:
+                 live: Optional[set[Generation]] = None, restartable: bool = False,
+                 log_requests: bool = False) -> None:
         """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;
         `live` is the server's set of running generations, which this one joins while it runs;
         `restartable`: only final outputs are read (not streamed), so the engine may rerun a prompt
-        from scratch on another replica if the one running it dies."""
+        from scratch on another replica if the one running it dies. `log_requests`: write the prompts,
+        settings and outputs to the log (--log-requests; never otherwise)."""
         self.engine = engine
         self.request = request
         self.prompts = prompts
@@ -72,6 +78,9 @@ class Generation:
         self.deadline = deadline
         self.live = live if live is not None else set()
         self.restartable = restartable
+        self.log_requests = log_requests
+        grant = request_key(request.scope) if request is not None else None
+        self.meter = grant[1] if grant is not None else None  # charges the key's tokens as they come
         self._queue: asyncio.Queue = asyncio.Queue()
         self._drains: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
@@ -82,6 +91,9 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         self.live.add(self)
+        if self.log_requests:
+            for i, prompt in enumerate(self.prompts):
+                request_logger.info("request %s: prompt=%r params=%s", self.engine_request_id(i), prompt, self.params)
         for i, prompt in enumerate(self.prompts):
             self._drains.append(asyncio.create_task(self._drain(i, prompt), name=self.engine_request_id(i)))
         if self.request is not None:
@@ -127,6 +139,11 @@ class Generation:
                     self.engine.generate(prompt, self.params, self.engine_request_id(index),
                                          deadline_s=deadline_s, restartable=self.restartable)) as stream:
                 async for output in stream:
+                    if self.meter is not None:
+                        self.meter.observe(self.engine_request_id(index), output)
+                    if self.log_requests and output.finished:
+                        request_logger.info("request %s: output=%r", self.engine_request_id(index),
+                                            [c.text for c in output.outputs])
                     self._queue.put_nowait((index, output))
             self._queue.put_nowait((index, _ENDED))
         except asyncio.CancelledError:

@@ -41,6 +41,7 @@ from tessera import __version__
 from tessera.engine.input_processor import check_token_ids
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from tessera.server.auth import check_model
 from tessera.server.chat import chat_prompt, chat_prompt_text
 from tessera.server.errors import APIError, validation_error
 from tessera.server.protocol import ChatCompletionRequest, UsageInfo
@@ -369,6 +370,7 @@ async def _load_or_unload(state: ServerState, request: Request, served: ServedMo
                           kind: str, timing: Timing) -> Response:
     """An empty conversation or prompt loads the model (keep_alive 0: unloads it), as Ollama does."""
     reply = OllamaReply(kind, served.name, timing, parser=None, logprobs=False)
+    check_model(request.scope, served.name, served.name)  # a key may only load or unload its models
     if keep == 0:
         if served.fixed or served.pinned:
             raise APIError(400, f'"{served.name}" stays loaded: it is this server\'s own engine, which '
@@ -376,7 +378,7 @@ async def _load_or_unload(state: ServerState, request: Request, served: ServedMo
         if served.engine is not None:
             await asyncio.to_thread(state.router.unload, served, "keep_alive 0")
         return JSONResponse({**reply._piece("", [], None, done=True), "done_reason": "unload"})
-    route = await state.router.route(served.name, allow_fallback=False)
+    route = await state.route(served.name, request, fallback=False, generates=False)
     timing.load = time.perf_counter_ns() - timing.start
     state.router.set_keep_alive(route.model, keep)
     return JSONResponse({**reply._piece("", [], None, done=True), "done_reason": "load"},

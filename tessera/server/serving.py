@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
+from tessera.server.auth import check_model, enter_queue
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
 from tessera.server.protocol import UsageInfo
@@ -72,6 +73,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     generations: set[Generation] = field(default_factory=set)  # running now, for shut_down()
     draining: bool = False  # shutting down: running requests finish, new ones get 503
+    log_requests: bool = False  # prompts and outputs in the log (--log-requests)
 
     @property
     def model_name(self) -> str:
@@ -86,10 +88,18 @@ class ServerState:
                            code="model_unavailable")
         return engine
 
-    async def route(self, requested: Optional[str], request: Request) -> Route:
-        """The loaded model that answers (fallback rules applied unless the request forbids it)."""
+    async def route(self, requested: Optional[str], request: Request, *, fallback: bool = True,
+                    generates: bool = True) -> Route:
+        """The loaded model that answers (fallback rules applied unless the request forbids it, or
+        `fallback` is False: tokenizers and loads name one model). The request's API key must be
+        allowed the model (checked before it loads); a request that `generates` gets a place in
+        its key's fair share of the model's queue."""
+        check_model(request.scope, requested, self.router.resolve(requested).name)
         forbid = request.headers.get(NO_FALLBACK_HEADER, "").strip().lower() in ("1", "true", "yes")
-        return await self.router.route(requested, allow_fallback=not forbid)
+        route = await self.router.route(requested, allow_fallback=fallback and not forbid)
+        if generates:
+            enter_queue(request.scope, route.model.engine)
+        return route
 
     def deadline(self) -> Optional[float]:
         return time.monotonic() + self.request_timeout if self.request_timeout else None
@@ -152,7 +162,8 @@ class Run:
     def generation(self, restartable: bool = False) -> Generation:
         self.request.state.request_id = self.request_id
         return Generation(self.engine, self.request if self.watch_client else None, self.prompts, self.params,
-                          self.request_id, self.state.deadline(), self.state.generations, restartable=restartable)
+                          self.request_id, self.state.deadline(), self.state.generations, restartable=restartable,
+                          log_requests=self.state.log_requests)
 
     def error(self, exc: BaseException) -> APIError:
         return self.state.error(exc, self.route.model)

@@ -20,9 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from tessera.engine.input_processor import check_token_ids
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.chat import chat_prompt_text
-from tessera.server.tools import OutputParsing
 from tessera.server.errors import APIError
 from tessera.server.protocol import ChatCompletionRequest, ChatMessage, ChatTool, OpenAIModel
+from tessera.server.tools import OutputParsing
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
@@ -47,10 +47,10 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
-async def _engine(state: ServerState, model: Optional[str]) -> tuple[ServingEngine, OutputParsing]:
+async def _engine(state: ServerState, model: Optional[str], request: Request) -> tuple[ServingEngine, OutputParsing]:
     """The named model's engine, loaded, and how its prompts are rendered; never a fallback
     (another model has another tokenizer)."""
-    route = await state.router.route(model, allow_fallback=False)
+    route = await state.route(model, request, fallback=False, generates=False)
     engine = route.model.engine
     if engine is None:
         raise APIError(503, f"Model {route.model.name!r} was unloaded; retry.", type="server_error",
@@ -75,7 +75,7 @@ def _text(engine: ServingEngine, settings: OutputParsing, body: TokenizeRequest)
 
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
-    engine, settings = await _engine(state, body.model)
+    engine, settings = await _engine(state, body.model, request)
     text, special = _text(engine, settings, body)
     tokenizer = engine.tokenizer
     ids = await asyncio.to_thread(tokenizer.encode, text, special)  # a 16 MiB body takes a while
@@ -87,7 +87,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
-    engine, _ = await _engine(state, body.model)
+    engine, _ = await _engine(state, body.model, request)
     tokenizer = engine.tokenizer
     try:
         check_token_ids(body.tokens, tokenizer.vocab_size)

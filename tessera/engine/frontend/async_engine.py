@@ -425,12 +425,12 @@ class AsyncLLMEngine:
                 if it_stats is None and not outputs:
                     continue  # a remote core had no result yet; new commands are waiting
                 self._step_started = None
+                with self._lock:  # before the outputs: a caller seeing a first token sees its request left the queue
+                    self._num_waiting = self.engine.num_waiting_requests()
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 self._stats = self.engine.get_scheduler_stats()
                 self._snapshot = self.engine.load_snapshot()
-                with self._lock:
-                    self._num_waiting = self.engine.num_waiting_requests()
                 if self.stats_sink is not None:
                     self.stats_sink.put(self._stats, it_stats)
                 for sl in self.stat_loggers:

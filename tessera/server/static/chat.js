@@ -94,7 +94,7 @@
 
   async function loadModels() {
     try {
-      const r = await fetch("/v1/models");
+      const r = await tesseraFetch("/v1/models");
       const body = await r.json();
       els.model.replaceChildren();
       for (const m of body.data || []) {
@@ -172,7 +172,7 @@
       scrollDown();
     };
     try {
-      const r = await fetch("/v1/chat/completions", {
+      const r = await tesseraFetch("/v1/chat/completions", {
         method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
         signal: controller.signal,
       });

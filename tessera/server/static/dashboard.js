@@ -124,7 +124,7 @@
   async function refresh() {
     if (paused) return;
     try {
-      const r = await fetch(`/v1/engine/live?seconds=${els.span.value}`);
+      const r = await tesseraFetch(`/v1/engine/live?seconds=${els.span.value}`);
       if (!r.ok) throw new Error(`HTTP ${r.status}`);
       const body = await r.json();
       const names = body.models.map((m) => m.model);
