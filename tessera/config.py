@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from tessera.errors import ConfigError
+from tessera.pooling_params import POOLING_TYPES, PoolerConfig
 
 
 @dataclass
 class ModelConfig:
-    """Shape of a decoder-only transformer, independent of file format."""
+    """Shape of a transformer (a decoder, or a BERT encoder), independent of file format."""
 
-    architecture: str  # "llama", "qwen2" or "gemma3"
+    architecture: str  # "llama", "qwen2", "gemma3" or "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +43,16 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
     attn_logit_softcapping: Optional[float] = None
+    # bert (encoders) only: bidirectional attention over the whole input, absolute positions
+    is_causal: bool = True
+    type_vocab_size: int = 0
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = ""
+    # Trained so that a prefix of the embedding is an embedding (config.json's is_matryoshka or
+    # matryoshka_dimensions, vLLM's keys): `dimensions` may shorten it
+    matryoshka: bool = False
+    # How the model embeds, when its folder says (sentence-transformers); None: it does not say
+    pooler: Optional[PoolerConfig] = None
     name: str = ""  # display name (registry name or file stem)
     quantization: str = ""  # e.g. "Q4_1" as found in the file, informational
 
@@ -225,6 +236,9 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding (vLLM's --speculative-config); None = off.
     speculative_config: Optional[SpeculativeConfig] = None
+    # Embeddings from a decoder (or another pooling for an encoder): mean, cls or last token;
+    # None = the model folder's own (sentence-transformers), else the model does not embed.
+    pooling: Optional[Literal["mean", "cls", "last"]] = None
     # Profile fields given explicitly (they beat the profile); filled in when the profile is applied.
     profile_overrides: tuple[str, ...] = ()
 
@@ -261,10 +275,20 @@ class EngineConfig:
             if self.speculative_config is not None and self.speculative_config.method == "draft_model":
                 raise ConfigError("--kv-offload-dir does not store a draft model's KV; use it without "
                                   "draft_model speculation (ngram and layer_skip are fine)")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ConfigError(f"--pooling must be one of {', '.join(POOLING_TYPES)}, not {self.pooling!r}")
         target = self.target_itl_ms
         if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
             raise ConfigError(f"--target-itl-ms must be a number of milliseconds >= 0 (0 = no target), "
                               f"not {target!r}")
+
+    def pooler_for(self, model: ModelConfig) -> Optional[PoolerConfig]:
+        """How this engine embeds with `model`: `--pooling` over the model's own pooler (a decoder
+        given `--pooling` normalises, as vLLM's embedding runner does); None: it does not embed."""
+        if self.pooling is None:
+            return model.pooler
+        base = model.pooler or PoolerConfig(self.pooling, matryoshka=model.matryoshka)
+        return dataclasses.replace(base, pooling=self.pooling)
 
     @property
     def dense_copy(self) -> Optional[bool]:

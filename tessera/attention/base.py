@@ -160,6 +160,34 @@ class AttentionBackend(ABC):
                        block_size: int) -> AttentionMetadata:
         return build_metadata(self, query_lens, seq_lens, block_tables, block_size)
 
+    def forward_bidirectional(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+        """Encoder attention: every token of a request attends to all of that request's tokens,
+        before and after it; `[T, Hq, D]` -> `[T, Hq * D]`. No KV cache is read or written: an
+        encoder's keys and values are of no use after its one forward, so each request must be
+        whole in this step (its query is its context), which the scheduler guarantees by never
+        chunking a pooling request. The same for every backend (one padded SDPA call)."""
+        lens = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(meta.num_reqs)]
+        if lens != meta.seq_lens:
+            raise ValueError("bidirectional attention needs each request whole in its step (no cached context)")
+        t, hq, d = q.shape
+        if meta.num_reqs == 1:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                v.transpose(0, 1).unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=True)
+            return o.squeeze(0).transpose(0, 1).reshape(t, hq * d)
+        pad_index, valid, mask = _padded_layout(meta, lens)
+        b, width = pad_index.shape
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], zero rows as padding
+            ext = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+            return ext.index_select(0, pad_index.view(-1)).view(b, width, *x.shape[1:]).transpose(1, 2)
+
+        o = torch.nn.functional.scaled_dot_product_attention(padded(q), padded(k.to(q.dtype)), padded(v.to(q.dtype)),
+                                                             attn_mask=mask, scale=scale, enable_gqa=True)
+        out = o.transpose(1, 2).reshape(b * width, hq * d)
+        return out if valid is None else out.index_select(0, valid)
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
@@ -167,6 +195,25 @@ class AttentionBackend(ABC):
         """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`.
         `key_bias` (quantized caches only; others ignore it): the keys' bias share, kept out of the
         cache and added back in float32."""
+
+
+def _padded_layout(meta: AttentionMetadata, lens: list[int]):
+    """For bidirectional attention over requests of `lens` tokens packed back to back: the index
+    of each padded row in the packed batch ([B, L], the zero row T for padding), the padded rows
+    that are real (None when none is padding), and a key mask [B, 1, 1, L] (None when all are
+    as long), built once per step and shared by the layers."""
+    key = ("bidirectional", meta.num_tokens)
+    if key not in meta._cache:
+        width, b = max(lens), len(lens)
+        pad_index = torch.full((b, width), meta.num_tokens, dtype=torch.long)
+        for j, n in enumerate(lens):
+            pad_index[j, :n] = torch.arange(meta.query_start_loc[j], meta.query_start_loc[j] + n)
+        if min(lens) == width:
+            meta._cache[key] = (pad_index, None, None)
+        else:
+            real = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [B, L]
+            meta._cache[key] = (pad_index, real.view(-1).nonzero().view(-1), real.view(b, 1, 1, width))
+    return meta._cache[key]
 
 
 # A RoPE pair's bias is taken out of the keys when its norm is over this many times its head's

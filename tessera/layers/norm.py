@@ -47,3 +47,35 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         residual = x + residual
         return F.rms_norm(residual, (self.hidden_size,), self.weight, self.eps), residual
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / std * weight + bias (BERT's post-attention and post-MLP norms), with the
+    residual add folded in as RMSNorm's. Computed in float32 whatever the activations' dtype:
+    a post-norm encoder renormalises the residual stream every layer, and rounding the sum to
+    bfloat16 before the statistics cost more agreement with the float32 reference than the
+    matrix products did; the result is rounded once."""
+
+    def __init__(self, hidden_size: int, eps: float, prefix: str = ""):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.prefix = prefix
+        self.register_buffer("weight", torch.empty(hidden_size, device="meta"), persistent=False)
+        self.register_buffer("bias", torch.empty(hidden_size, device="meta"), persistent=False)
+
+    def _checked(self, t: Tensor, what: str) -> Tensor:
+        if tuple(t.shape) != (self.hidden_size,):
+            raise ModelFormatError(f"norm {self.prefix} {what} has shape {tuple(t.shape)}, expected ({self.hidden_size},)")
+        return t.float()
+
+    def weight_loader(self, w: Tensor) -> None:
+        self.weight = self._checked(w, "weight")
+
+    def bias_loader(self, b: Tensor) -> None:
+        self.bias = self._checked(b, "bias")
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+        """LayerNorm(x), or LayerNorm(x + residual), in x's dtype."""
+        h = x.float() if residual is None else x.float() + residual.float()
+        return F.layer_norm(h, (self.hidden_size,), self.weight, self.bias, self.eps).to(x.dtype)
