@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from tessera.errors import ConfigError, ModelFormatError
+from tessera.sampling_params import InvalidRequestError
 
 PoolingType = Literal["mean", "cls", "last"]
 POOLING_TYPES: tuple[str, ...] = ("mean", "cls", "last")
@@ -55,8 +56,6 @@ class PoolingParams:
     def resolve(self, pooler: PoolerConfig, hidden_size: int) -> "PoolingParams":
         """Every field filled from the model's pooler; raises InvalidRequestError for a
         `dimensions` the model cannot give."""
-        from tessera.sampling_params import InvalidRequestError
-
         dims = self.dimensions
         if dims is not None:
             if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= hidden_size:
@@ -68,6 +67,18 @@ class PoolingParams:
                 dims = None
         return PoolingParams(self.pooling or pooler.pooling,
                              pooler.normalize if self.normalize is None else self.normalize, dims, self.truncate)
+
+
+def cannot_embed(model: str) -> InvalidRequestError:
+    """The error (HTTP 400) for an embedding request to a model that does not embed."""
+    return InvalidRequestError(f"model {model!r} does not serve embeddings: start it with --pooling mean|cls|last "
+                               "to embed with it, or use an embedding model (e.g. all-minilm-l6-v2)")
+
+
+def embeds_only(model: str) -> InvalidRequestError:
+    """The error (HTTP 400) for a generation request to an encoder."""
+    return InvalidRequestError(f"model {model!r} is an embedding model: it serves /v1/embeddings (and /api/embed), "
+                               "not text generation")
 
 
 def read_sentence_transformers(folder: Path) -> Optional[PoolerConfig]:

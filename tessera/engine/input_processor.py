@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.outputs import KVTransfer
-from tessera.pooling_params import PoolerConfig, PoolingParams
+from tessera.pooling_params import PoolerConfig, PoolingParams, cannot_embed, embeds_only
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.tokenizer import Tokenizer
 
@@ -84,8 +84,7 @@ class InputProcessor:
         if pooling is not None:
             return self._process_pooling(request_id, prompt, pooling, arrival_time, add_special_tokens)
         if not lim.generates:
-            raise InvalidRequestError(f"model {lim.model_name!r} is an embedding model: it serves embeddings "
-                                      "(/v1/embeddings, /api/embed), not text generation")
+            raise embeds_only(lim.model_name)
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty")
@@ -123,18 +122,17 @@ class InputProcessor:
         token budget, since a pooling prompt is never split across steps."""
         lim = self.limits
         if lim.pooler is None:
-            raise InvalidRequestError(
-                f"model {lim.model_name!r} does not embed: serve it with --pooling mean|cls|last, or use an "
-                "embedding model (e.g. all-minilm-l6-v2)")
+            raise cannot_embed(lim.model_name)
         resolved = pooling.resolve(lim.pooler, lim.hidden_size)
-        limit = min(lim.max_model_len, lim.kv_capacity_tokens, lim.max_num_batched_tokens or lim.max_model_len)
-        cut = lim.pooler.max_seq_length if resolved.truncate else None
+        budget = lim.max_num_batched_tokens or lim.max_model_len
+        model_limit = min(lim.max_model_len, lim.pooler.max_seq_length or lim.max_model_len)
+        limit = min(model_limit, lim.kv_capacity_tokens, budget)
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("input must not be empty")
             text: Optional[str] = prompt
-            if cut is not None:
-                ids = self.tokenizer.encode_truncated(prompt, min(cut, lim.max_model_len), add_special_tokens)
+            if resolved.truncate and lim.pooler.max_seq_length is not None:
+                ids = self.tokenizer.encode_truncated(prompt, model_limit, add_special_tokens)
             else:
                 ids = self.tokenizer.encode_bounded(prompt, limit, add_special_tokens)
         else:
@@ -144,7 +142,7 @@ class InputProcessor:
             raise InvalidRequestError("input must contain at least one token")
         if len(ids) > limit:
             why = ("--max-num-batched-tokens, the step's token budget: an embedding input is computed whole in one "
-                   "step" if limit == lim.max_num_batched_tokens else "the model's maximum context length")
+                   "step" if limit == budget < model_limit else "the model's maximum input length")
             raise InvalidRequestError(
                 f"This model's maximum input length for embeddings is {limit} tokens ({why}); the input has "
                 f"{len(ids)} tokens. Please shorten it{' or leave truncation on' if not resolved.truncate else ''}.")

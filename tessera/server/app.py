@@ -35,6 +35,7 @@ from tessera.config import PROFILE_FIELDS, PROFILE_SETTINGS
 from tessera.errors import TesseraError
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
+from tessera.server.embeddings import add_embedding_routes
 from tessera.server.errors import APIError, install_error_handlers, validation_error
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tessera.server.router import ModelRouter, ServedModel
@@ -199,6 +200,9 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     async def chat_completions(request: Request) -> Response:
         return await _guarded(request, _parse_then(request, ChatCompletionRequest, create_chat_completion))
 
+    # Embeddings (server/embeddings.py): /v1/embeddings, and Ollama's /api/embed and /api/embeddings.
+    embedding_requests = add_embedding_routes(app, _guarded, _parse_then, _json_body)
+
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         """Every name served (aliases included), loaded or not; `status` says which."""
@@ -329,7 +333,7 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
 
     if ui:
         install_ui(app)
-    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, *embedding_requests])
     return app
 
 

@@ -18,6 +18,7 @@ import anyio
 from starlette.requests import Request
 
 from tessera.engine.outputs import RequestOutput
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,11 +60,13 @@ class Generation:
 
     def __init__(self, engine: ServingEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
                  params: SamplingParams, request_id: str, deadline: Optional[float] = None,
-                 live: Optional[set[Generation]] = None, restartable: bool = False) -> None:
+                 live: Optional[set[Generation]] = None, restartable: bool = False,
+                 pooling: Optional[PoolingParams] = None) -> None:
         """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;
         `live` is the server's set of running generations, which this one joins while it runs;
         `restartable`: only final outputs are read (not streamed), so the engine may rerun a prompt
-        from scratch on another replica if the one running it dies."""
+        from scratch on another replica if the one running it dies; `pooling`: the prompts are
+        embedding inputs (each one final output with its vector)."""
         self.engine = engine
         self.request = request
         self.prompts = prompts
@@ -72,6 +75,7 @@ class Generation:
         self.deadline = deadline
         self.live = live if live is not None else set()
         self.restartable = restartable
+        self.pooling = pooling
         self._queue: asyncio.Queue = asyncio.Queue()
         self._drains: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
@@ -125,7 +129,8 @@ class Generation:
             deadline_s = None if self.deadline is None else self.deadline - time.monotonic()
             async with contextlib.aclosing(
                     self.engine.generate(prompt, self.params, self.engine_request_id(index),
-                                         deadline_s=deadline_s, restartable=self.restartable)) as stream:
+                                         deadline_s=deadline_s, restartable=self.restartable,
+                                         pooling=self.pooling)) as stream:
                 async for output in stream:
                     self._queue.put_nowait((index, output))
             self._queue.put_nowait((index, _ENDED))

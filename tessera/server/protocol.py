@@ -26,6 +26,7 @@ class OpenAIModel(BaseModel):
 # How to describe the fields whose type is a union, when a value fits none of its members.
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
     "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
