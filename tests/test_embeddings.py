@@ -77,6 +77,19 @@ def test_bert_matches_sentence_transformers(tmp_path, pooling):
     assert len(ids) == 24 and ids[-1] == engine.tokenizer.backend.token_to_id("[SEP]")
 
 
+def test_bfloat16_encoder(bert_dir):
+    """bfloat16 (the fused oneDNN products: bias, GELU, residual add) stays with sentence-transformers'
+    float32, and a mixed-length batch agrees with each input alone."""
+    from sentence_transformers import SentenceTransformer
+
+    engine = LLMEngine(EngineConfig(model=str(bert_dir), dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=64))
+    together = embed_all(engine, TEXTS)
+    ref = SentenceTransformer(str(bert_dir), device="cpu").encode(TEXTS)
+    assert cosines(together, ref).min() > 0.999
+    alone = [embed_all(engine, [t])[0] for t in TEXTS]
+    assert cosines(together, alone).min() > 0.999
+
+
 def test_batch_invariance_and_token_ids(bert):
     alone = embed_all(bert, [TEXTS[0]])[0]
     batch = embed_all(bert, [TEXTS[0]] + TEXTS * 2)  # 13 inputs: several steps of 64 tokens

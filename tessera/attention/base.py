@@ -171,22 +171,23 @@ class AttentionBackend(ABC):
         if lens != meta.seq_lens:
             raise ValueError("bidirectional attention needs each request whole in its step (no cached context)")
         t, hq, d = q.shape
-        if meta.num_reqs == 1:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                v.transpose(0, 1).unsqueeze(0).to(q.dtype), scale=scale, enable_gqa=True)
-            return o.squeeze(0).transpose(0, 1).reshape(t, hq * d)
-        pad_index, valid, mask = _padded_layout(meta, lens)
-        b, width = pad_index.shape
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        b, width = len(lens), max(lens)
+        if min(lens) == width:  # all as long (one request, or a batch of equal inputs): views, no copy
+            def batched(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+                return x.view(b, width, *x.shape[1:]).transpose(1, 2)
 
-        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], zero rows as padding
-            ext = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
-            return ext.index_select(0, pad_index.view(-1)).view(b, width, *x.shape[1:]).transpose(1, 2)
+            o = sdpa(batched(q), batched(k.to(q.dtype)), batched(v.to(q.dtype)), scale=scale, enable_gqa=True)
+            return o.transpose(1, 2).reshape(t, hq * d)
+        rows, mask = _padded_layout(meta, lens)
 
-        o = torch.nn.functional.scaled_dot_product_attention(padded(q), padded(k.to(q.dtype)), padded(v.to(q.dtype)),
-                                                             attn_mask=mask, scale=scale, enable_gqa=True)
-        out = o.transpose(1, 2).reshape(b * width, hq * d)
-        return out if valid is None else out.index_select(0, valid)
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], zeros as padding
+            out = x.new_zeros((b * width, *x.shape[1:])).index_copy_(0, rows, x)
+            return out.view(b, width, *x.shape[1:]).transpose(1, 2)
+
+        o = sdpa(padded(q), padded(k.to(q.dtype)), padded(v.to(q.dtype)), attn_mask=mask, scale=scale,
+                 enable_gqa=True)
+        return o.transpose(1, 2).reshape(b * width, hq * d).index_select(0, rows)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -197,22 +198,15 @@ class AttentionBackend(ABC):
         cache and added back in float32."""
 
 
-def _padded_layout(meta: AttentionMetadata, lens: list[int]):
-    """For bidirectional attention over requests of `lens` tokens packed back to back: the index
-    of each padded row in the packed batch ([B, L], the zero row T for padding), the padded rows
-    that are real (None when none is padding), and a key mask [B, 1, 1, L] (None when all are
-    as long), built once per step and shared by the layers."""
+def _padded_layout(meta: AttentionMetadata, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For bidirectional attention over requests of `lens` tokens packed back to back, padded to
+    the longest: the padded row of each packed token ([T]) and a key mask [B, 1, 1, L] (True:
+    a real token), built once per step and shared by the layers."""
     key = ("bidirectional", meta.num_tokens)
     if key not in meta._cache:
         width, b = max(lens), len(lens)
-        pad_index = torch.full((b, width), meta.num_tokens, dtype=torch.long)
-        for j, n in enumerate(lens):
-            pad_index[j, :n] = torch.arange(meta.query_start_loc[j], meta.query_start_loc[j] + n)
-        if min(lens) == width:
-            meta._cache[key] = (pad_index, None, None)
-        else:
-            real = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [B, L]
-            meta._cache[key] = (pad_index, real.view(-1).nonzero().view(-1), real.view(b, 1, 1, width))
+        real = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [B, L]
+        meta._cache[key] = (real.view(-1).nonzero().view(-1), real.view(b, 1, 1, width))
     return meta._cache[key]
 
 

@@ -188,9 +188,10 @@ def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVC
     if pooler is None:
         raise InvalidRequestError(f"{config.model!r} is an encoder without a sentence-transformers pooling "
                                   "configuration (modules.json, 1_Pooling); pass --pooling mean|cls|last")
+    config = config.for_encoder()
     num_blocks = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size) + 1
     kv_capacity_tokens = groups.max_tokens(num_blocks, config.block_size, config.max_num_batched_tokens)
-    config = replace(config, max_model_len=max_model_len, kv_cache_memory=0, enable_prefix_caching=False)
+    config = replace(config, max_model_len=max_model_len, kv_cache_memory=0)
     kv = KVCacheManager(num_blocks, config.block_size, False, 0, hash_extra=str(config.model), groups=groups)
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
     inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))

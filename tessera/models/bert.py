@@ -15,26 +15,26 @@ import math
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
 from tessera.layers import Attention, LayerNorm, Linear, QuantConfig, VocabEmbedding
+from tessera.layers.quantization import Activation
 from tessera.layers.weights import AnyWeight
 from tessera.models.weights import load_named_weights
 
 PACKED_MODULES = {"query": ("qkv", "q"), "key": ("qkv", "k"), "value": ("qkv", "v")}
 # Hugging Face's names for the activation (ACT2FN): exact erf GELU, or its tanh approximation.
-_GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+_GELU: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                                "gelu_fast": "gelu_tanh"}
 
 
-def gelu_approximation(hidden_act: str) -> str:
-    if hidden_act not in _GELU_APPROXIMATION:
-        raise ModelFormatError(f"BERT activation {hidden_act!r} is not supported; Tessera runs "
-                               f"{', '.join(_GELU_APPROXIMATION)}")
-    return _GELU_APPROXIMATION[hidden_act]
+def gelu_activation(hidden_act: str) -> Activation:
+    if hidden_act not in _GELU:
+        raise ModelFormatError(f"BERT activation {hidden_act!r} is not supported; Tessera runs {', '.join(_GELU)}")
+    return _GELU[hidden_act]
 
 
 class BertEmbeddings(nn.Module):
@@ -49,8 +49,8 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         segment = self.token_type_embeddings.embed(torch.zeros(1, dtype=torch.long))  # every token is segment 0
-        x = self.word_embeddings.embed(input_ids).float() + self.position_embeddings.embed(positions).float()
-        return self.LayerNorm(x, segment.float()).to(self.word_embeddings.quant.dtype)
+        x = self.word_embeddings.embed(input_ids) + self.position_embeddings.embed(positions)
+        return self.LayerNorm(x, segment)
 
 
 class BertSelfAttention(nn.Module):
@@ -77,7 +77,7 @@ class BertDenseNorm(nn.Module):
         self.LayerNorm = LayerNorm(c.hidden_size, c.layer_norm_eps, prefix=prefix + ".LayerNorm")
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
-        return self.LayerNorm(self.dense(x), residual)
+        return self.LayerNorm(self.dense(x, residual=residual))  # the add done by the product (oneDNN post-op)
 
 
 class BertAttention(nn.Module):
@@ -94,10 +94,10 @@ class BertIntermediate(nn.Module):
     def __init__(self, c: ModelConfig, quant: QuantConfig, prefix: str):
         super().__init__()
         self.dense = Linear(c.hidden_size, c.intermediate_size, quant, bias=True, prefix=prefix + ".dense")
-        self.approximate = gelu_approximation(c.hidden_act or "gelu")
+        self.activation = gelu_activation(c.hidden_act or "gelu")
 
     def forward(self, h: Tensor) -> Tensor:
-        return F.gelu(self.dense(h), approximate=self.approximate)
+        return self.dense(h, self.activation)  # the GELU applied by the product (layers/quantization.py)
 
 
 class BertLayer(nn.Module):

@@ -43,6 +43,10 @@ HF_ALLOW_PATTERNS = [
     "chat_template.json",
     "*.safetensors",
     "*.safetensors.index.json",
+    # sentence-transformers' pipeline: which pooling, normalisation and truncation an embedding model uses
+    "modules.json",
+    "sentence_bert_config.json",
+    "1_Pooling/config.json",
 ]
 _TEMP_NAME = re.compile(r"^\..*\.pid(\d+)\.")  # temporary files and folders of a pull in progress
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
