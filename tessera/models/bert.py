@@ -45,7 +45,7 @@ class BertEmbeddings(nn.Module):
                                                   prefix="embeddings.position_embeddings")
         self.token_type_embeddings = VocabEmbedding(max(1, c.type_vocab_size), c.hidden_size, quant,
                                                     prefix="embeddings.token_type_embeddings")
-        self.LayerNorm = LayerNorm(c.hidden_size, c.layer_norm_eps, prefix="embeddings.LayerNorm")
+        self.LayerNorm = LayerNorm(c.hidden_size, c.layer_norm_eps, quant.dtype, prefix="embeddings.LayerNorm")
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         segment = self.token_type_embeddings.embed(torch.zeros(1, dtype=torch.long))  # every token is segment 0
@@ -74,7 +74,7 @@ class BertDenseNorm(nn.Module):
     def __init__(self, c: ModelConfig, quant: QuantConfig, input_size: int, prefix: str):
         super().__init__()
         self.dense = Linear(input_size, c.hidden_size, quant, bias=True, prefix=prefix + ".dense")
-        self.LayerNorm = LayerNorm(c.hidden_size, c.layer_norm_eps, prefix=prefix + ".LayerNorm")
+        self.LayerNorm = LayerNorm(c.hidden_size, c.layer_norm_eps, quant.dtype, prefix=prefix + ".LayerNorm")
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         return self.LayerNorm(self.dense(x, residual=residual))  # the add done by the product (oneDNN post-op)

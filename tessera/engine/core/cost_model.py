@@ -233,8 +233,9 @@ def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_to
     shapes: list[list[tuple[int, int, bool]]] = []
     rows = sorted({1, min(4, max_rows), min(16, max_rows), max_rows})
     contexts = sorted({min(64, max_context - 1), min(1024, max_context - 1)})
-    for k in knots:
-        shapes.append([(0, k, False)])
+    for k in knots:  # an encoder's input is at most max_context long: a larger knot is several inputs
+        shapes.append([(0, k, False)] if not prefill_only or k <= max_context else
+                      [(0, max_context, False)] * (k // max_context) + [(0, k % max_context, False)] * (k % max_context > 0))
     if prefill_only:
         n = min(64, max_context - 1)
         shapes += [[(0, n, False)] * r for r in rows[1:] if r * n <= max_tokens]
