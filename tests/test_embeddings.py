@@ -176,8 +176,9 @@ def test_decoder_embeds_with_pooling(tiny_llama_dir, pooling):
 # ---------------------------------------------------------------------------------------- the API
 
 class Served:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, app) -> None:
         self.url = url
+        self.state = app.state.tessera
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def post(self, path: str, body) -> httpx.Response:
@@ -202,8 +203,9 @@ def served(bert_dir, tiny_llama_dir) -> Iterator[Served]:
         model.metrics = PrometheusStatLogger(name, families=families)
         models.append(model)
     try:
-        with serve_in_thread(create_app(router=ModelRouter(models), metrics=families)) as url:
-            yield Served(url)
+        app = create_app(router=ModelRouter(models), metrics=families)
+        with serve_in_thread(app) as url:
+            yield Served(url, app)
     finally:
         for engine in engines:
             engine.shutdown()
@@ -274,6 +276,24 @@ def test_queue_bound_is_checked_once_per_request(served):
     """A batch larger than the queue bound (16) is one API request: admitted while the queue has room."""
     r = served.post("/v1/embeddings", {"model": "bert", "input": TEXTS * 10})
     assert r.status_code == 200 and len(r.json()["data"]) == 60
+
+
+def test_full_queue_is_429_and_deadline_applies(served):
+    engine = served.state.router.resolve("bert").engine
+    engine.max_num_queued_requests = 0  # the queue counts as full
+    try:
+        r = served.post("/v1/embeddings", {"model": "bert", "input": "hello"})
+        assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
+        old = served.post("/api/embed", {"model": "bert", "input": "hello"})
+        assert old.status_code == 429 and set(old.json()) == {"error"}
+    finally:
+        engine.max_num_queued_requests = 16
+    served.state.request_timeout = 1e-6  # past before the engine can answer: refused by forecast, or timed out
+    try:
+        r = served.post("/v1/embeddings", {"model": "bert", "input": "hello"})
+        assert r.status_code in (429, 504) and r.json()["error"]["message"], r.text
+    finally:
+        served.state.request_timeout = None
 
 
 def test_ollama_routes(served, bert):

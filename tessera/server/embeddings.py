@@ -23,7 +23,8 @@ from pydantic import BaseModel
 from tessera.engine.errors import QueueFullError
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
-from tessera.server.protocol import OpenAIModel, UsageInfo
+from tessera.server.errors import APIError
+from tessera.server.protocol import OpenAIModel, Prompt, UsageInfo, prompt_list
 from tessera.server.router import Route
 from tessera.server.serving import Run, ServerState, record_usage
 
@@ -33,12 +34,10 @@ if TYPE_CHECKING:
 # OpenAI's own limit on inputs per request; also what keeps one body from queueing 10,000 requests.
 MAX_INPUTS = 2048
 
-EmbeddingInput = Union[str, list[str], list[int], list[list[int]]]
-
 
 class EmbeddingRequest(OpenAIModel):
     model: Optional[str] = None
-    input: EmbeddingInput
+    input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
@@ -48,19 +47,10 @@ class EmbeddingRequest(OpenAIModel):
         return as_inputs(self.input, "input")
 
 
-def as_inputs(value: EmbeddingInput, field: str) -> list[Union[str, list[int]]]:
+def as_inputs(value: Prompt, field: str) -> list[Union[str, list[int]]]:
     """A string, list of strings, token ids or lists of them as a list of inputs; 400 when empty,
     with an empty entry, or with more than MAX_INPUTS."""
-    if isinstance(value, str):
-        items: list[Union[str, list[int]]] = [value]
-    elif value and all(isinstance(x, int) for x in value):
-        items = [list(value)]  # type: ignore[arg-type]
-    else:
-        items = list(value)  # type: ignore[arg-type]
-    if not items:
-        raise InvalidRequestError(f"{field} must not be empty")
-    if any(len(x) == 0 for x in items):
-        raise InvalidRequestError(f"{field} must not contain an empty string or an empty list of token ids")
+    items = prompt_list(value, field)
     if len(items) > MAX_INPUTS:
         raise InvalidRequestError(f"{field} has {len(items)} entries; at most {MAX_INPUTS} are allowed per request")
     return items
@@ -100,7 +90,9 @@ async def embed(state: ServerState, request: Request, route: Route, inputs: list
     vectors = []
     for i in range(len(inputs)):
         vector = finals[i].embedding
-        assert vector is not None, "an embedding request finished without its vector"
+        if vector is None:  # ended by the engine before its step ran (aborted at a restart or a shutdown)
+            raise APIError(503, "The embedding request was ended before it was computed; retry.", type="server_error",
+                           code="request_aborted")
         vectors.append(vector)
     tokens = sum(len(out.prompt_token_ids) for out in finals.values())
     record_usage(request, UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
