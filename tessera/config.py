@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from tessera.errors import ConfigError
+from tessera.pooling_params import POOLING_TYPES, PoolerConfig
 
 
 @dataclass
 class ModelConfig:
-    """Shape of a decoder-only transformer, independent of file format."""
+    """Shape of a transformer (a decoder, or a BERT encoder), independent of file format."""
 
-    architecture: str  # "llama", "qwen2" or "gemma3"
+    architecture: str  # "llama", "qwen2", "gemma3" or "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +43,16 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
     attn_logit_softcapping: Optional[float] = None
+    # bert (encoders) only: bidirectional attention over the whole input, absolute positions
+    is_causal: bool = True
+    type_vocab_size: int = 0
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = ""
+    # Trained so that a prefix of the embedding is an embedding (config.json's is_matryoshka or
+    # matryoshka_dimensions, vLLM's keys): `dimensions` may shorten it
+    matryoshka: bool = False
+    # How the model embeds, when its folder says (sentence-transformers); None: it does not say
+    pooler: Optional[PoolerConfig] = None
     name: str = ""  # display name (registry name or file stem)
     quantization: str = ""  # e.g. "Q4_1" as found in the file, informational
 
@@ -94,6 +105,12 @@ PROFILE_SETTINGS: dict[str, Profile] = {
     "bursty": Profile(32, 1024, 50.0, 64, True, "swap", 128, "uneven team traffic: the middle ground"),
 }
 DEFAULT_PROFILE = "bursty"  # what `auto` means for a server; `tessera chat` picks chat-solo
+# An encoder's step size where no flag sets it: its steps are whole inputs and nothing decodes, so
+# the profiles' decode-latency budgets do not apply, and larger steps amortise the per-step work
+# (all-MiniLM-L6-v2, 32 texts of 64 tokens: 1.49x sentence-transformers' texts/s in steps of 1,024
+# tokens, 2.1x in one step; benchmarks/README.md, "Embeddings").
+ENCODER_MAX_NUM_BATCHED_TOKENS = 8192
+ENCODER_MAX_NUM_SEQS = 256
 PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "min_prefill_chunk",
                   "enable_prefix_caching", "preemption_mode")
 
@@ -225,6 +242,9 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding (vLLM's --speculative-config); None = off.
     speculative_config: Optional[SpeculativeConfig] = None
+    # Embeddings from a decoder (or another pooling for an encoder): mean, cls or last token;
+    # None = the model folder's own (sentence-transformers), else the model does not embed.
+    pooling: Optional[Literal["mean", "cls", "last"]] = None
     # Profile fields given explicitly (they beat the profile); filled in when the profile is applied.
     profile_overrides: tuple[str, ...] = ()
 
@@ -261,10 +281,28 @@ class EngineConfig:
             if self.speculative_config is not None and self.speculative_config.method == "draft_model":
                 raise ConfigError("--kv-offload-dir does not store a draft model's KV; use it without "
                                   "draft_model speculation (ngram and layer_skip are fine)")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ConfigError(f"--pooling must be one of {', '.join(POOLING_TYPES)}, not {self.pooling!r}")
         target = self.target_itl_ms
         if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
             raise ConfigError(f"--target-itl-ms must be a number of milliseconds >= 0 (0 = no target), "
                               f"not {target!r}")
+
+    def for_encoder(self) -> "EngineConfig":
+        """This config for an encoder's engine: the encoder step size where no flag set it, no
+        prefix caching (nothing is kept to share)."""
+        step = {name: value for name, value in (("max_num_batched_tokens", ENCODER_MAX_NUM_BATCHED_TOKENS),
+                                                ("max_num_seqs", ENCODER_MAX_NUM_SEQS))
+                if name not in self.profile_overrides}
+        return dataclasses.replace(self, enable_prefix_caching=False, **step)
+
+    def pooler_for(self, model: ModelConfig) -> Optional[PoolerConfig]:
+        """How this engine embeds with `model`: `--pooling` over the model's own pooler (a decoder
+        given `--pooling` normalises, as vLLM's embedding runner does); None: it does not embed."""
+        if self.pooling is None:
+            return model.pooler
+        base = model.pooler or PoolerConfig(self.pooling, matryoshka=model.matryoshka)
+        return dataclasses.replace(base, pooling=self.pooling)
 
     @property
     def dense_copy(self) -> Optional[bool]:

@@ -1,4 +1,4 @@
-"""Offline batch inference: `LLM(model).generate(prompts, params)`."""
+"""Offline batch inference: `LLM(model).generate(prompts, params)`, `LLM(model).embed(texts)`."""
 from __future__ import annotations
 
 import uuid
@@ -9,6 +9,7 @@ from tqdm import tqdm
 from tessera.config import EngineConfig
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -38,8 +39,26 @@ class LLM:
         ids = [f"{batch}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params):
             self.engine.add_request(rid, prompt, p)
+        return self._run(ids, "generate", use_tqdm)
+
+    def embed(self, inputs: Union[Prompt, Sequence[Prompt]], pooling: Optional[PoolingParams] = None,
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Embed texts (or token-id lists) together, as vLLM's `LLM.embed`; each output's
+        `embedding` is its vector, in input order. The model must embed (an encoder such as
+        all-minilm-l6-v2, or a decoder given `pooling=` as an engine option)."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # type: ignore[list-item]
+        batch = uuid.uuid4().hex[:8]
+        ids = [f"{batch}-{i}" for i in range(len(inputs))]
+        for rid, x in zip(ids, inputs):
+            self.engine.add_prepared(self.engine.prepare_request(rid, x, SamplingParams(),
+                                                                 pooling=pooling or PoolingParams()))
+        return self._run(ids, "embed", use_tqdm)
+
+    def _run(self, ids: list[str], what: str, use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request of `ids` has finished; their final outputs in that order."""
         results: dict[str, RequestOutput] = {}
-        bar: Optional[tqdm] = tqdm(total=len(ids), desc="generate", unit="req") if use_tqdm else None
+        bar: Optional[tqdm] = tqdm(total=len(ids), desc=what, unit="req") if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:

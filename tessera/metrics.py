@@ -162,6 +162,11 @@ class PrometheusStatLogger:
             "structured_output_mask_seconds", "Histogram of the time per engine step spent computing and applying "
             "grammar token masks (steps with constrained requests), in seconds.", GRAMMAR_BUCKETS)
         self.request_aborts = counter("request_aborts", "Requests aborted before finishing (client gone or cancelled).")
+        self._endpoint_requests = fam(Counter, PREFIX + "endpoint_requests", "API requests answered, by endpoint "
+                                      "(embeddings: /v1/embeddings, /api/embed, /api/embeddings).",
+                                      labels + ["endpoint"])
+        self._endpoint_prompt_tokens = fam(Counter, PREFIX + "endpoint_prompt_tokens", "Input tokens of the API "
+                                           "requests answered, by endpoint.", labels + ["endpoint"])
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
@@ -283,6 +288,11 @@ class PrometheusStatLogger:
     def record_rejection(self) -> None:
         """A request refused at admission (queue full, HTTP 429); thread-safe, call from anywhere."""
         self.admission_rejections.inc()
+
+    def record_endpoint(self, endpoint: str, prompt_tokens: int) -> None:
+        """One API request answered on `endpoint`, with its input tokens; thread-safe."""
+        self._endpoint_requests.labels(*self._label_values, endpoint).inc()
+        self._endpoint_prompt_tokens.labels(*self._label_values, endpoint).inc(prompt_tokens)
 
     def watch_predicted_wait(self, forecast: Callable[[], Optional[float]]) -> None:
         """Read the predicted queue wait from `forecast` at each scrape (it is not a step event)."""

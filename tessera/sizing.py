@@ -77,6 +77,8 @@ class SizeEstimate:
     def fits(self, memory: int) -> int:
         """Sequences of max_model_len tokens whose KV fits in `memory` beside the rest (with the margin)."""
         room = memory * (1 - self.margin) - (self.total_bytes - self.kv_cache_bytes)
+        if not self.kv_bytes_per_token:  # an encoder: no KV cache, only the step's activations
+            return self.max_num_seqs if room >= 0 else 0
         return max(0, int(room // (self.kv_bytes_per_token * self.max_model_len)))
 
     def to_dict(self) -> dict:
@@ -188,6 +190,8 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
 
     path = Path(resolve_model(engine.model))
     config, tensors = checkpoint_tensors(path)
+    if not config.is_causal:  # an encoder's engine: its own step size, and no KV cache or swap below
+        engine = engine.for_encoder()
     dtype = resolve_dtype(engine.dtype, config)
     tokenizer = tokenizer_bytes(serialized_bytes(path))
     runtime = RUNTIME_BYTES + tokenizer
@@ -210,6 +214,8 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     else:
         needed = int(engine.max_num_seqs) * per_sequence
         kv = default_kv_cache_memory(needed, budget - runtime - weights, acts + swap, margin)
+    if not config.is_causal:
+        kv = swap = per_sequence = 0
     blocks = kv // per_block
     swap = (swap // per_block) * per_block
     usable = (blocks - (1 if groups.hybrid else 0)) * per_block  # less the reserved NULL_BLOCK
@@ -218,7 +224,8 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
         dense_copy_bytes=stored.dense_copy_bytes, storage=stored.params,
         kv_bytes_per_token=per_sequence / max_model_len, kv_cache_groups=groups.describe(),
         kv_cache_dtype=str(backend.kv_cache_dtype(dtype)).removeprefix("torch."),
-        kv_cache_bytes=blocks * per_block, kv_cache_tokens=int(max(0, usable) * max_model_len // per_sequence),
+        kv_cache_bytes=blocks * per_block,
+        kv_cache_tokens=int(max(0, usable) * max_model_len // per_sequence) if per_sequence else 0,
         swap_bytes=swap,
         activation_bytes=acts, runtime_bytes=runtime, tokenizer_bytes=tokenizer,
         frontend_bytes=runtime if engine_process else 0,
@@ -237,7 +244,8 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         + (f"; dense copies {gib(e.dense_copy_bytes)}" if e.dense_copy_bytes else "") + ")",
         f"  KV cache       {gib(e.kv_cache_bytes):>10}   ({e.kv_cache_dtype}, "
         f"{e.kv_bytes_per_token / 1024:.2f} KiB per token x "
-        f"{e.kv_cache_tokens} tokens = {e.concurrency_at_max_len:.1f} sequences of {e.max_model_len})",
+        f"{e.kv_cache_tokens} tokens = {e.concurrency_at_max_len:.1f} sequences of {e.max_model_len})"
+        if e.kv_bytes_per_token else f"  KV cache       {gib(0):>10}   (an encoder keeps none: each input is computed whole)",
     ]
     if "hybrid" in e.kv_cache_groups:
         lines.append(f"                              ({e.kv_cache_groups})")

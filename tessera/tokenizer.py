@@ -53,6 +53,11 @@ class Tokenizer:
         special_tokens_map: dict[str, str],
         name: str = "",
     ):
+        # A tokenizer.json may carry the truncation and padding its exporter last used
+        # (all-MiniLM-L6-v2's pads every text to 128 tokens); those belong to a call, as
+        # transformers treats them, never to every encode.
+        backend.no_truncation()
+        backend.no_padding()
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
@@ -147,6 +152,18 @@ class Tokenizer:
                 f"This model's maximum context length is {max_tokens} tokens; the prompt ({size} bytes) "
                 "is longer than that.")
         return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_truncated(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """`encode` cut to at most `max_tokens` ids the way Hugging Face truncation (and so
+        sentence-transformers) cuts a single text: the text's own tokens first, then the
+        special tokens around them ([CLS] ... [SEP] stay)."""
+        enc = self.backend.encode(text, add_special_tokens=False)
+        specials = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        if max_tokens <= specials:
+            raise InvalidRequestError(f"an input of at most {max_tokens} tokens has no room for text")
+        if len(enc.ids) > max_tokens - specials:
+            enc.truncate(max_tokens - specials)
+        return self.backend.post_process(enc).ids if add_special_tokens else enc.ids
 
     @functools.cached_property
     def max_token_bytes(self) -> int:

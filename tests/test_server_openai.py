@@ -38,13 +38,14 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, log_path: Path, *extra: str, model: str = MODEL) -> None:
+        """`model`: the MODEL argument(s) of `tessera serve`, space-separated."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tessera", "serve", model, "--port", str(self.port),
+            [sys.executable, "-m", "tessera", "serve", *model.split(), "--port", str(self.port),
              "--kv-cache-memory", "512MiB", *extra],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 

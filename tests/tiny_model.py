@@ -54,3 +54,47 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, max_position
                 p.normal_(0, 0.25)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def make_tiny_bert(path: Path, pooling: str = "mean", max_seq_length: int = 24, seed: int = 0,
+                   matryoshka: bool = False) -> Path:
+    """A tiny random BERT in sentence-transformers' layout (modules.json, 1_Pooling, Normalize,
+    sentence_bert_config.json) with a WordPiece tokenizer, so sentence-transformers itself can
+    load it as the oracle."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials,
+                                                              show_progress=False))
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    tok.enable_truncation(8)  # stored settings a loader must not apply to every encode (all-MiniLM's has them)
+    tok.enable_padding(length=16)
+    BertTokenizerFast(tokenizer_object=tok, model_max_length=128).save_pretrained(path)
+    config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128, type_vocab_size=2)
+    if matryoshka:
+        config.matryoshka_dimensions = [64, 32, 16]
+    torch.manual_seed(seed)
+    model = BertModel(config, add_pooling_layer=True).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                                "do_lower_case": False}))
+    return path

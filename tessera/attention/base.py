@@ -160,6 +160,35 @@ class AttentionBackend(ABC):
                        block_size: int) -> AttentionMetadata:
         return build_metadata(self, query_lens, seq_lens, block_tables, block_size)
 
+    def forward_bidirectional(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+        """Encoder attention: every token of a request attends to all of that request's tokens,
+        before and after it; `[T, Hq, D]` -> `[T, Hq * D]`. No KV cache is read or written: an
+        encoder's keys and values are of no use after its one forward, so each request must be
+        whole in this step (its query is its context), which the scheduler guarantees by never
+        chunking a pooling request. The same for every backend (one padded SDPA call)."""
+        lens = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(meta.num_reqs)]
+        if lens != meta.seq_lens:
+            raise ValueError("bidirectional attention needs each request whole in its step (no cached context)")
+        t, hq, d = q.shape
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        b, width = len(lens), max(lens)
+        if min(lens) == width:  # all as long (one request, or a batch of equal inputs): views, no copy
+            def batched(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+                return x.view(b, width, *x.shape[1:]).transpose(1, 2)
+
+            o = sdpa(batched(q), batched(k.to(q.dtype)), batched(v.to(q.dtype)), scale=scale, enable_gqa=True)
+            return o.transpose(1, 2).reshape(t, hq * d)
+        rows, mask = _padded_layout(meta, lens)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], zeros as padding
+            out = x.new_zeros((b * width, *x.shape[1:])).index_copy_(0, rows, x)
+            return out.view(b, width, *x.shape[1:]).transpose(1, 2)
+
+        o = sdpa(padded(q), padded(k.to(q.dtype)), padded(v.to(q.dtype)), attn_mask=mask, scale=scale,
+                 enable_gqa=True)
+        return o.transpose(1, 2).reshape(b * width, hq * d).index_select(0, rows)
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
@@ -167,6 +196,18 @@ class AttentionBackend(ABC):
         """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`.
         `key_bias` (quantized caches only; others ignore it): the keys' bias share, kept out of the
         cache and added back in float32."""
+
+
+def _padded_layout(meta: AttentionMetadata, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For bidirectional attention over requests of `lens` tokens packed back to back, padded to
+    the longest: the padded row of each packed token ([T]) and a key mask [B, 1, 1, L] (True:
+    a real token), built once per step and shared by the layers."""
+    key = ("bidirectional", meta.num_tokens)
+    if key not in meta._cache:
+        width, b = max(lens), len(lens)
+        real = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [B, L]
+        meta._cache[key] = (real.view(-1).nonzero().view(-1), real.view(b, 1, 1, width))
+    return meta._cache[key]
 
 
 # A RoPE pair's bias is taken out of the keys when its norm is over this many times its head's

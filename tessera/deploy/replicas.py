@@ -33,6 +33,7 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.stats import SchedulerStats
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 logger = logging.getLogger("tessera")
@@ -217,14 +218,16 @@ class ReplicaSet:
 
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                        add_special_tokens: bool = True, deadline_s: Optional[float] = None,
-                       restartable: bool = False) -> AsyncIterator[RequestOutput]:
+                       restartable: bool = False, pooling: Optional[PoolingParams] = None) -> AsyncIterator[RequestOutput]:
         """AsyncLLMEngine.generate on the replica the policy picks (see the module's docstring).
         `restartable` (the caller reads only the final output, e.g. a non-streaming HTTP request):
         a request whose replica dies mid-way is rerun from its prompt on another replica."""
         first = self._any_engine()
-        prepared = await first.prepare(prompt, params, request_id, add_special_tokens)
+        prepared = await first.prepare(prompt, params, request_id, add_special_tokens, pooling)
         role: ReplicaRole = "mixed"
-        if self.pd is not None:
+        if self.pd is not None and pooling is not None:
+            role = "prefill"  # an embedding is prefill alone: nothing to hand over to a decode replica
+        elif self.pd is not None:
             role = "decode"
             if len(prepared.prompt_token_ids) > self.config.block_size:  # at least one block to hand over
                 transfer = await self._prefill(prepared)

@@ -10,6 +10,7 @@ from tessera.config import (
     ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
     PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig,
 )
+from tessera.pooling_params import POOLING_TYPES
 
 
 def parse_size(text: str) -> int:
@@ -91,6 +92,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "speculation above that many running requests; default 1: measured here, verification "
                         "already cost more than it saved at 4). Requests opt out with \"speculative\": false "
                         "(default: off)")
+    g.add_argument("--pooling", choices=POOLING_TYPES, default=None,
+                   help="embeddings (/v1/embeddings) from this model by mean, cls or last-token pooling of its "
+                        "hidden states, L2-normalised; a sentence-transformers folder brings its own (default: "
+                        "the model's own, else it does not embed)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
 

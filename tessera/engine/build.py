@@ -116,6 +116,8 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                                                   config.block_size, dtype)
     except (ValueError, KernelUnavailable) as exc:
         raise InvalidRequestError(str(exc)) from None
+    if not mc.is_causal:
+        return _build_encoder(config, loaded, max_model_len, groups, backend)
     spec = config.speculative_config
     draft = _load_draft(config, loaded) if spec is not None and spec.method == "draft_model" else None
     if draft is not None:  # its cache shares the target's block ids, so every block holds both
@@ -139,7 +141,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                         num_host_blocks, hash_extra=str(config.model), groups=groups)
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
-    inputs = InputProcessor(loaded.tokenizer, InputLimits(mc.vocab_size, max_model_len, kv_capacity_tokens))
+    inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
     runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups, structured)
     logger.info("%s", config.profile_summary())
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
@@ -168,6 +170,44 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                        inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=offload,
                        proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
                        kv_tokens_per_gib=tokens_per_gib)
+
+
+def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVCacheGroups,
+                   backend: AttentionBackend) -> EngineParts:
+    """The parts of an encoder's engine (BERT): the same scheduler, runner and loop, but no KV
+    cache. Its requests are all pooling ones, computed whole in one step and finished in it, so
+    its blocks are bookkeeping only (admission counts them against max_num_seqs sequences of
+    max_model_len tokens) and no tensor backs them; nothing to swap, offload or speculate."""
+    mc, dtype = loaded.config, loaded.dtype
+    for flag, given in (("--kv-offload-dir", config.kv_offload_dir is not None),
+                        ("--speculative-config", config.speculative_config is not None)):
+        if given:
+            raise InvalidRequestError(f"{flag} does not apply to {config.model!r}: an encoder keeps no KV cache and "
+                                      "generates nothing")
+    pooler = config.pooler_for(mc)
+    if pooler is None:
+        raise InvalidRequestError(f"{config.model!r} is an encoder without a sentence-transformers pooling "
+                                  "configuration (modules.json, 1_Pooling); pass --pooling mean|cls|last")
+    config = config.for_encoder()
+    num_blocks = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size) + 1
+    kv_capacity_tokens = groups.max_tokens(num_blocks, config.block_size, config.max_num_batched_tokens)
+    config = replace(config, max_model_len=max_model_len, kv_cache_memory=0)
+    kv = KVCacheManager(num_blocks, config.block_size, False, 0, hash_extra=str(config.model), groups=groups)
+    structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
+    inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
+    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, 0, dtype, groups, structured)
+    logger.info("%s", config.profile_summary())
+    logger.info("encoder (%s): no KV cache; embeddings by %s pooling%s, inputs truncated at %s tokens, at most %d "
+                "tokens a step", mc.architecture, pooler.pooling, ", normalised" if pooler.normalize else "",
+                pooler.max_seq_length or max_model_len, config.max_num_batched_tokens)
+    kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
+    cost_model = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
+    logger.info("step-cost model: %s", cost_model.summary())
+    scheduler = Scheduler(config, kv, max_model_len, cost_model)
+    return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
+                       kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
+                       inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=None, proposer=None,
+                       spec_policy=None, kv_capacity_tokens=kv_capacity_tokens, kv_tokens_per_gib=0.0)
 
 
 def _log_memory(config: EngineConfig) -> None:
@@ -306,7 +346,8 @@ def _calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBacken
     state = runner.sampler.generator.get_state()  # calibration must not shift seeded output
     try:
         model = calibrate(synthetic_step, max_tokens=config.max_num_batched_tokens, max_rows=config.max_num_seqs,
-                          max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S)
+                          max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S,
+                          prefill_only=not loaded.config.is_causal)
     finally:
         runner.sampler.generator.set_state(state)
     save_cached(path, model)

@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.outputs import KVTransfer
+from tessera.pooling_params import PoolerConfig, PoolingParams, cannot_embed, embeds_only
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.tokenizer import Tokenizer
 
@@ -32,6 +34,8 @@ class PreparedRequest:
     # final output (kv_export); a decode replica loads them instead of computing them (kv_import).
     kv_export: bool = False
     kv_import: Optional[KVTransfer] = None
+    # An embedding request (resolved): its prompt is computed in one step and pooled, nothing sampled.
+    pooling: Optional[PoolingParams] = None
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
@@ -49,6 +53,19 @@ class InputLimits:
     max_model_len: int
     # The longest sequence the KV cache can hold (all its blocks): a request needing more can never run.
     kv_capacity_tokens: int
+    # Embeddings: a pooling prompt runs whole in one step, so it is bounded by the step's token budget.
+    max_num_batched_tokens: int = 0
+    hidden_size: int = 0
+    pooler: Optional[PoolerConfig] = None  # how the engine embeds; None: it does not
+    generates: bool = True  # False for an encoder: it only embeds
+    model_name: str = ""
+
+    @classmethod
+    def for_engine(cls, model: ModelConfig, config: EngineConfig, kv_capacity_tokens: int) -> "InputLimits":
+        """The limits of an engine of `config` over `model` (resolved: max_model_len set)."""
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        return cls(model.vocab_size, config.max_model_len, kv_capacity_tokens, config.max_num_batched_tokens,
+                   model.hidden_size, config.pooler_for(model), model.is_causal, config.model)
 
 
 class InputProcessor:
@@ -59,9 +76,15 @@ class InputProcessor:
         self.limits = limits
 
     def process(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-                arrival_time: Optional[float] = None, add_special_tokens: bool = True) -> PreparedRequest:
-        """Tokenize and check a request; raises InvalidRequestError if it can never run."""
+                arrival_time: Optional[float] = None, add_special_tokens: bool = True,
+                pooling: Optional[PoolingParams] = None) -> PreparedRequest:
+        """Tokenize and check a request (an embedding one with `pooling`); raises
+        InvalidRequestError if it can never run."""
         lim = self.limits
+        if pooling is not None:
+            return self._process_pooling(request_id, prompt, pooling, arrival_time, add_special_tokens)
+        if not lim.generates:
+            raise embeds_only(lim.model_name)
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty")
@@ -91,3 +114,37 @@ class InputProcessor:
                 f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache, "
                 f"which holds a sequence of at most {lim.kv_capacity_tokens} tokens; raise --kv-cache-memory")
         return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
+
+    def _process_pooling(self, request_id: str, prompt: Union[str, list[int]], pooling: PoolingParams,
+                         arrival_time: Optional[float], add_special_tokens: bool) -> PreparedRequest:
+        """An embedding input: a text is truncated at the model's max_seq_length as
+        sentence-transformers does (unless `truncate` is off); the result must fit one step's
+        token budget, since a pooling prompt is never split across steps."""
+        lim = self.limits
+        if lim.pooler is None:
+            raise cannot_embed(lim.model_name)
+        resolved = pooling.resolve(lim.pooler, lim.hidden_size)
+        budget = lim.max_num_batched_tokens or lim.max_model_len
+        model_limit = min(lim.max_model_len, lim.pooler.max_seq_length or lim.max_model_len)
+        limit = min(model_limit, lim.kv_capacity_tokens, budget)
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("input must not be empty")
+            text: Optional[str] = prompt
+            if resolved.truncate and lim.pooler.max_seq_length is not None:
+                ids = self.tokenizer.encode_truncated(prompt, model_limit, add_special_tokens)
+            else:
+                ids = self.tokenizer.encode_bounded(prompt, limit, add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+            check_token_ids(ids, lim.vocab_size)
+        if not ids:
+            raise InvalidRequestError("input must contain at least one token")
+        if len(ids) > limit:
+            why = ("--max-num-batched-tokens, the step's token budget: an embedding input is computed whole in one "
+                   "step" if limit == budget < model_limit else "the model's maximum input length")
+            raise InvalidRequestError(
+                f"This model's maximum input length for embeddings is {limit} tokens ({why}); the input has "
+                f"{len(ids)} tokens. Please shorten it{' or leave truncation on' if not resolved.truncate else ''}.")
+        return PreparedRequest(request_id, text, ids, SamplingParams(), 0, arrival_time or time.time(),
+                               pooling=resolved)

@@ -28,6 +28,7 @@ from tessera.engine.output_processor import OutputProcessor
 from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.spec_decode import propose_all
 from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("tessera")
@@ -58,6 +59,8 @@ class LLMEngine:
         """Pay first-request costs now: the chat template's compilation, here, and the grammar
         compiler's reading of the vocabulary (~1 s for Qwen's), in a background thread."""
         self.tokenizer.warm_up()
+        if not self.model_config.is_causal:
+            return  # an encoder only embeds: no grammar will ever be compiled
         threading.Thread(target=self.structured.warm_up, name="tessera-grammar-warm-up", daemon=True).start()
 
     def close(self) -> None:
@@ -74,10 +77,11 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: Optional[float] = None,
         add_special_tokens: bool = True,
+        pooling: Optional[PoolingParams] = None,
     ) -> PreparedRequest:
-        """Tokenize and check a request, compile its constraint; raises InvalidRequestError if it
-        can never run."""
-        prepared = self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens)
+        """Tokenize and check a request (an embedding one with `pooling`), compile its constraint;
+        raises InvalidRequestError if it can never run."""
+        prepared = self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens, pooling)
         if params.structured_outputs is not None:
             t0 = time.perf_counter()
             prepared.grammar = self.structured.compile(params.structured_outputs)
@@ -97,7 +101,7 @@ class LLMEngine:
             child_id = p.request_id if p.params.n == 1 else f"{p.request_id}#{i}"
             first = children[0] if children and self.config.enable_prefix_caching else None
             req = Request(child_id, p.prompt_token_ids, p.params, p.max_tokens,
-                          self.tokenizer.eos_token_ids, p.arrival_time, gen, wait_for=first)
+                          self.tokenizer.eos_token_ids, p.arrival_time, gen, wait_for=first, pooling=p.pooling)
             if not children and p.kv_import is not None:  # the others wait for its blocks
                 self.kv.import_blocks(req, p.kv_import.blocks())
             if p.grammar is not None:
@@ -202,7 +206,7 @@ class LLMEngine:
             stats.external_prefix_cache_hits = len(sched.kv_loads) * self.config.block_size
         touched = set(self._aborted)
         self._aborted.clear()
-        outputs = self.outputs.process(appended, result.logprobs, now, stats, touched)
+        outputs = self.outputs.process(appended, result.logprobs, now, stats, touched, result.pooled)
         end = time.perf_counter()
         if sched.scheduled and not (sched.swap_in or sched.swap_out):  # block copies are not in the model
             self.cost_model.observe(sched.shape, end - t_step)

@@ -34,6 +34,7 @@ class _Child:
 class _Parent:
     prepared: PreparedRequest
     children: dict[str, _Child] = field(default_factory=dict)  # by child request id, in index order
+    embedding: Optional[list[float]] = None  # an embedding request's result
 
     @property
     def finished(self) -> bool:
@@ -81,8 +82,18 @@ class OutputProcessor:
         return [c.req for c in parent.children.values()]
 
     def process(self, appended: dict[str, list[int]], logprobs: dict[str, list[Logprob]], now: float,
-                stats: IterationStats, touched: set[str]) -> list[RequestOutput]:
-        """Outputs for every parent that gained tokens this step, plus `touched` ones (aborted)."""
+                stats: IterationStats, touched: set[str],
+                pooled: Optional[dict[str, list[float]]] = None) -> list[RequestOutput]:
+        """Outputs for every parent that gained tokens (or, embedding, its vector: `pooled`) this
+        step, plus `touched` ones (aborted)."""
+        for child_id, vector in (pooled or {}).items():
+            parent_id = self._child_parent.get(child_id)
+            if parent_id is None:
+                continue
+            touched.add(parent_id)
+            parent = self.parents[parent_id]
+            parent.embedding = vector
+            parent.children[child_id].out.finish_reason = "stop"
         for child_id, tokens in appended.items():
             parent_id = self._child_parent.get(child_id)
             if parent_id is None:
@@ -171,4 +182,4 @@ class OutputProcessor:
                              logprobs=list(c.out.logprobs) if c.out.logprobs is not None else None)
                      for c in children],
             finished=finished, num_cached_tokens=first.num_cached_tokens, metrics=first.metrics,
-            kv_transfer=transfer)
+            kv_transfer=transfer, embedding=parent.embedding)

@@ -72,3 +72,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: Optional[RequestMetrics] = None
     kv_transfer: Optional[KVTransfer] = None  # on the final output of a request sent with kv_export
+    embedding: Optional[list[float]] = None  # an embedding request's vector, on its (only, final) output

@@ -14,20 +14,27 @@ from tessera.attention.base import AttentionMetadata, KeyBias
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, causal: bool = True):
+        """`causal=False`: an encoder's attention (every token sees its whole request; no KV
+        cache, see AttentionBackend.forward_bidirectional)."""
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.causal = causal
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Optional[Tensor], meta: AttentionMetadata,
                 key_bias: Optional[KeyBias] = None) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (after RoPE) -> [T, Hq * D]. `key_bias`: the keys' share that
         came from a key bias (attention/base.py's KeyBias), which a quantized cache keeps out of its
-        rounding; models with a key bias pass it, other caches ignore it."""
+        rounding; models with a key bias pass it, other caches ignore it. `kv_cache` is unused (None)
+        for a bidirectional layer."""
+        if not self.causal:
+            return meta.backend.forward_bidirectional(q, k, v, meta, self.scale)
         return meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
                                     key_bias if meta.backend.quantized else None)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
-                + (f", window={self.sliding_window}" if self.sliding_window else ""))
+                + (f", window={self.sliding_window}" if self.sliding_window else "")
+                + ("" if self.causal else ", bidirectional"))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.errors import ModelFormatError
-from tessera.layers.quantization import QuantConfig, QuantMethod
+from tessera.layers.quantization import Activation, QuantConfig, QuantMethod
 from tessera.layers.weights import AnyWeight, as_source
 
 
@@ -79,9 +79,13 @@ class Linear(nn.Module):
             b = torch.cat([self._pending_bias.pop(n) for n in self.shard_names])
             self.bias = b.to(self.quant.dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = self.quant_method.apply(self, x)
-        return y if self.bias is None else y + self.bias
+    def forward(self, x: Tensor, activation: Optional[Activation] = None, residual: Optional[Tensor] = None) -> Tensor:
+        """x W^T (+ b), then `activation` (GELU) or `+ residual` when given: applied by the matrix
+        product itself where the method can (dense bfloat16: oneDNN's post-ops), which saves a
+        pass over the output each."""
+        if self.bias is None and activation is None and residual is None:
+            return self.quant_method.apply(self, x)
+        return self.quant_method.apply_with_bias(self, x, self.bias, activation, residual)
 
     def extra_repr(self) -> str:
         how = self.quant_method.describe(self) if self.quant_method else "unloaded"

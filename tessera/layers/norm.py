@@ -47,3 +47,35 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         residual = x + residual
         return F.rms_norm(residual, (self.hidden_size,), self.weight, self.eps), residual
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / std * weight + bias (BERT's post-attention and post-MLP norms), with the
+    residual add folded in as RMSNorm's. Weight and bias are stored in the compute dtype, as
+    RMSNorm's: PyTorch's CPU kernel keeps its statistics in float32 either way, while its
+    mixed-dtype form (bfloat16 rows, float32 weights) took ~10 ms for 64 rows here against
+    ~10 us, and converting the rows to float32 and back cost a fifth of an encoder step."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, prefix: str = ""):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.prefix = prefix
+        self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"), persistent=False)
+        self.register_buffer("bias", torch.empty(hidden_size, dtype=dtype, device="meta"), persistent=False)
+
+    def _checked(self, t: Tensor, what: str) -> Tensor:
+        if tuple(t.shape) != (self.hidden_size,):
+            raise ModelFormatError(f"norm {self.prefix} {what} has shape {tuple(t.shape)}, expected ({self.hidden_size},)")
+        return t.to(self.weight.dtype)
+
+    def weight_loader(self, w: Tensor) -> None:
+        self.weight = self._checked(w, "weight")
+
+    def bias_loader(self, b: Tensor) -> None:
+        self.bias = self._checked(b, "bias")
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+        """LayerNorm(x), or LayerNorm(x + residual), in x's dtype."""
+        h = x if residual is None else x + residual
+        return F.layer_norm(h, (self.hidden_size,), self.weight, self.bias, self.eps)

@@ -200,16 +200,42 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def dense_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [T, in] @ weight.T with bfloat16 row counts padded to `row_bucket` (see ROW_BUCKET_MIN).
+# Activations a dense bfloat16 product can apply on its output (oneDNN's post-ops); GELU exact or tanh.
+Activation = Literal["gelu", "gelu_tanh"]
+# oneDNN's fused linear (the op PyTorch's own compiler emits for CPU linear + bias [+ GELU]).
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
-    float32 goes to MKL's sgemm, which keeps no per-shape kernels, so it is left exact.
+
+def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                 activation: Optional[Activation] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """act(x [T, in] @ weight.T + bias) (+ residual) with bfloat16 row counts padded to
+    `row_bucket` (see ROW_BUCKET_MIN).
+
+    A bfloat16 product with a bias, an activation or a residual is one oneDNN call that applies
+    them on its output (`mkldnn._linear_pointwise`, the op PyTorch's own compiler emits): addmm
+    first copies the bias into every output row, and the GELU and the residual add are each
+    another pass over it; on BERT's steps here those passes cost as much as the products. float32
+    goes to MKL's sgemm, which keeps no per-shape kernels, so it is left exact.
     """
+    assert activation is None or residual is None, "one post-op: an activation or a residual"
     rows = x.shape[0]
-    padded = row_bucket(rows) if x.dtype == torch.bfloat16 and x.dim() == 2 else rows
-    if padded == rows:
-        return F.linear(x, weight)
-    return F.linear(F.pad(x, (0, 0, 0, padded - rows)), weight)[:rows]
+    bf16 = x.dtype == torch.bfloat16 and x.dim() == 2
+    padded = row_bucket(rows) if bf16 else rows
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+        residual = None if residual is None else F.pad(residual, (0, 0, 0, padded - rows))
+    if bf16 and _ONEDNN_LINEAR and residual is not None and residual.dtype == torch.bfloat16:
+        y = torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), weight, bias, "add")
+    elif bf16 and _ONEDNN_LINEAR and (bias is not None or activation is not None):
+        attr, algorithm = ("none", "") if activation is None else ("gelu", "tanh" if activation == "gelu_tanh" else "none")
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+    else:
+        y = F.linear(x, weight, bias)
+        if activation is not None:
+            y = F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+        if residual is not None:
+            y = y + residual
+    return y if padded == rows else y[:rows]
 
 
 class QuantMethod(ABC):
@@ -235,6 +261,15 @@ class QuantMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
         """x [T, in] @ weight.T -> [T, out] (no bias)."""
+
+    def apply_with_bias(self, layer: nn.Module, x: Tensor, bias: Optional[Tensor],
+                        activation: Optional[Activation] = None, residual: Optional[Tensor] = None) -> Tensor:
+        """act(x @ weight.T + bias) + residual; methods whose matrix product can apply them itself
+        override this."""
+        y = self.apply(layer, x)
+        y = y if bias is None else y + bias
+        y = y if activation is None else F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return y if residual is None else y + residual
 
     def nbytes(self, layer: nn.Module) -> int:
         return sum(b.numel() * b.element_size() for b in layer.buffers(recurse=False))
@@ -274,6 +309,9 @@ class DenseMethod(QuantMethod):
 
     def apply(self, layer, x):
         return dense_linear(x, layer.weight)
+
+    def apply_with_bias(self, layer, x, bias, activation=None, residual=None):
+        return dense_linear(x, layer.weight, bias, activation, residual)
 
     def describe(self, layer):
         return str(self.config.dtype).removeprefix("torch.")

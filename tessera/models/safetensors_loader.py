@@ -16,7 +16,8 @@ from safetensors import SafetensorError, safe_open
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
 
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+                "bert": "bert"}
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 
 
@@ -43,7 +44,8 @@ def config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
     arch = _MODEL_TYPES.get(model_type)
     if arch is None:
         raise ModelFormatError(
-            f"model type {model_type or '(none)'!r} is not supported; Tessera runs llama, qwen2 and gemma3 models"
+            f"model type {model_type or '(none)'!r} is not supported; Tessera runs llama, qwen2 and gemma3 models "
+            "and BERT encoders"
         )
     try:
         hidden = int(hf["hidden_size"])
@@ -84,6 +86,15 @@ def config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFormatError(f"config.json lacks or has a bad value for {exc}; the model folder is incomplete") from None
+    cfg.matryoshka = bool(hf.get("is_matryoshka") or hf.get("matryoshka_dimensions"))
+    if arch == "bert":
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelFormatError("BERT models with relative position embeddings are not supported")
+        cfg.is_causal = False
+        cfg.type_vocab_size = int(hf.get("type_vocab_size", 2))
+        cfg.layer_norm_eps = float(hf.get("layer_norm_eps", 1e-12))
+        cfg.hidden_act = str(hf.get("hidden_act", "gelu"))
+        cfg.max_position_embeddings = int(hf.get("max_position_embeddings", 512))
     if arch == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise ModelFormatError("llama models with attention or MLP biases are not supported")
     if arch == "qwen2" and hf.get("use_sliding_window"):

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from tessera.errors import ModelFormatError
 from tessera.layers.linear import Linear
-from tessera.layers.norm import RMSNorm
+from tessera.layers.norm import LayerNorm, RMSNorm
 from tessera.layers.weights import AnyWeight
 
 logger = logging.getLogger(__name__)
@@ -31,17 +31,20 @@ PACKED_MODULES = {
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
-                       source: str, extra: Optional[dict[str, Tensor]] = None) -> None:
+                       source: str, extra: Optional[dict[str, Tensor]] = None,
+                       packed: Optional[dict[str, tuple[str, str]]] = None) -> None:
     """Give each (HF name, tensor) to its module's loader; raise if any layer stays empty.
 
     Names that are not module weights (e.g. a GGUF's `rope_freqs`) are collected in `extra`.
+    `packed`: the model's own packed-module map (BERT's query/key/value), else the decoders'.
     """
+    packed = PACKED_MODULES if packed is None else packed
     for name, tensor in weights:
         module_path, _, kind = name.rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
         shard = None
-        if leaf in PACKED_MODULES:
-            leaf, shard = PACKED_MODULES[leaf]
+        if leaf in packed:
+            leaf, shard = packed[leaf]
             module_path = f"{parent}.{leaf}" if parent else leaf
         try:
             module = model.get_submodule(module_path)
@@ -55,16 +58,20 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, Union[Tens
             module.weight_loader(tensor, shard)
         elif isinstance(module, Linear) and kind == "bias":
             module.bias_loader(tensor.float() if isinstance(tensor, Tensor) else tensor.dequantize(), shard)
-        elif isinstance(module, RMSNorm) and kind == "weight":
+        elif isinstance(module, (RMSNorm, LayerNorm)) and kind == "weight":
             module.weight_loader(tensor if isinstance(tensor, Tensor) else tensor.dequantize())
+        elif isinstance(module, LayerNorm) and kind == "bias":
+            module.bias_loader(tensor if isinstance(tensor, Tensor) else tensor.dequantize())
         elif extra is not None:
             extra[name] = tensor
     missing = []
     for name, m in model.named_modules():
         if isinstance(m, Linear) and not m.loaded:
             missing += [_checkpoint_name(name, part) + ".weight" for part in m.missing_parts()] or [name + ".bias"]
-        elif isinstance(m, RMSNorm) and m.weight.is_meta:
+        elif isinstance(m, (RMSNorm, LayerNorm)) and m.weight.is_meta:
             missing.append(name + ".weight")
+        elif isinstance(m, LayerNorm) and m.bias.is_meta:
+            missing.append(name + ".bias")
     if missing:
         raise ModelFormatError(
             f"{source} is missing {len(missing)} weight(s), e.g. {missing[0]}; the file is incomplete or "

@@ -40,6 +40,7 @@ from tessera.server.auth import (CLIENT_REQUEST_ID, AccessControl, AccessSetting
                                  request_key)
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
+from tessera.server.embeddings import add_embedding_routes
 from tessera.server.errors import APIError, install_error_handlers, validation_error
 from tessera.server.messages import anthropic_errors, count_tokens, create_message
 from tessera.server.ollama import OLLAMA_REQUESTS, install_ollama_api
@@ -260,6 +261,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     @app.post("/v1/messages/count_tokens", openapi_extra=_json_body(CountTokensRequest))
     async def messages_count_tokens(request: Request) -> Response:
         return await anthropic_errors(_guarded(request, _parse_then(request, CountTokensRequest, count_tokens)))
+    # Embeddings (server/embeddings.py): /v1/embeddings, and Ollama's /api/embed and /api/embeddings.
+    embedding_requests = add_embedding_routes(app, _guarded, _parse_then, _json_body)
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
@@ -407,7 +410,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     if ui:
         install_ui(app)
     _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest,
-                               CountTokensRequest, TokenizeRequest, DetokenizeRequest, *OLLAMA_REQUESTS])
+                               CountTokensRequest, TokenizeRequest, DetokenizeRequest, *OLLAMA_REQUESTS,
+                               *embedding_requests])
     return app
 
 

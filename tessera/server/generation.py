@@ -19,6 +19,7 @@ import anyio
 from starlette.requests import Request
 
 from tessera.engine.outputs import RequestOutput
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 from tessera.server.auth import request_key
 
@@ -64,12 +65,13 @@ class Generation:
     def __init__(self, engine: ServingEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
                  params: SamplingParams, request_id: str, deadline: Optional[float] = None,
                  live: Optional[set[Generation]] = None, restartable: bool = False,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, pooling: Optional[PoolingParams] = None) -> None:
         """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;
         `live` is the server's set of running generations, which this one joins while it runs;
         `restartable`: only final outputs are read (not streamed), so the engine may rerun a prompt
         from scratch on another replica if the one running it dies. `log_requests`: write the prompts,
-        settings and outputs to the log (--log-requests; never otherwise)."""
+        settings and outputs to the log (--log-requests; never otherwise); `pooling`: the prompts are
+        embedding inputs (each one final output with its vector)."""
         self.engine = engine
         self.request = request
         self.prompts = prompts
@@ -81,6 +83,7 @@ class Generation:
         self.log_requests = log_requests
         grant = request_key(request.scope) if request is not None else None
         self.meter = grant[1] if grant is not None else None  # charges the key's tokens as they come
+        self.pooling = pooling
         self._queue: asyncio.Queue = asyncio.Queue()
         self._drains: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
@@ -137,7 +140,8 @@ class Generation:
             deadline_s = None if self.deadline is None else self.deadline - time.monotonic()
             async with contextlib.aclosing(
                     self.engine.generate(prompt, self.params, self.engine_request_id(index),
-                                         deadline_s=deadline_s, restartable=self.restartable)) as stream:
+                                         deadline_s=deadline_s, restartable=self.restartable,
+                                         pooling=self.pooling)) as stream:
                 async for output in stream:
                     if self.meter is not None:
                         self.meter.observe(self.engine_request_id(index), output)

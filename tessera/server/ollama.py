@@ -107,7 +107,7 @@ def _served(state: ServerState, name: Optional[str]) -> ServedModel:
                    code="model_not_found")
 
 
-def _keep_alive(value: KeepAlive, served: ServedModel) -> Optional[float]:
+def keep_alive_seconds(value: KeepAlive, served: ServedModel) -> Optional[float]:
     """Seconds the model stays loaded after this request (None: for ever); the model's
     configured keep_alive when the request gives none, as Ollama falls back to its default."""
     from tessera.errors import TesseraError
@@ -390,7 +390,7 @@ async def _answer(state: ServerState, request: Request, body: OllamaGenerationRe
                   constraint: Optional[StructuredOutputsParams],
                   parser: Optional[Callable[[], OutputParser]]) -> Response:
     """Route, tokenize, run and answer (streamed or whole); keep_alive applies once it is done."""
-    keep = _keep_alive(body.keep_alive, served)
+    keep = keep_alive_seconds(body.keep_alive, served)
     route = await state.route(served.name, request)
     timing.load = time.perf_counter_ns() - timing.start
     run: Optional[Run] = None
@@ -421,7 +421,7 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
     served = _served(state, body.model)
     _refuse_unsupported(body, served.name)
     if not body.messages:
-        return await _load_or_unload(state, request, served, _keep_alive(body.keep_alive, served), "chat", timing)
+        return await _load_or_unload(state, request, served, keep_alive_seconds(body.keep_alive, served), "chat", timing)
     chat_body = _chat_request(body, served.name)
     constraint = _constraint(body)
     parse_tools = tool_choice_mode(chat_body.tools, None) != "none"
@@ -453,7 +453,7 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
         raise InvalidRequestError("template overrides are not supported: Tessera renders the model's own chat "
                                   "template; send raw: true with a prompt formatted as you want it")
     if not body.prompt:
-        return await _load_or_unload(state, request, served, _keep_alive(body.keep_alive, served), "generate",
+        return await _load_or_unload(state, request, served, keep_alive_seconds(body.keep_alive, served), "generate",
                                      timing)
     return await _answer(state, request, body, served, "generate", timing,
                          lambda engine: _generate_ids(engine, served.output_parsing, body), _constraint(body),

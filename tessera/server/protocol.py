@@ -26,6 +26,7 @@ class OpenAIModel(BaseModel):
 # How to describe the fields whose type is a union, when a value fits none of its members.
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
     "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
@@ -184,16 +185,21 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompt field as a list of engine prompts (one request per entry)."""
-        p = self.prompt
-        if isinstance(p, str):
-            items: list[Union[str, list[int]]] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            items = [list(p)]  # type: ignore[arg-type]
-        else:
-            items = list(p)  # type: ignore[arg-type]
-        if not items or any(len(x) == 0 for x in items):
-            raise InvalidRequestError("prompt must not be empty")
-        return items
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(value: Prompt, field: str) -> list[Union[str, list[int]]]:
+    """A string, list of strings, token ids or list of token-id lists (`prompt`, embeddings'
+    `input`) as a list of engine prompts; a 400 naming `field` when it or an entry is empty."""
+    if isinstance(value, str):
+        items: list[Union[str, list[int]]] = [value]
+    elif value and all(isinstance(x, int) for x in value):
+        items = [list(value)]  # type: ignore[arg-type]
+    else:
+        items = list(value)  # type: ignore[arg-type]
+    if not items or any(len(x) == 0 for x in items):
+        raise InvalidRequestError(f"{field} must not be empty")
+    return items
 
 
 class TextPart(OpenAIModel):

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera.engine.outputs import RequestOutput
+from tessera.pooling_params import PoolingParams, cannot_embed, embeds_only
 from tessera.sampling_params import SamplingParams
 from tessera.server.auth import check_model, enter_queue
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
@@ -119,6 +120,15 @@ class ServerState:
         return err
 
 
+def check_task(engine: ServingEngine, name: str, embed: bool) -> None:
+    """Refuse (400) a generation request to a model that only embeds and an embedding request to
+    one that cannot, before anything is tokenized (a chat template's absence would say less)."""
+    if embed and engine.config.pooler_for(engine.model_config) is None:
+        raise cannot_embed(name)
+    if not embed and not engine.model_config.is_causal:
+        raise embeds_only(name)
+
+
 def clamp_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isinf(value) or math.isnan(value) else max(value, MIN_LOGPROB)
 
@@ -150,6 +160,7 @@ class Run:
     # False for work that outlives its HTTP request (a background response): a disconnect then
     # aborts nothing; the deadline, a cancel and shutdown still do.
     watch_client: bool = True
+    pooling: Optional[PoolingParams] = None  # embedding inputs rather than prompts to generate from
 
     @property
     def engine(self) -> ServingEngine:
@@ -157,13 +168,14 @@ class Run:
         if engine is None:  # unloaded between routing and now
             raise APIError(503, f"Model {self.route.model.name!r} was unloaded; retry.", type="server_error",
                            code="model_unavailable")
+        check_task(engine, self.route.model.name, embed=self.pooling is not None)
         return engine
 
     def generation(self, restartable: bool = False) -> Generation:
         self.request.state.request_id = self.request_id
         return Generation(self.engine, self.request if self.watch_client else None, self.prompts, self.params,
                           self.request_id, self.state.deadline(), self.state.generations, restartable=restartable,
-                          log_requests=self.state.log_requests)
+                          log_requests=self.state.log_requests, pooling=self.pooling)
 
     def error(self, exc: BaseException) -> APIError:
         return self.state.error(exc, self.route.model)

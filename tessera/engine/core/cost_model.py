@@ -218,28 +218,35 @@ def default_knots(max_tokens: int) -> list[int]:
 
 
 def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_tokens: int, max_rows: int,
-              max_context: int, budget_s: float = 3.0) -> StepCostModel:
+              max_context: int, budget_s: float = 3.0, prefill_only: bool = False) -> StepCostModel:
     """Measure synthetic steps and fit a model.
 
     `run_step(chunks)` executes one step made of chunks (start, num_tokens, samples) on
     scratch KV blocks and returns False when the KV cache cannot hold it (skipped). Prefill-only steps cover the knots (smallest first), decode-only
     steps cover rows x context; each shape is measured twice after a warm-up, keeping the
     faster (the slower one caught a hiccup). When `budget_s` runs out the larger shapes
-    are skipped and the model extrapolates them until real steps correct it.
+    are skipped and the model extrapolates them until real steps correct it. `prefill_only`
+    (an encoder, whose every step is whole inputs and nothing decodes): the knots, and batches
+    of 64-token inputs in place of the decode and mixed steps.
     """
     knots = default_knots(max_tokens)
     shapes: list[list[tuple[int, int, bool]]] = []
     rows = sorted({1, min(4, max_rows), min(16, max_rows), max_rows})
     contexts = sorted({min(64, max_context - 1), min(1024, max_context - 1)})
-    for r in rows:  # decodes first: they are cheap and anchor the small-token end
-        for c in contexts:
-            if c >= 1:
-                shapes.append([(c, 1, True)] * r)
-    for k in knots:
-        shapes.append([(0, k, False)])
-    for r in rows[1:]:  # a few mixed steps: decodes next to a chunk
-        k = max(1, min(max_tokens - r, 64))
-        shapes.append([(min(64, max_context - 1), 1, True)] * r + [(0, k, False)])
+    for k in knots:  # an encoder's input is at most max_context long: a larger knot is several inputs
+        shapes.append([(0, k, False)] if not prefill_only or k <= max_context else
+                      [(0, max_context, False)] * (k // max_context) + [(0, k % max_context, False)] * (k % max_context > 0))
+    if prefill_only:
+        n = min(64, max_context - 1)
+        shapes += [[(0, n, False)] * r for r in rows[1:] if r * n <= max_tokens]
+    else:
+        for r in rows:  # decodes: they are cheap and anchor the small-token end
+            for c in contexts:
+                if c >= 1:
+                    shapes.append([(c, 1, True)] * r)
+        for r in rows[1:]:  # a few mixed steps: decodes next to a chunk
+            k = max(1, min(max_tokens - r, 64))
+            shapes.append([(min(64, max_context - 1), 1, True)] * r + [(0, k, False)])
     shapes.sort(key=lambda chunks: sum(n for _, n, _ in chunks))
 
     def shape_of(chunks: list[tuple[int, int, bool]]) -> StepShape:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from tessera.engine.outputs import RequestMetrics
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,7 +48,10 @@ class Request:
         arrival_time: Optional[float] = None,
         generator: Optional[torch.Generator] = None,
         wait_for: Optional["Request"] = None,
+        pooling: Optional[PoolingParams] = None,
     ) -> None:
+        """`pooling`: an embedding request, whose whole prompt is computed in one step and pooled
+        (max_tokens 0: nothing is sampled)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -62,6 +66,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.generator = generator
         self.wait_for = wait_for  # sibling whose prompt prefill should land in the cache first
+        self.pooling = pooling
         # Tokens a proposer guessed for the coming step (speculative decoding); verified by the
         # target in that step, never part of all_token_ids unless accepted.
         self.spec_token_ids: list[int] = []

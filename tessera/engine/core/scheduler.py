@@ -232,6 +232,17 @@ class Scheduler:
             else:
                 self._grant(req, n, out, step, num_spec)
 
+    def _admit_pooling(self, req: Request, step: "_StepState") -> int:
+        """Tokens to grant a waiting embedding request now: its whole prompt or nothing (0). A
+        pooling prompt is never chunked, since an encoder's attention sees the whole input at once
+        and pooling reads every hidden state; the input processor bounds it by the token budget.
+        It takes no prefix-cache hits (pooling needs every token's hidden state) and ignores the
+        latency target (it cannot shrink), so it waits only for budget and blocks."""
+        n = req.num_tokens
+        if n > step.budget or not self._prompt_fits(req, NO_HIT) or self.kv.fitting_tokens(req, n) < n:
+            return 0
+        return n if self.kv.allocate_slots(req, n) else 0
+
     def _finish_need(self, req: Request, cached: PrefixHit = NO_HIT) -> int:
         """Pool blocks `req` still has to take to keep its prompt (all its known tokens) and the
         next token."""
@@ -272,7 +283,11 @@ class Scheduler:
             if req.wait_for is not None and not req.wait_for.is_finished and \
                     req.wait_for.num_computed_tokens < req.wait_for.num_prompt_tokens:
                 break  # let the first sibling fill the prefix cache with the shared prompt
-            if req.status == RequestStatus.SWAPPED:
+            if req.pooling is not None:
+                n = self._admit_pooling(req, step)
+                if n == 0:
+                    break
+            elif req.status == RequestStatus.SWAPPED:
                 pairs = self.kv.swap_in(req)
                 if pairs is None:
                     break
@@ -332,6 +347,10 @@ class Scheduler:
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.is_finished:
+                continue
+            if s.pooling is not None:  # computed and pooled in this step: done, its blocks freed
+                req.num_computed_tokens += s.num_new_tokens
+                self.finish_request(req, RequestStatus.FINISHED_STOPPED)
                 continue
             req.clear_speculation()
             tokens = sampled.get(req.request_id) or []
@@ -414,7 +433,7 @@ def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: in
     q = req.spec_draft_probs
     return ScheduledChunk(
         request_id=req.request_id, token_ids=token_ids, start=start, block_tables=block_tables,
-        sampling=sampling, samples=start + n - num_spec == req.num_tokens,
+        sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
         is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
         num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        grammar=req.grammar)
+        grammar=req.grammar, pooling=req.pooling)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from tessera.engine.core.cost_model import StepShape
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class ScheduledChunk:
     num_spec_tokens: int = 0
     draft_probs: Optional[torch.Tensor] = None  # [num_spec_tokens, vocab] q the proposals were drawn from
     grammar: Optional["GrammarState"] = None  # where the request stands in its grammar, if constrained
+    # An embedding request's whole prompt: the runner pools its hidden states instead of sampling.
+    pooling: Optional[PoolingParams] = None
 
     @property
     def num_new_tokens(self) -> int:

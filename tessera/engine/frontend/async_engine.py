@@ -24,6 +24,7 @@ from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,8 +62,8 @@ class EngineCore(Protocol):
         ...
 
     def prepare_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-                        arrival_time: Optional[float] = None,
-                        add_special_tokens: bool = True) -> PreparedRequest: ...
+                        arrival_time: Optional[float] = None, add_special_tokens: bool = True,
+                        pooling: Optional[PoolingParams] = None) -> PreparedRequest: ...
 
     def add_prepared(self, prepared: PreparedRequest) -> None: ...
 
@@ -122,7 +123,10 @@ class ServingEngine(Protocol):
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                  add_special_tokens: bool = True, deadline_s: Optional[float] = None,
-                 restartable: bool = False) -> AsyncIterator[RequestOutput]: ...
+                 restartable: bool = False, pooling: Optional[PoolingParams] = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come; with `pooling` an embedding request, whose one
+        (final) output carries the vector."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -254,8 +258,11 @@ class AsyncLLMEngine:
         return self.engine.kv_cache_info()
 
     async def prepare(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
-                      add_special_tokens: bool = True) -> PreparedRequest:
+                      add_special_tokens: bool = True, pooling: Optional[PoolingParams] = None) -> PreparedRequest:
         """Tokenize and check a request (in the caller: a bad one never reaches the engine)."""
+        if pooling is not None:
+            return self.engine.prepare_request(request_id, prompt, params, add_special_tokens=add_special_tokens,
+                                               pooling=pooling)
         if params.structured_outputs is not None:  # compiling a grammar may take a while: not on the event loop
             return await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
                                            add_special_tokens=add_special_tokens)
@@ -270,6 +277,7 @@ class AsyncLLMEngine:
         deadline_s: Optional[float] = None,
         prepared: Optional[PreparedRequest] = None,
         restartable: bool = False,
+        pooling: Optional[PoolingParams] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts the request.
 
@@ -278,10 +286,14 @@ class AsyncLLMEngine:
         `prepared`: the request already tokenized by `prepare` (a replica router reads its tokens).
         `restartable`: the caller reads only the final output; a ReplicaSet may then rerun the
         request elsewhere after its replica died mid-way (one engine has nowhere to: ignored).
+        `pooling`: an embedding request (vLLM's pooling task): its prompt is computed in one step
+        and its one output carries the vector. The queue bound is the caller's to check once for
+        a batch of inputs (one API request), not once per input: an embedding request of 256
+        texts would otherwise fill a 128-request queue by itself.
         """
         self.check_health()
         if prepared is None:
-            prepared = await self.prepare(prompt, params, request_id, add_special_tokens)
+            prepared = await self.prepare(prompt, params, request_id, add_special_tokens, pooling)
         wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n)
         if deadline_s is not None and wait is not None and wait > deadline_s:
             raise PredictedWaitError(
@@ -293,7 +305,7 @@ class AsyncLLMEngine:
                 f"--max-queue-wait of {self.max_queue_wait:g} s; retry later", retry_after=wait - self.max_queue_wait)
         with self._lock:
             limit = self.max_num_queued_requests
-            if limit is not None and self._pending_adds + self._num_waiting >= limit:
+            if limit is not None and prepared.pooling is None and self._pending_adds + self._num_waiting >= limit:
                 raise QueueFullError(f"the server has {limit} requests waiting; retry later")
             self._pending_adds += 1
         loop = asyncio.get_running_loop()

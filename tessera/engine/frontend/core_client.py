@@ -36,6 +36,7 @@ from tessera.engine.input_processor import InputLimits, InputProcessor, Prepared
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.errors import TesseraError
+from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("tessera")
@@ -82,9 +83,8 @@ class ProcessEngineCore:
         ready = self._wait_ready()
         self.pid = ready.pid
         self.config: EngineConfig = pickle.loads(ready.config)
-        self.inputs = InputProcessor(self.tokenizer, InputLimits(self.model_config.vocab_size,
-                                                                 self.config.max_model_len,
-                                                                 ready.kv_capacity_tokens))
+        self.inputs = InputProcessor(self.tokenizer, InputLimits.for_engine(self.model_config, self.config,
+                                                                            ready.kv_capacity_tokens))
         self.assembler = wire.OutputAssembler()
         self._stats = ready.scheduler
         self._info = ready.info
@@ -173,9 +173,10 @@ class ProcessEngineCore:
 
     # -- the EngineCore protocol -----------------------------------------------------------
     def prepare_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-                        arrival_time: Optional[float] = None, add_special_tokens: bool = True) -> PreparedRequest:
+                        arrival_time: Optional[float] = None, add_special_tokens: bool = True,
+                        pooling: Optional[PoolingParams] = None) -> PreparedRequest:
         """Tokenize and check here; a constraint is compiled (and may be refused) in the core."""
-        return self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens)
+        return self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens, pooling)
 
     def add_prepared(self, p: PreparedRequest) -> None:
         if p.request_id in self.assembler:

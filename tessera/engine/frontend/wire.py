@@ -57,6 +57,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     completions: list[CompletionDelta]
     metrics: Optional[RequestMetrics]
     kv_transfer: Optional[KVTransfer] = None
+    embedding: Optional[list[float]] = None
 
 
 class EngineInfo(msgspec.Struct):
@@ -120,7 +121,7 @@ def to_delta(out: RequestOutput) -> OutputDelta:
     return OutputDelta(out.request_id, out.finished, out.num_cached_tokens,
                        [CompletionDelta(c.index, c.delta_text, c.delta_token_ids, c.delta_logprobs,
                                         c.finish_reason, c.stop_reason) for c in out.outputs],
-                       out.metrics, out.kv_transfer)
+                       out.metrics, out.kv_transfer, out.embedding)
 
 
 @dataclass
@@ -177,4 +178,4 @@ class OutputAssembler:
                            logprobs=list(c.logprobs) if c.logprobs is not None else None)
                    for _, c in sorted(a.completions.items())]
         return RequestOutput(delta.request_id, a.prompt, a.prompt_token_ids, outputs, delta.finished,
-                             delta.num_cached_tokens, delta.metrics, delta.kv_transfer)
+                             delta.num_cached_tokens, delta.metrics, delta.kv_transfer, delta.embedding)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
@@ -31,6 +32,8 @@ class RunnerOutput:
     # request id -> (proposed, accepted), for each request that verified proposals this step
     spec_results: dict[str, tuple[int, int]] = field(default_factory=dict)
     mask_time: Optional[float] = None  # seconds spent on structured-output masks this step, if any
+    # request id -> its embedding (float32 values), for each pooling chunk of the step
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ModelRunnerBase(ABC):
@@ -70,14 +73,20 @@ class ModelRunner(ModelRunnerBase):
         self.block_size = config.block_size
         self.groups = groups
         mc = model_config
-        # One tensor per slot of a pool block (every layer's own without sliding-window groups);
-        # each layer reads its slot's (attention/kv_groups.py).
-        self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
-                                         mc.head_dim, dtype)
-        self.kv_caches = groups.layer_caches(self.kv_slots)
-        # Host copies for swapped-out requests (pinned memory would go here on a GPU).
-        self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size, mc.num_kv_heads,
-                                           mc.head_dim, dtype) if num_host_blocks > 0 else []
+        if not mc.is_causal:
+            # An encoder keeps no KV (its attention is bidirectional over each whole input, see
+            # AttentionBackend.forward_bidirectional): the blocks are the scheduler's bookkeeping only.
+            self.kv_slots, self.host_slots = [], []
+            self.kv_caches: list = [None] * mc.num_layers
+        else:
+            # One tensor per slot of a pool block (every layer's own without sliding-window groups);
+            # each layer reads its slot's (attention/kv_groups.py).
+            self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
+                                             mc.head_dim, dtype)
+            self.kv_caches = groups.layer_caches(self.kv_slots)
+            # Host copies for swapped-out requests (pinned memory would go here on a GPU).
+            self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size,
+                                               mc.num_kv_heads, mc.head_dim, dtype) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
         self.structured = structured
 
@@ -132,9 +141,12 @@ class ModelRunner(ModelRunnerBase):
         sample_chunks: list[ScheduledChunk] = []
         spec_rows: list[int] = []
         spec_chunks: list[ScheduledChunk] = []
+        pool_chunks: list[tuple[int, ScheduledChunk]] = []  # (first row, chunk) of each pooling chunk
         num_prompt = 0
         for s in order:
             start, n, k = s.start, s.num_new_tokens, s.num_spec_tokens
+            if s.pooling is not None:
+                pool_chunks.append((len(input_ids), s))
             input_ids.extend(s.token_ids)
             positions.extend(range(start, start + n))
             if k:
@@ -159,9 +171,10 @@ class ModelRunner(ModelRunnerBase):
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
+        pooled = pool(hidden, pool_chunks) if pool_chunks else {}
         rows = sample_rows + spec_rows
         if not rows:
-            return RunnerOutput({}, {}, num_prompt)
+            return RunnerOutput({}, {}, num_prompt, pooled=pooled)
         if rows != list(range(hidden.shape[0])):  # a subset, or plain rows not all ahead of the runs
             hidden = hidden.index_select(0, torch.tensor(rows))
         logits = self.model.compute_logits(hidden)
@@ -188,7 +201,7 @@ class ModelRunner(ModelRunnerBase):
                 spec_results[c.request_id] = (len(proposal), accepted)
             if spec.logprobs is not None:
                 logprobs.update({c.request_id: lp for c, lp in zip(spec_chunks, spec.logprobs) if lp is not None})
-        return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time)
+        return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time, pooled)
 
     def _start_masks(self, sample_chunks: list[ScheduledChunk],
                      spec_chunks: list[ScheduledChunk]) -> Optional[MaskJob]:
@@ -206,3 +219,31 @@ class ModelRunner(ModelRunnerBase):
         if not plain and not runs:
             return None
         return self.structured.start_masks(row, plain, runs)
+
+
+def pool(hidden: torch.Tensor, chunks: list[tuple[int, ScheduledChunk]]) -> dict[str, list[float]]:
+    """Each pooling chunk's embedding from its rows of the step's final hidden states: the mean
+    of its tokens, its first ([CLS]) or its last, in float32; then cut to the dimensions asked
+    and L2-normalised where the pooling says (sentence-transformers' Normalize module), as
+    vLLM's pooler does. One index_add for every mean of the step, not one per request."""
+    hidden = hidden.float()
+    starts = torch.tensor([row for row, _ in chunks])
+    lens = torch.tensor([c.num_new_tokens for _, c in chunks])
+    kinds = [c.pooling.pooling for _, c in chunks]
+    vectors = torch.empty(len(chunks), hidden.shape[1])
+    if "mean" in kinds:
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())])
+        sums = torch.zeros_like(vectors).index_add_(0, owner, hidden.index_select(0, rows))
+        means = sums / lens.unsqueeze(1)
+    for i, kind in enumerate(kinds):
+        vectors[i] = means[i] if kind == "mean" else hidden[starts[i] if kind == "cls" else starts[i] + lens[i] - 1]
+    params = [c.pooling for _, c in chunks]
+    if all(p.dimensions is None and p.normalize for p in params):  # the usual case: one call for all
+        return dict(zip((c.request_id for _, c in chunks), F.normalize(vectors, dim=1).tolist()))
+    out: dict[str, list[float]] = {}
+    for i, (_, c) in enumerate(chunks):
+        p = c.pooling
+        v = vectors[i] if p.dimensions is None else vectors[i, :p.dimensions]
+        out[c.request_id] = (F.normalize(v, dim=0) if p.normalize else v).tolist()
+    return out
