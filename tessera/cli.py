@@ -106,10 +106,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the chat page at / and the live dashboard at /dashboard; --no-ui leaves only "
                         "the API (default: on)")
+    g.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
+                   help="responses of POST /v1/responses kept in memory for GET and previous_response_id, the "
+                        "oldest dropped first (also at most 256 MiB of conversations); 0 stores none "
+                        "(default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default: %(default)s)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="do not log periodic engine statistics (throughput, KV cache use)")
+    from tessera.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    g = parser.add_argument_group("tool calls and reasoning (see README, 'Tool calls and reasoning')")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the syntax the model writes tool calls in, parsed and enforced by the grammar "
+                        "(default: detected from the chat template; hermes when it shows none)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="return the model's <think> block apart, as reasoning_content (default: off)")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template text itself) used instead of the "
+                        "model's own")
     g = parser.add_argument_group("network access (see README, 'Serving on a network')")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="a key clients must send (Authorization: Bearer KEY, or x-api-key), with every scope; "

@@ -86,6 +86,15 @@ class MetricFamilies:
                 family = self._families[name] = cls(name, doc, labelnames, registry=self.registry, **kwargs)
             return family
 
+    def record_http_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request answered, by route (`/v1/responses/{response_id}`, not each id), so the
+        chat, completions, Responses and Messages APIs' traffic and errors can be told apart."""
+        self.get(Counter, PREFIX + "http_requests", "HTTP requests answered, by endpoint, method and status.",
+                 ["endpoint", "method", "status"]).labels(endpoint, method, str(status)).inc()
+        self.get(Histogram, PREFIX + "http_request_duration_seconds", "Histogram of the time to answer an HTTP "
+                 "request (a stream: to its last event), by endpoint.", ["endpoint", "method"],
+                 buckets=REQUEST_LATENCY_BUCKETS).labels(endpoint, method).observe(seconds)
+
 
 class PrometheusStatLogger:
     """Engine stats as Prometheus metrics, labelled by `model_name` (and `replica` when a model
@@ -280,6 +289,9 @@ class PrometheusStatLogger:
         self.predicted_queue_wait.set_function(lambda: forecast() or 0.0)
 
     # -- exposition ----------------------------------------------------------------------------
+
+    def record_http_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
+        self.families.record_http_request(endpoint, method, status, seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The body and Content-Type for a GET /metrics response (classic Prometheus text format)."""

@@ -138,7 +138,7 @@ def weight_storage(config: ModelConfig, tensors, quant) -> WeightStorage:
     for pieces in groups.values():
         rows, cols = sum(s[0] for s, _ in pieces), pieces[0][0][1]
         kind = quant.storage_for([t for _, t in pieces], cols)
-        total += METHODS[kind].storage_bytes(rows, cols, quant)
+        total += METHODS[kind].storage_bytes(rows, cols, quant, [t for _, t in pieces])
         params[kind] += rows * cols
         if kind != "dense" and quant.dense_copy:
             dense_copies += rows * cols * quant.dtype.itemsize

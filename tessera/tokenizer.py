@@ -30,6 +30,9 @@ from tessera.sampling_params import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
+# Template variables the renderer sets itself; a request's chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"conversations", "messages", "tools", "documents", "chat_template",
+                                         "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask"})
 # Texts llama.cpp treats as end-of-generation when they are special tokens of the vocabulary.
 END_OF_GENERATION_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
@@ -157,14 +160,22 @@ class Tokenizer:
         """Printable text of one token, special tokens included (for logprobs)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """The vocabulary's own strings for `ids` (byte-level pieces such as "Ġthe", as
+        transformers names them), which `/tokenize` returns as `token_strs`."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict]] = None) -> str:
-        """Render a conversation with the model's own template (transformers' jinja renderer);
-        `tools` are OpenAI function definitions, for templates that render them.
+                            tools: Optional[list[dict]] = None, chat_template: Optional[str] = None,
+                            template_kwargs: Optional[dict] = None) -> str:
+        """Render a conversation with the model's own template (transformers' jinja renderer), or
+        with `chat_template` in its place; `tools` are OpenAI function definitions, for templates
+        that render them; `template_kwargs` are extra template variables (`enable_thinking`).
 
         Encode the result with add_special_tokens=False: templates write BOS themselves.
         """
-        if not self.chat_template:
+        chat_template = chat_template or self.chat_template
+        if not chat_template:
             raise InvalidRequestError(
                 f"model {self.name or ''} has no chat template; use the completions API with a plain prompt"
             )
@@ -174,13 +185,17 @@ class Tokenizer:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        extra = dict(template_kwargs or {})
+        taken = sorted(set(extra) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)}")
         try:
             rendered, _ = render_jinja_template(
                 conversations=[conversation],
                 tools=tools,
-                chat_template=self.chat_template,
+                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens_map,
+                **{**self.special_tokens_map, **extra},
             )
         except TemplateError as exc:  # e.g. "Conversation roles must alternate user/assistant/..."
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None

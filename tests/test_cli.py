@@ -11,6 +11,7 @@ import pytest
 
 from tessera import cli
 from tessera.models import registry
+from tessera.server.output_parsers import OutputParsing
 
 
 @pytest.fixture()
@@ -126,6 +127,10 @@ def test_serve_flags_become_one_typed_spec():
                         "--ray-memory-per-replica", "1GiB")
     assert spec.ray is not None and (spec.ray.address, spec.ray.num_cpus_per_replica, spec.ray.memory_per_replica) \
         == ("auto", 2.0, 1 << 30)
+    spec = serving_spec("--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1", "--chat-template",
+                        "{{ messages }}")
+    assert spec.models[0].parsing == OutputParsing("mistral", "deepseek_r1", "{{ messages }}")
+    assert serving_spec().models[0].parsing == OutputParsing()  # the parser detected from the template
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -138,6 +143,7 @@ def test_serve_flags_become_one_typed_spec():
     (["--max-loaded-models", "0"], "--max-loaded-models must be at least 1"),
     (["a", "b", "--served-model-name", "x"], "--served-model-name names one model"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template: .* is neither a readable file"),
 ])
 def test_bad_serve_flags_are_one_clear_error(argv, needle):
     from tessera.errors import TesseraError

@@ -358,13 +358,9 @@ def test_packed_weight_cache_maps_identical_weights(tiny_gguf, tessera_home, cap
     assert len(list((tessera_home / "packed").glob("*.pt"))) == 1  # other settings replace the file
 
 
-def test_packed_weight_cache_keeps_aliased_buffers(tiny_gguf, tessera_home, monkeypatch):
-    """In float32 an int8 layer's kernel scales are the same tensor as its scales; the cache must
-    keep both names, or a restored model fails its first one-row step (found on a real server:
-    AttributeError 'scales_f32' after a restart with --dtype float32)."""
-    from tessera.layers import quantization
-
-    monkeypatch.setattr(quantization, "GEMV_KERNEL_MIN_WEIGHTS", 0)  # the tiny layers take the kernel path
+def test_packed_weight_cache_restores_int8_layers(tiny_gguf, tessera_home):
+    """A restored int8 layer has every buffer and attribute loading gave it (its scales, and its
+    zeros, kept as None for symmetric groups), and computes the same one-row step."""
     first = load_model(tiny_gguf, "float32", quantization="int8", weight_cache=True)
     second = load_model(tiny_gguf, "float32", quantization="int8", weight_cache=True)
 
@@ -372,7 +368,9 @@ def test_packed_weight_cache_keeps_aliased_buffers(tiny_gguf, tessera_home, monk
         return {(m, n) for m, mod in model.named_modules() for n, _ in mod.named_buffers(recurse=False,
                                                                                            remove_duplicate=False)}
 
-    assert any(n == "scales_f32" for _, n in names(first.model)) and names(second.model) == names(first.model)
+    assert any(n == "scales" for _, n in names(first.model)) and names(second.model) == names(first.model)
+    int8 = [m for m in second.model.modules() if type(getattr(m, "quant_method", None)).__name__ == "Int8Method"]
+    assert int8 and all(m.zeros is None and isinstance(m.use_kernels, bool) for m in int8)
     assert torch.equal(forward_single(first, [3]), forward_single(second, [3]))  # one row: the kernel's path
 
 

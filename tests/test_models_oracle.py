@@ -132,3 +132,14 @@ def test_greedy_continuation_float32(models):
         ids = f32.tokenizer.encode(prompt)
         ours = _greedy_tessera(f32, ids, GREEDY_TOKENS)
         assert ours == _greedy_oracle(oracle, ids, GREEDY_TOKENS), f"{name}: {f32.tokenizer.decode(ours)!r}"
+
+
+def test_the_files_quantized_weights_are_the_oracles(models, model_path):
+    """--quantization auto keeps the file's weights (int4 and int8 groups taken over, nothing
+    rounded twice), so in float32 it is the dequantized model: same greedy tokens as the oracle."""
+    name, oracle, _, _ = models
+    auto = load_model(model_path(name), "float32", quantization="auto")
+    for prompt in PROMPTS:
+        ids = auto.tokenizer.encode(prompt)
+        ours = _greedy_tessera(auto, ids, 24)
+        assert ours == _greedy_oracle(oracle, ids, 24), f"{name}: {auto.tokenizer.decode(ours)!r}"

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from torch import nn
@@ -68,7 +69,7 @@ def _layer(method_cls, w: torch.Tensor, dtype=torch.float32, dense_copy=False, s
     cfg = QuantConfig("int4" if method_cls is Int4Method else "int8", dtype, dense_copy)
     layer = nn.Module()
     method = method_cls(cfg)
-    method.load(layer, [source or FloatWeight(w)])
+    method.load(layer, source if isinstance(source, list) else [source or FloatWeight(w)])
     return method, layer
 
 
@@ -229,44 +230,124 @@ def test_loading_in_row_chunks_gives_the_same_weight(monkeypatch, method_cls):
     torch.testing.assert_close(method.apply(layer, x), x @ method.dequantize(layer).T, atol=2e-5, rtol=1e-5)
 
 
+def _random_blocks(qtype: Q, rows: int, blocks: int, seed: int = 0) -> GGUFWeight:
+    """Random GGUF blocks of `qtype` (every bit pattern is a valid block) with sane float16 headers."""
+    rng = np.random.default_rng(seed)
+    size, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
+    headers = {Q.Q8_0: [0], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    for off in headers:
+        raw[..., off:off + 2] = rng.uniform(1e-3, 0.1, size=(rows, blocks)).astype(np.float16)[..., None].view(np.uint8)
+    return GGUFWeight(raw.reshape(rows, -1), qtype, (rows, blocks * size))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K])
+def test_five_to_eight_bit_blocks_map_exactly_onto_int8_groups(qtype):
+    src = _random_blocks(qtype, 6, 2)
+    codes, scale, zero = src.int8_groups()
+    group = src.shape[1] // scale.shape[1]
+    assert codes.dtype == torch.int8 and group == (16 if qtype == Q.Q6_K else 32)
+    assert (zero is not None) == (qtype in (Q.Q5_1, Q.Q5_K))
+    g = codes.float().view(6, -1, group)
+    rebuilt = (torch.addcmul(zero[..., None], g, scale[..., None]) if zero is not None else g * scale[..., None])
+    assert torch.equal(rebuilt.view(6, -1), src.dequantize())  # bit for bit
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_K, Q.Q6_K])
+def test_int8_layers_hold_the_files_weights(qtype):
+    """No second rounding: in float32 the int8 layer's weight is the dequantized GGUF tensor."""
+    src = _random_blocks(qtype, 40, 1, seed=1)
+    method, layer = _layer(Int8Method, None, source=src)
+    assert layer.int8_exact and method.describe(layer) == "int8"
+    assert torch.equal(method.dequantize(layer), src.dequantize())
+    x = torch.randn(5, src.shape[1])  # outputs of ~100 (random blocks have large weights): float32 rounding
+    torch.testing.assert_close(method.apply(layer, x), x @ src.dequantize().T, atol=1e-3, rtol=1e-5)
+
+
+def test_merged_int8_pieces_take_the_finest_groups():
+    """A fused projection of a Q8_0 piece (groups of 32) and a Q6_K piece (16) stores groups of 16,
+    the coarser piece's scales repeated; both pieces stay exact."""
+    q8, q6 = _random_blocks(Q.Q8_0, 16, 8, seed=2), _random_blocks(Q.Q6_K, 24, 1, seed=3)
+    assert Int8Method.layout([Q.Q8_0, Q.Q6_K], 256) == (16, False)
+    method, layer = _layer(Int8Method, None, source=[q8, q6])
+    assert layer.scales.shape == (40, 16) and layer.zeros is None
+    assert torch.equal(method.dequantize(layer), torch.cat([q8.dequantize(), q6.dequantize()]))
+    assert Int8Method.storage_bytes(40, 256, method.config, [Q.Q8_0, Q.Q6_K]) == \
+        sum(b.numel() * b.element_size() for b in (layer.qweight, layer.scales))
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
-def test_int8_gemv_kernel_for_large_matrices(dtype, atol):
+def test_int8_kernels_against_the_reference(zeros, group, dtype, atol):
     from tessera import kernels
-    from tessera.layers.quantization import GEMV_KERNEL_MIN_WEIGHTS
 
     if kernels.available() is not None:
         pytest.skip("C kernels unavailable")
-    torch.manual_seed(4)
-    w = torch.randn(GEMV_KERNEL_MIN_WEIGHTS // 512, 512) * 0.05
-    method, layer = _layer(Int8Method, w, dtype=dtype)
-    assert layer.use_gemv_kernel
-    deq = method.dequantize(layer).float()
-    for rows in (1, 2, 3, 5, 8, 9):  # 1-2 rows: the streaming kernel; 3-8 in bf16: the BF16 one; then PyTorch's
-        x = torch.randn(rows, 512).to(dtype)
-        got = method.apply(layer, x)
-        assert got.dtype == dtype and got.shape == (rows, w.shape[0])
-        torch.testing.assert_close(got.float(), x.float() @ deq.T, atol=atol, rtol=0.02)
-    small_method, small = _layer(Int8Method, w[:64], dtype=dtype)
-    assert not small.use_gemv_kernel
+    torch.manual_seed(group + zeros)
+    n, k = 37, 192  # 37 rows: not a whole block of the gemm kernel's 4
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // group) * 1e-3
+    zero = (torch.rand(n, k // group) - 0.5) * 1e-2 if zeros else None
+    g = codes.float().view(n, -1, group)
+    w = (torch.addcmul(zero[..., None], g, scale[..., None]) if zeros else g * scale[..., None]).view(n, k)
+    for rows in (1, 2, 3, 5, 8):
+        x = torch.randn(rows, k).to(dtype)
+        got = kernels.int8_gemv(x, codes, scale, zero)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), x.float() @ w.T, atol=atol, rtol=0.02)
+        if dtype == torch.bfloat16 and kernels.bf16_matmuls():
+            got = kernels.int8_gemm_bf16(x, codes, scale, zero)
+            torch.testing.assert_close(got.float(), x.float() @ w.bfloat16().float().T, atol=atol, rtol=0.02)
+    with pytest.raises(kernels.KernelUnavailable):
+        kernels.int8_gemv(torch.randn(9, k), codes, scale, zero)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 8])
-def test_int8_gemm_kernel_matches_pytorchs(rows):
+@pytest.mark.parametrize("isa", [["-mno-avx512f", "-mavx2", "-mfma"], ["-mno-avx512f", "-mno-avx2"]],
+                         ids=["avx2", "plain-c"])
+def test_int8_gemv_on_older_instruction_sets(isa, tmp_path):
+    """The AVX2 and plain C branches of int8_gemv.c, compiled apart and called through ctypes."""
+    import ctypes
+    import shutil
+    import subprocess
+
     from tessera import kernels
 
-    if not kernels.bf16_matmuls():
-        pytest.skip("no AVX512-BF16 matrix kernels here")
-    torch.manual_seed(rows)
-    w = torch.randn(37, 96) * 0.05  # a small matrix: 37 rows, not a whole block of 4
-    method, layer = _layer(Int8Method, w, dtype=torch.bfloat16)
-    assert layer.use_gemm_kernel and not layer.use_gemv_kernel
-    x = torch.randn(rows, 96).bfloat16()
-    got = kernels.int8_gemm_bf16(x, layer.qweight, layer.scales_f32)
-    want = torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
-    assert got.shape == want.shape == (rows, 37)
-    torch.testing.assert_close(got.float(), want.float(), atol=0.01, rtol=0.02)
-    torch.testing.assert_close(got.float(), x.float() @ method.dequantize(layer).float().T, atol=0.01, rtol=0.02)
-    torch.testing.assert_close(method.apply(layer, x).float(), got.float(), atol=0, rtol=0)  # the route taken
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib_path = tmp_path / "int8.so"
+    src = Path(kernels.__file__).parent / "int8_gemv.c"
+    subprocess.run([cc, "-O2", "-march=native", *isa, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(src),
+                    "-o", str(lib_path)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    torch.manual_seed(5)
+    n, k, group = 21, 96, 16
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale, zero = torch.rand(n, k // group) * 1e-3, (torch.rand(n, k // group) - 0.5) * 1e-2
+    w = torch.addcmul(zero[..., None], codes.float().view(n, -1, group), scale[..., None]).view(n, k)
+    x = torch.randn(3, k)
+    out, scratch = torch.empty(3, n), torch.empty(3 * k)
+    p = ctypes.c_void_p
+    lib.int8_gemv.argtypes = [p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                              ctypes.c_int, p]
+    assert lib.int8_gemv(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), 3, n, k,
+                         group, 0, scratch.data_ptr()) == 0
+    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_int8_small_batches_run_in_slices_of_the_kernels_rows(dtype, atol):
+    torch.manual_seed(4)
+    w = torch.randn(70, 96) * 0.05
+    method, layer = _layer(Int8Method, w, dtype=dtype)
+    assert layer.scales.shape == (70, 3) and not layer.int8_exact
+    deq = method.dequantize(layer).float()
+    for rows in (1, 2, 3, 8, 9, 17, method.config.small_batch_max):
+        x = torch.randn(rows, 96).to(dtype)
+        got = method.apply(layer, x)
+        assert got.dtype == dtype and got.shape == (rows, 70)
+        torch.testing.assert_close(got.float(), x.float() @ deq.T, atol=atol, rtol=0.02)
 
 
 def test_int4_gemv_kernel_matches_pytorchs():

@@ -168,7 +168,7 @@ def parse(chunks: list[str]) -> tuple[str, list[tuple[str, str]], str, list[tupl
     for e in events:
         if e.kind == "call":
             calls[e.index] = [e.call.name, ""]
-        elif e.kind == "arguments":
+        elif e.kind == "args":
             calls[e.index][1] += e.text
     return content, [tuple(v) for _, v in sorted(calls.items())], p.content, [(c.name, c.arguments) for c in p.calls]
 

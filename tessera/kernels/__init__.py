@@ -111,10 +111,10 @@ def load() -> ctypes.CDLL:
     g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
     g.restype = None
     h = lib.int8_gemv
-    h.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int, p]
+    h.argtypes = [p, p, p, p, p, i64, i64, i64, i64, ctypes.c_int, p]
     h.restype = ctypes.c_int
     h8 = lib.int8_gemm_bf16
-    h8.argtypes = [p, p, p, p, i64, i64, i64]
+    h8.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
     h8.restype = ctypes.c_int
     f4 = lib.int4_gemv_bf16
     f4.argtypes = [p, p, p, p, i64, i64, i64, p]
@@ -326,28 +326,33 @@ INT8_GEMM_MAX_ROWS = 8
 INT4_F32_MAX_ROWS = 64
 
 
-def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bfloat16 or float32, M <= 8) @ (int8 weight [N, K] * scale [N]).T -> [M, N] in x's dtype."""
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              zero: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (bfloat16 or float32, M <= 8) @ W.T -> [M, N] in x's dtype, where W [N, K] is the int8
+    `weight` times float32 `scale` [N, K/G] (plus `zero` [N, K/G]) per group of G = K / (K/G)
+    values, G a multiple of 16 (see int8_gemv.c)."""
     lib = load()
     m, k = x.shape
     x = x.contiguous()
     out = torch.empty(m, weight.shape[0], dtype=x.dtype)
     scratch = torch.empty(m * k, dtype=torch.float32)
-    if lib.int8_gemv(x.data_ptr(), weight.data_ptr(), scale_f32.data_ptr(), out.data_ptr(), m, weight.shape[0], k,
-                     int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
-        raise KernelUnavailable(f"int8_gemv takes at most {INT8_GEMV_MAX_ROWS} rows, not {m}")
+    if lib.int8_gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), _ptr(zero), out.data_ptr(), m,
+                     weight.shape[0], k, k // scale.shape[1], int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
+        raise KernelUnavailable(f"int8_gemv takes at most {INT8_GEMV_MAX_ROWS} rows and groups of a multiple "
+                                f"of 16 values (got {m} rows, groups of {k // scale.shape[1]})")
     return out
 
 
-def int8_gemm_bf16(x: torch.Tensor, weight: torch.Tensor, scale_f32: torch.Tensor) -> torch.Tensor:
-    """A few bfloat16 rows [M, K] (M <= INT8_GEMM_MAX_ROWS, K a multiple of 32) @ (int8 weight [N, K]
-    * scale [N]).T -> [M, N] bfloat16 (see int8_gemv.c)."""
+def int8_gemm_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   zero: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A few bfloat16 rows [M, K] (M <= INT8_GEMM_MAX_ROWS, K a multiple of 32) @ W.T -> [M, N]
+    bfloat16, W as `int8_gemv` reads it (see int8_gemv.c)."""
     lib = load()
     m, k = x.shape
     x = x.contiguous()
     out = torch.empty(m, weight.shape[0], dtype=torch.bfloat16)
-    if lib.int8_gemm_bf16(x.data_ptr(), weight.data_ptr(), scale_f32.data_ptr(), out.data_ptr(), m,
-                          weight.shape[0], k) != 0:
+    if lib.int8_gemm_bf16(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), _ptr(zero), out.data_ptr(), m,
+                          weight.shape[0], k, k // scale.shape[1]) != 0:
         raise KernelUnavailable(f"int8_gemm_bf16 needs AVX-512 BF16, at most {INT8_GEMM_MAX_ROWS} rows and K "
                                 f"a multiple of 32 (got {m} x {k})")
     return out

@@ -1,11 +1,16 @@
-/* Weight-only int8 matrix product for decode-sized steps: out[m, n] = scale[n] * sum_k x[m, k] * w[n, k].
+/* Weight-only int8 matrix products with a scale (and optionally a zero) per group of G values
+ * along each weight row: out[m, n] = sum_k x[m, k] * (w[n, k] * scale[n, k / G] + zero[n, k / G]).
  *
- * PyTorch's _weight_int8pack_mm reads an LM head of 49k x 576 int8 weights at ~12 GB/s on these
- * machines (2-3 ms a token); this streams each weight row once, widening 16 int8 at a time to
- * float32 and multiplying by up to 8 activation rows (float32 accumulation, one rounding of the
- * result, like the PyTorch kernel). Rows are split across torch's OpenMP threads. AVX2 hosts take
- * 8 weights at a time: there PyTorch's kernel computes float32 rows at ~2 GFLOP/s (an LM head of
- * 49k x 576 at 8 rows: 110 ms).
+ * The groups are the checkpoint's own: GGUF Q8_0 and Q5_0 blocks are int8 codes times one scale
+ * per 32 values, Q6_K sub-blocks one per 16, Q5_1 and Q5_K add a minimum per 32. Keeping those
+ * codes and scales (rather than requantizing each row to one scale, which rounds every weight a
+ * second time) makes the product the file's weights exactly, in float32. PyTorch's weight-only
+ * int8 kernel takes one scale per row, so every row count up to 8 comes here.
+ *
+ * int8_gemv streams each weight row once, widening 16 codes at a time to float32, applying the
+ * group's scale (and zero) once per code, and multiplying by up to 8 activation rows (float32
+ * accumulation, one rounding of the result). Rows are split across torch's OpenMP threads. AVX2
+ * hosts take 8 codes at a time.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,68 +22,85 @@
 
 #include "bf16.h"
 
-/* x: [M][K] (bf16 if is_bf16 else f32), w: [N][K] int8, scale: [N] f32, out: [M][N] like x.
- * xf: scratch of M*K floats. Returns 0, or -1 if M > MAX_ROWS. */
-int int8_gemv(const void *x, const int8_t *w, const float *scale, void *out, int64_t M, int64_t N, int64_t K,
-              int is_bf16, float *xf) {
-    if (M > MAX_ROWS) return -1;
+/* x: [M][K] (bf16 if is_bf16 else f32), w: [N][K] int8, scale and zero (NULL: none): [N][K/G] f32,
+ * out: [M][N] like x. xf: scratch of M*K floats. Returns 0, or -1 if M > MAX_ROWS or K is not a
+ * whole number of groups of a multiple of 16 values. */
+int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M,
+              int64_t N, int64_t K, int64_t G, int is_bf16, float *xf) {
+    if (M > MAX_ROWS || G <= 0 || G % 16 != 0 || K % G != 0) return -1;
+    const int64_t groups = K / G;
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = w + n * K;
+        const float *sr = scale + n * groups;
+        const float *zr = zero ? zero + n * groups : NULL;
         float sums[MAX_ROWS] = {0.f};
-        int64_t k = 0;
 #if defined(__AVX512F__)
         __m512 acc[MAX_ROWS];
         for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (; k + 16 <= K; k += 16) {
-            const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + k), acc[m]);
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 s = _mm512_set1_ps(sr[g]);
+            const __m512 z = _mm512_set1_ps(zr ? zr[g] : 0.f);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
+                const __m512 wv = zr ? _mm512_fmadd_ps(c, s, z) : _mm512_mul_ps(c, s);
+                for (int64_t m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + k), acc[m]);
+            }
         }
         for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
 #elif defined(__AVX2__) && defined(__FMA__)
         __m256 acc[MAX_ROWS];
         for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (; k + 8 <= K; k += 8) {
-            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + m * K + k), acc[m]);
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 s = _mm256_set1_ps(sr[g]);
+            const __m256 z = _mm256_set1_ps(zr ? zr[g] : 0.f);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+                const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
+                const __m256 wv = zr ? _mm256_fmadd_ps(c, s, z) : _mm256_mul_ps(c, s);
+                for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + m * K + k), acc[m]);
+            }
         }
         for (int64_t m = 0; m < M; m++) {
             const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
             const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
             sums[m] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
         }
+#else
+        for (int64_t k = 0; k < K; k++) {
+            const float wk = (float)wr[k] * sr[k / G] + (zr ? zr[k / G] : 0.f);
+            for (int64_t m = 0; m < M; m++) sums[m] += wk * xf[m * K + k];
+        }
 #endif
-        for (; k < K; k++)
-            for (int64_t m = 0; m < M; m++) sums[m] += (float)wr[k] * xf[m * K + k];
         for (int64_t m = 0; m < M; m++) {
-            const float v = sums[m] * scale[n];
             if (is_bf16)
-                ((uint16_t *)out)[m * N + n] = f32_to_bf16(v);
+                ((uint16_t *)out)[m * N + n] = f32_to_bf16(sums[m]);
             else
-                ((float *)out)[m * N + n] = v;
+                ((float *)out)[m * N + n] = sums[m];
         }
     }
     return 0;
 }
 
-/* A few bfloat16 rows times int8 weights, for verification steps (k + 1 rows) and small batches:
- * out[m, n] = scale[n] * sum_k x[m, k] * w[n, k], M <= INT8_GEMM_MAX_ROWS.
+/* A few bfloat16 rows times grouped int8 weights, for verification steps (k + 1 rows) and small
+ * batches, M <= INT8_GEMM_MAX_ROWS, K a multiple of 32 and of G, G a power of two from 16.
  *
- * PyTorch's kernel and the float32 loop above are compute-bound from ~3 rows (a 151k x 1536 LM
- * head: 9 ms at one row, 29 ms at five). Here each 32 weights are widened once to bfloat16
- * (exact: every int8 is a bfloat16) and fed to AVX512-BF16 dot products, 32 multiply-adds an
- * instruction, against the rows' bfloat16 activations; float32 accumulation, one rounding of the
- * result. Four weight rows at a time share each activation load.
+ * The float32 loop above is compute-bound from ~3 rows (a 151k x 1536 LM head: 9 ms at one row,
+ * 29 ms at five). Here each 32 codes are scaled (and shifted) in float32, rounded once to
+ * bfloat16 (the weight a dense bfloat16 copy would hold) and fed to AVX512-BF16 dot products,
+ * 32 multiply-adds an instruction, against the rows' bfloat16 activations; float32
+ * accumulation, one rounding of the result. Four weight rows at a time share each activation load.
  */
 #define INT8_GEMM_MAX_ROWS 8
 #define INT8_GEMM_NB 4
 
-int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *out, int64_t M, int64_t N,
-                   int64_t K) {
+int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
+                   int64_t M, int64_t N, int64_t K, int64_t G) {
 #if defined(__AVX512BF16__)
-    if (M > INT8_GEMM_MAX_ROWS || K % 32 != 0) return -1;
+    if (M > INT8_GEMM_MAX_ROWS || K % 32 != 0 || G < 16 || (G & (G - 1)) != 0 || K % G != 0) return -1;
+    const int64_t groups = K / G;
+    const int shift = __builtin_ctzll((unsigned long long)G); /* k / G without a division per block */
     const int64_t blocks = (N + INT8_GEMM_NB - 1) / INT8_GEMM_NB;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
@@ -90,9 +112,18 @@ int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, uint1
         for (int64_t k = 0; k < K; k += 32) {
             __m512bh wv[INT8_GEMM_NB];
             for (int j = 0; j < nn; j++) {
-                const int8_t *wr = w + (n0 + j) * K + k;
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wr)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + 16))));
+                const int64_t row = n0 + j;
+                const int8_t *wr = w + row * K + k;
+                const int64_t g_lo = row * groups + (k >> shift), g_hi = row * groups + ((k + 16) >> shift);
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wr)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + 16))));
+                if (zero) {
+                    lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(scale[g_lo]), _mm512_set1_ps(zero[g_lo]));
+                    hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(scale[g_hi]), _mm512_set1_ps(zero[g_hi]));
+                } else {
+                    lo = _mm512_mul_ps(lo, _mm512_set1_ps(scale[g_lo]));
+                    hi = _mm512_mul_ps(hi, _mm512_set1_ps(scale[g_hi]));
+                }
                 wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
             }
             for (int64_t m = 0; m < M; m++) {
@@ -101,12 +132,11 @@ int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, uint1
             }
         }
         for (int j = 0; j < nn; j++)
-            for (int64_t m = 0; m < M; m++)
-                out[m * N + n0 + j] = f32_to_bf16(_mm512_reduce_add_ps(acc[j][m]) * scale[n0 + j]);
+            for (int64_t m = 0; m < M; m++) out[m * N + n0 + j] = f32_to_bf16(_mm512_reduce_add_ps(acc[j][m]));
     }
     return 0;
 #else
-    (void)x; (void)w; (void)scale; (void)out; (void)M; (void)N; (void)K;
+    (void)x; (void)w; (void)scale; (void)zero; (void)out; (void)M; (void)N; (void)K; (void)G;
     return -1;
 #endif
 }

@@ -17,8 +17,10 @@ model's weights streamed from memory, beats the dense matmul by 1.7-4x at
 2-16 rows and 1.3x at 32-64 (PyTorch's int4 kernel by 1.6-1.8x at 32-64).
 On AVX2 hosts (no AVX-512, float32 compute) PyTorch's weight-only kernels run
 at 1-2 GFLOP/s; there Tessera's float32 int4 kernel (tessera/kernels/int4_avx2.c)
-takes 1-64 rows and its int8 one up to 8 (10-65x faster per matrix, ahead of
-a dense float32 copy in that range).
+takes 1-64 rows (10-65x faster per matrix, ahead of a dense float32 copy in
+that range). Int8 weights keep the checkpoint's groups (a scale per 16 or 32
+values), which PyTorch's int8 kernel (one scale per row) cannot read, so every
+small int8 product runs through Tessera's kernels (tessera/kernels/int8_gemv.c).
 
 The int4 format is PyTorch's CPU int4pack: codes in 0..15 and per-group
 (scale, zero) with `w = (code - 8) * scale + zero`, groups of 32 along the
@@ -34,14 +36,16 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera import kernels
-from tessera.layers.weights import FIVE_TO_EIGHT_BIT, FOUR_BIT_OR_LESS, AnyWeight, FloatWeight, GGUFWeight
+from tessera.layers.weights import (
+    FIVE_TO_EIGHT_BIT, FOUR_BIT_OR_LESS, INT8_GROUPS, AnyWeight, FloatWeight, GGUFWeight,
+)
 
 QuantizationMode = Literal["auto", "none", "int8", "int4"]
 QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "int8", "int4")
@@ -53,9 +57,9 @@ INT4_ROW_TILE = 64  # rows are padded to whole tiles of 64, which every int4pack
 SMALL_BATCH_WITH_DENSE_COPY = 8
 SMALL_BATCH_DEQUANTIZING = 32
 LOAD_CHUNK_ROWS = 4096  # rows dequantized at a time while loading
-# The int8 C kernel beats PyTorch's for large matrices at one or two rows (measured, see Int8Method).
-GEMV_KERNEL_MIN_WEIGHTS = 1 << 22
-GEMV_KERNEL_MAX_ROWS = 2
+# Symmetric int8 groups for weights that come without groups of their own (float tensors, 4-bit
+# GGUF types forced to int8).
+INT8_REQUANT_GROUP = 32
 # The int4 C kernel (one row) streams at ~28 GB/s against PyTorch's ~23 on big matrices, ties on small.
 INT4_GEMV_MIN_WEIGHTS = 1 << 20
 # The few-row int4 C kernel (int4_gemm_bf16) against the dense bf16 copy, over a whole model's
@@ -254,8 +258,9 @@ class DenseMethod(QuantMethod):
     name = "dense"
 
     @staticmethod
-    def storage_bytes(rows: int, cols: int, config: QuantConfig) -> int:
-        """Bytes `load` keeps for a [rows, cols] weight (the sizing calculator's figure)."""
+    def storage_bytes(rows: int, cols: int, config: QuantConfig, ggml_types: Sequence[Optional[int]] = ()) -> int:
+        """Bytes `load` keeps for a [rows, cols] weight made of pieces of `ggml_types` (the
+        sizing calculator's figure)."""
         return rows * cols * config.dtype.itemsize
 
     def load(self, layer, sources):
@@ -299,79 +304,124 @@ class _WeightOnlyMethod(QuantMethod):
 
 
 class Int8Method(_WeightOnlyMethod):
-    """Per-output-channel symmetric int8 (requantized from whatever the checkpoint holds).
+    """Int8 codes with a float32 scale (and, for asymmetric types, a zero) per group of 16 or 32
+    values along each row: GGUF Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks keep their own codes and
+    scales (`GGUFWeight.int8_groups`), so the product is the file's weights exactly; any other
+    source is rounded to symmetric groups of 32.
 
-    Large matrices at one or two rows (an LM head while decoding) go through a C kernel that
-    streams the weight rows (tessera/kernels/int8_gemv.c): measured 2x faster than PyTorch's
-    `_weight_int8pack_mm` on a 49k x 576 head, which itself wins on small matrices. From 3 to 8
-    bfloat16 rows (speculative verification) an AVX512-BF16 kernel takes every matrix: PyTorch's
-    is compute-bound there (a 151k x 1536 head: 15 ms at one row, 30 at five; ours 20).
+    Up to 8 rows at a time go through Tessera's C kernels (tessera/kernels/int8_gemv.c), a
+    larger small batch in slices of 8: float32 accumulation over the exact weights, or from 3
+    bfloat16 rows AVX512-BF16 dot products over the weights rounded once to bfloat16.
     """
 
     name = "int8"
 
     @staticmethod
-    def storage_bytes(rows: int, cols: int, config: QuantConfig) -> int:
-        """Bytes `load` keeps: codes, scales in the compute dtype, float32 scales for our kernels,
-        and the dense copy when one is kept."""
-        kernel = kernels.available() is None and (
-            rows * cols >= GEMV_KERNEL_MIN_WEIGHTS
-            or (config.dtype == torch.bfloat16 and cols % 32 == 0 and kernels.bf16_matmuls())
-            or _int8_f32_kernel(config.dtype))
+    def layout(ggml_types: Sequence[Optional[int]], in_features: int) -> tuple[int, bool]:
+        """(group size, whether zeros are kept) for a weight made of pieces of these GGUF types
+        (None: a float tensor): the finest of the pieces' groups, zeros if any piece has them."""
+        groups, zeros = [], False
+        for t in ggml_types:
+            g, z = INT8_GROUPS.get(t, (INT8_REQUANT_GROUP, False)) if t is not None else (INT8_REQUANT_GROUP, False)
+            groups.append(g)
+            zeros = zeros or z
+        group = min(groups)
+        while in_features % group:
+            group //= 2  # a float matrix whose width is not a multiple of 32 (never a GGUF one)
+        return max(group, 1), zeros
+
+    @staticmethod
+    def storage_bytes(rows: int, cols: int, config: QuantConfig, ggml_types: Sequence[Optional[int]] = ()) -> int:
+        """Bytes `load` keeps: codes, float32 scales (and zeros) per group, and the dense copy
+        when one is kept."""
+        group, zeros = Int8Method.layout(ggml_types or [None], cols)
         dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
-        f32_scales = rows * 4 if kernel and config.dtype != torch.float32 else 0  # float32: the same tensor
-        return rows * cols + rows * config.dtype.itemsize + f32_scales + dense
+        return rows * cols + rows * (cols // group) * 4 * (2 if zeros else 1) + dense
 
     def load(self, layer, sources):
-        # Row by row chunks (scales are per row), so no float32 copy of a whole large matrix
-        # (a 151k x 1536 LM head would be 0.9 GB) ever exists.
-        rows = sum(s.shape[0] for s in sources)
-        q = torch.empty(rows, sources[0].shape[1], dtype=torch.int8)
-        scale = torch.empty(rows, dtype=torch.float32)
-        r = 0
-        for s in sources:
-            for w in s.row_chunks(LOAD_CHUNK_ROWS):
-                sc = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-                q[r:r + len(w)] = torch.round(w / sc[:, None]).clamp_(-127, 127).to(torch.int8)
-                scale[r:r + len(w)] = sc
-                r += len(w)
+        # A few thousand rows at a time, so no float32 copy of a whole large matrix (a 151k x
+        # 1536 LM head would be 0.9 GB) ever exists.
+        rows, cols = sum(s.shape[0] for s in sources), sources[0].shape[1]
+        types = [s.ggml_type if isinstance(s, GGUFWeight) else None for s in sources]
+        group, has_zeros = self.layout(types, cols)
+        q = torch.empty(rows, cols, dtype=torch.int8)
+        scale = torch.empty(rows, cols // group, dtype=torch.float32)
+        zero = torch.zeros(rows, cols // group, dtype=torch.float32) if has_zeros else None
+        r, exact = 0, True
+        for src in sources:
+            for c, sc, z in self._groups(src):
+                # A piece with coarser groups (Q8_0's 32 beside Q6_K's 16) repeats its scales.
+                rep = scale.shape[1] // sc.shape[1]
+                q[r:r + len(c)] = c
+                scale[r:r + len(c)] = sc.repeat_interleave(rep, dim=1) if rep > 1 else sc
+                if zero is not None and z is not None:
+                    zero[r:r + len(c)] = z.repeat_interleave(rep, dim=1) if rep > 1 else z
+                r += len(c)
+            exact = exact and isinstance(src, GGUFWeight) and src.ggml_type in INT8_GROUPS
         layer.register_buffer("qweight", q, persistent=False)
-        layer.register_buffer("scales", scale.to(self.config.dtype), persistent=False)
-        layer.use_gemv_kernel = q.numel() >= GEMV_KERNEL_MIN_WEIGHTS and kernels.available() is None
-        # 3-8 bfloat16 rows (verification steps, small batches): every size measured faster with
-        # the AVX512-BF16 kernel (a 151k x 1536 head at 5 rows: 20 ms against PyTorch's 30).
-        layer.use_gemm_kernel = (self.config.dtype == torch.bfloat16 and q.shape[1] % 32 == 0
+        layer.register_buffer("scales", scale, persistent=False)
+        if zero is not None:
+            layer.register_buffer("zeros", zero, persistent=False)
+        else:
+            layer.zeros = None
+        layer.int8_exact = exact
+        layer.use_kernels = kernels.available() is None and group % 16 == 0
+        layer.use_gemm_kernel = (layer.use_kernels and self.config.dtype == torch.bfloat16 and cols % 32 == 0
                                  and kernels.bf16_matmuls())
-        layer.use_f32_kernel = _int8_f32_kernel(self.config.dtype)
-        if layer.use_gemv_kernel or layer.use_gemm_kernel or layer.use_f32_kernel:
-            layer.register_buffer("scales_f32", scale, persistent=False)
         self._finish(layer)
 
+    def _groups(self, src: AnyWeight):
+        """(codes, scale, zero or None) chunks of rows: the file's own for INT8_GROUPS types,
+        else symmetric groups of INT8_REQUANT_GROUP (or finer, see `layout`)."""
+        if isinstance(src, GGUFWeight) and src.ggml_type in INT8_GROUPS:
+            for i in range(0, src.shape[0], LOAD_CHUNK_ROWS):
+                part = src.raw[i:i + LOAD_CHUNK_ROWS]
+                yield GGUFWeight(part, src.ggml_type, (len(part), src.shape[1])).int8_groups()
+        else:
+            group, _ = self.layout([None], src.shape[1])
+            for w in src.row_chunks(LOAD_CHUNK_ROWS):
+                yield (*quantize_int8(w, group), None)
+
+    def _weights(self, layer: nn.Module, rows: "slice | Tensor") -> Tensor:
+        """Rows of the weight in float32: code * scale (+ zero) per group."""
+        q, sc = layer.qweight[rows], layer.scales[rows]
+        g = q.view(q.shape[0], sc.shape[1], -1).float()
+        w = torch.addcmul(layer.zeros[rows].unsqueeze(-1), g, sc.unsqueeze(-1)) if layer.zeros is not None \
+            else g * sc.unsqueeze(-1)
+        return w.view(q.shape[0], -1)
+
     def dequantize(self, layer):
-        return layer.qweight.to(self.config.dtype) * layer.scales[:, None]
+        return self._weights(layer, slice(None)).to(self.config.dtype)
 
     def embedding(self, layer, ids):
-        return layer.qweight[ids].to(self.config.dtype) * layer.scales[ids].unsqueeze(-1)
+        flat = ids.reshape(-1)
+        return self._weights(layer, flat).to(self.config.dtype).view(*ids.shape, -1)
 
     def _small(self, layer, x):
-        rows = x.shape[0]
-        if (layer.use_gemv_kernel and rows <= GEMV_KERNEL_MAX_ROWS) or \
-                (layer.use_f32_kernel and rows <= kernels.INT8_GEMV_MAX_ROWS):
-            return kernels.int8_gemv(x, layer.qweight, layer.scales_f32)
-        if layer.use_gemm_kernel and 1 < rows <= kernels.INT8_GEMM_MAX_ROWS \
-                and x.dtype == torch.bfloat16:
-            try:
-                return kernels.int8_gemm_bf16(x, layer.qweight, layer.scales_f32)
-            except kernels.KernelUnavailable:  # built without AVX512-BF16: PyTorch's kernel from now on
-                layer.use_gemm_kernel = False
-        return torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
+        if not layer.use_kernels:
+            return (x.float() @ self._weights(layer, slice(None)).T).to(x.dtype)
+        gemm = layer.use_gemm_kernel and x.dtype == torch.bfloat16 and x.shape[0] >= 3
+        step = kernels.INT8_GEMM_MAX_ROWS if gemm else kernels.INT8_GEMV_MAX_ROWS
+        parts = []
+        for i in range(0, x.shape[0], step):
+            rows = x[i:i + step]
+            if gemm and rows.shape[0] >= 3:
+                parts.append(kernels.int8_gemm_bf16(rows, layer.qweight, layer.scales, layer.zeros))
+            else:
+                parts.append(kernels.int8_gemv(rows, layer.qweight, layer.scales, layer.zeros))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def describe(self, layer):
+        return "int8" + ("" if layer.int8_exact else " (requantized)")
 
 
-def _int8_f32_kernel(dtype: torch.dtype) -> bool:
-    """Float32 rows on a host without the AVX512-BF16 kernels (AVX2): int8_gemv takes every int8
-    matrix up to 8 rows, 6-25x faster there than PyTorch's kernel at 1-8 rows (2 GFLOP/s in
-    float32 on an AVX2 EPYC; a 151k x 896 head at 8 rows: 21 ms against 525)."""
-    return dtype == torch.float32 and not kernels.bf16_matmuls() and kernels.avx2_matmuls()
+def quantize_int8(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Round a float [N, K] weight to symmetric int8 groups of `group` values (max |w| per group)."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scale = (g.abs().amax(dim=-1) / 127.0).clamp_min(1e-12)
+    codes = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return codes, scale
 
 
 class Int4Method(_WeightOnlyMethod):
@@ -380,7 +430,7 @@ class Int4Method(_WeightOnlyMethod):
     name = "int4"
 
     @staticmethod
-    def storage_bytes(rows: int, cols: int, config: QuantConfig) -> int:
+    def storage_bytes(rows: int, cols: int, config: QuantConfig, ggml_types: Sequence[Optional[int]] = ()) -> int:
         """Bytes `load` keeps: packed codes over rows padded to the int4pack tile, a scale and a
         zero per group of 32 in the compute dtype, and the dense copy when one is kept."""
         padded = -(-rows // INT4_ROW_TILE) * INT4_ROW_TILE

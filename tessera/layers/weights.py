@@ -25,6 +25,10 @@ FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # "Precision class" of GGUF types, used by --quantization auto.
 FOUR_BIT_OR_LESS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K})
 FIVE_TO_EIGHT_BIT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})
+# Types whose blocks map exactly onto int8 codes with a float32 scale (and, if asymmetric, a
+# zero) per group of consecutive values along a row: (group size, has zeros).
+INT8_GROUPS = {Q.Q8_0: (32, False), Q.Q5_0: (32, False), Q.Q6_K: (16, False), Q.Q5_1: (32, True),
+               Q.Q5_K: (32, True)}
 _DEQUANT_CHUNK = 1 << 20  # values per gguf dequantize call (cache-sized temporaries are 4-6x faster)
 
 
@@ -108,18 +112,8 @@ class GGUFWeight:
         else:  # Q4_K: 256 values in 8 sub-blocks of 32, 6-bit sub-scales and sub-minimums
             d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
             dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-            sc_bytes = blocks[..., 4:16].astype(np.uint8)
+            sc, mn = _k_scales_mins(blocks[..., 4:16].astype(np.uint8))
             qs = blocks[..., 16:144].reshape(n, k // block, 4, 32)  # four 64-value chunks
-            sc = np.empty((n, k // block, 8), dtype=np.float32)
-            mn = np.empty((n, k // block, 8), dtype=np.float32)
-            for j in range(8):
-                if j < 4:
-                    s = sc_bytes[..., j] & 63
-                    m = sc_bytes[..., j + 4] & 63
-                else:
-                    s = (sc_bytes[..., j + 4] & 0x0F) | ((sc_bytes[..., j - 4] >> 6) << 4)
-                    m = (sc_bytes[..., j + 4] >> 4) | ((sc_bytes[..., j] >> 6) << 4)
-                sc[..., j], mn[..., j] = s, m
             # Chunk i holds sub-block 2i in its low nibbles and 2i + 1 in its high nibbles.
             codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // block * 8, 32)
             scale = (d * sc).reshape(n, -1)  # w = d * sc * code - dmin * m
@@ -127,6 +121,58 @@ class GGUFWeight:
         return (torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k))),
                 torch.from_numpy(np.ascontiguousarray(scale.reshape(n, -1))),
                 torch.from_numpy(np.ascontiguousarray(zero.reshape(n, -1))))
+
+
+    def int8_groups(self) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """(codes int8 [N, K], scale f32 [N, K/G], zero f32 [N, K/G] or None) with
+        `w = code * scale + zero` exactly, G as INT8_GROUPS says, or None if this type has no
+        such form. Scales and zeros come from the blocks' headers; the codes are recovered from
+        gguf's dequantized values, which are exact products of them (at most 23 significant bits).
+        Callers convert a large matrix a slice of rows at a time (the float32 copy is temporary)."""
+        if self.ggml_type not in INT8_GROUPS:
+            return None
+        group, _ = INT8_GROUPS[self.ggml_type]
+        n, k = self.shape
+        block, nbytes = GGML_QUANT_SIZES[self.ggml_type]
+        blocks = self.raw.reshape(n, k // block, nbytes)
+
+        def f16(lo: int) -> np.ndarray:
+            return blocks[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+        zero: Optional[np.ndarray] = None
+        if self.ggml_type in (Q.Q8_0, Q.Q5_0):  # w = d * q, q signed (Q5_0: its 5-bit code - 16)
+            scale = f16(0)
+        elif self.ggml_type == Q.Q5_1:  # w = d * q + m, q in 0..31
+            scale, zero = f16(0), f16(2)
+        elif self.ggml_type == Q.Q6_K:  # 16 sub-blocks of 16: w = d * sc[j] * q, q in -32..31
+            sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
+            scale = (f16(208)[..., None] * sc).reshape(n, -1)
+        else:  # Q5_K: 8 sub-blocks of 32 with 6-bit scales and minimums, as Q4_K packs them
+            sc_bytes = blocks[..., 4:16].astype(np.uint8)
+            sc, mn = _k_scales_mins(sc_bytes)
+            scale = (f16(0)[..., None] * sc).reshape(n, -1)
+            zero = (-(f16(2)[..., None] * mn)).reshape(n, -1)
+        g = self.dequantize().numpy().reshape(n, k // group, group)
+        shifted = g - zero[..., None] if zero is not None else g
+        safe = np.where(scale == 0, 1.0, scale)[..., None]
+        codes = np.where(scale[..., None] == 0, 0.0, np.rint(shifted / safe))
+        return (torch.from_numpy(codes.reshape(n, k).astype(np.int8)),
+                torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
+                None if zero is None else torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
+
+
+def _k_scales_mins(sc_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, minimum) pairs of a Q4_K / Q5_K block's 12 scale bytes."""
+    shape = sc_bytes.shape[:-1] + (8,)
+    sc, mn = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
+    for j in range(8):
+        if j < 4:
+            s, m = sc_bytes[..., j] & 63, sc_bytes[..., j + 4] & 63
+        else:
+            s = (sc_bytes[..., j + 4] & 0x0F) | ((sc_bytes[..., j - 4] >> 6) << 4)
+            m = (sc_bytes[..., j + 4] >> 4) | ((sc_bytes[..., j] >> 6) << 4)
+        sc[..., j], mn[..., j] = s, m
+    return sc, mn
 
 
 AnyWeight = Union[FloatWeight, GGUFWeight]

@@ -1,7 +1,7 @@
 """A cache of a model's weights as the kernels use them, memory-mapped on later starts.
 
 No packaged model's format is what the kernels read: Q4_K/Q4_1 blocks are repacked into
-PyTorch's int4pack tiles, Q6_K requantized to int8 rows, norms converted to the compute dtype.
+PyTorch's int4pack tiles, Q6_K's codes and scales unpacked to int8 groups, norms converted to the compute dtype.
 That costs 5-40 s a start (qwen2.5-coder-1.5b: ~20 s on 2 cores) and gives each server process
 its own copy. So the first load writes every module's loaded state (buffers, bias, the chosen
 quantization method and the few flags it set) to one file under
@@ -49,8 +49,8 @@ def cache_path(root: Path, model_sha256: str, quant: QuantConfig, extra: str = "
 
 def _module_state(module: nn.Module) -> dict[str, Any]:
     """What loading set on one module: its buffers, tensor attributes, method and simple flags."""
-    # Every name, aliases included: in float32 an int8 layer's `scales_f32` is its `scales` tensor,
-    # which named_buffers' default de-duplication drops (the restored layer then lacks it).
+    # Every name, aliases included: named_buffers' default de-duplication would drop a buffer
+    # registered twice under two names (the restored layer would then lack one).
     state: dict[str, Any] = {"buffers": {n: b for n, b in module.named_buffers(recurse=False, remove_duplicate=False)},
                              "tensors": {}, "attrs": {}, "method": None}
     for name, value in vars(module).items():

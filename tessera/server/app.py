@@ -5,11 +5,14 @@ main thread, with uvicorn on its own thread), so the event loop here only parses
 streams and waits: a slow client never stalls decoding, and a
 long step never stalls HTTP.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET,
+DELETE, POST .../cancel of a stored response), POST /v1/messages (Anthropic's, and
+/v1/messages/count_tokens), GET /v1/models,
 GET /health (503 once the engine loop has died), GET /metrics (Prometheus),
 and GET /v1/engine/stats, a JSON view of the scheduler's SchedulerStats plus
 the number of HTTP requests in flight, for operators and tests that want to
-see the KV cache drain.
+see the KV cache drain. POST /tokenize and /detokenize (vLLM's, tokenize.py)
+and Ollama's /api/* (ollama.py) are registered in one block of create_app.
 """
 from __future__ import annotations
 
@@ -38,9 +41,19 @@ from tessera.server.auth import (CLIENT_REQUEST_ID, AccessControl, AccessSetting
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
 from tessera.server.errors import APIError, install_error_handlers, validation_error
+from tessera.server.messages import anthropic_errors, count_tokens, create_message
+from tessera.server.ollama import OLLAMA_REQUESTS, install_ollama_api
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tessera.server.protocol_anthropic import CountTokensRequest, MessagesRequest
+from tessera.server.protocol_responses import ResponsesRequest
+from tessera.server.responses import (
+    DEFAULT_MAX_STORED_RESPONSES, ResponseStore, cancel_response, create_response, delete_response, get_response,
+)
 from tessera.server.router import ModelRouter, ServedModel
-from tessera.server.serving import CLIENT_CLOSED_REQUEST, LiveView, RejectionSink, ServerMetrics, ServerState
+from tessera.server.serving import (
+    CLIENT_CLOSED_REQUEST, HTTPRequestSink, LiveView, RejectionSink, ServerMetrics, ServerState,
+)
+from tessera.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from tessera.server.transport import TransportSettings, install_cors, uvicorn_config
 from tessera.server.ui import install_ui
 
@@ -87,7 +100,7 @@ class AccessLog:
                 status = message["status"]
             await send(message)
 
-        generating = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        generating = scope["method"] == "POST" and scope["path"].startswith(("/v1/", "/api/"))
         if server is not None and generating:
             server.active_requests += 1
         try:
@@ -95,9 +108,14 @@ class AccessLog:
         finally:
             if server is not None and generating:
                 server.active_requests -= 1
+            elapsed = time.perf_counter() - start
+            route = getattr(scope.get("route"), "path", None)  # the matched route's template
+            if server is not None and route is not None and isinstance(server.metrics, HTTPRequestSink):
+                server.metrics.record_http_request(route, scope["method"], status if status is not None else 500,
+                                                   elapsed)
             client = scope.get("client")
             line = (f'{client[0] if client else "-"} "{scope["method"]} {scope["path"]}" '
-                    f"{status if status is not None else 500} {(time.perf_counter() - start) * 1000:.1f}ms")
+                    f"{status if status is not None else 500} {elapsed * 1000:.1f}ms")
             if "request_id" in request_state:
                 line += f" id={request_state['request_id']}"
             if CLIENT_REQUEST_ID in request_state:
@@ -183,13 +201,14 @@ def _body_too_large() -> APIError:
 def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[list[str]] = None, *,
                router: Optional[ModelRouter] = None, request_timeout: Optional[float] = None,
                metrics: Optional[ServerMetrics] = None, live: Optional[LiveView] = None, ui: bool = True,
-               access: Optional[AccessSettings] = None, beyond_loopback: bool = False,
-               transport: Optional[TransportSettings] = None, families: Optional[MetricFamilies] = None) -> FastAPI:
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, access: Optional[AccessSettings] = None,
+               beyond_loopback: bool = False, transport: Optional[TransportSettings] = None,
+               families: Optional[MetricFamilies] = None) -> FastAPI:
     """The app over one engine (`model_names`: the names clients may use, the first reported;
     `metrics`/`live` its loggers) or over a `router` of several models. `ui` adds the chat page
-    (/) and the dashboard (/dashboard). `access`: API keys and what stays open (the admin routes
-    are off beyond loopback without an admin key); `transport`: the CORS origins; `families`: where
-    the per-key metrics go."""
+    (/) and the dashboard (/dashboard); `max_stored_responses` bounds the Responses API's store.
+    `access`: API keys and what stays open (the admin routes are off beyond loopback without an
+    admin key); `transport`: the CORS origins; `families`: where the per-key metrics go."""
     if router is None:
         if engine is None or not model_names:
             raise ValueError("create_app needs an engine and at least one served model name, or a router")
@@ -214,6 +233,33 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _guarded(request, _parse_then(request, ChatCompletionRequest, create_chat_completion))
+
+    # The APIs agents speak: OpenAI's Responses (responses.py) and Anthropic's Messages (messages.py).
+    app.state.responses = ResponseStore(max_stored_responses)
+
+    @app.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
+    async def responses_create(request: Request) -> Response:
+        return await _guarded(request, _parse_then(request, ResponsesRequest, create_response))
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str, request: Request) -> Response:
+        return await _guarded(request, get_response(response_id, request))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str, request: Request) -> Response:
+        return await _guarded(request, delete_response(response_id, request))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str, request: Request) -> Response:
+        return await _guarded(request, cancel_response(response_id, request))
+
+    @app.post("/v1/messages", openapi_extra=_json_body(MessagesRequest))
+    async def messages_create(request: Request) -> Response:
+        return await anthropic_errors(_guarded(request, _parse_then(request, MessagesRequest, create_message)))
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_json_body(CountTokensRequest))
+    async def messages_count_tokens(request: Request) -> Response:
+        return await anthropic_errors(_guarded(request, _parse_then(request, CountTokensRequest, count_tokens)))
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
@@ -346,9 +392,22 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
         return JSONResponse({"models": snapshots,
                              "configured": [m.describe() for m in state.router.models]})
 
+    # vLLM's tokenizer endpoints, and Ollama's API (its own error shape; "Ollama is running" at /
+    # only where the chat page is not).
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
+    async def tokenize_endpoint(request: Request) -> Response:
+        return await _guarded(request, _parse_then(request, TokenizeRequest, tokenize))
+
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize_endpoint(request: Request) -> Response:
+        return await _guarded(request, _parse_then(request, DetokenizeRequest, detokenize))
+
+    install_ollama_api(app, _parse_then, _json_body, root=not ui)
+
     if ui:
         install_ui(app)
-    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest,
+                               CountTokensRequest, TokenizeRequest, DetokenizeRequest, *OLLAMA_REQUESTS])
     return app
 
 
@@ -446,6 +505,7 @@ def serve(spec: ServingSpec) -> int:
                          builder=lambda served: build_serving_engine(served, spec, families),
                          closer=close_serving_engine, max_loaded=spec.max_loaded_models,
                          on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())
+    router.default.pinned = spec.steps_on_main_thread
     sock = _bind(spec.host, spec.port)
     try:
         for served in router.models:
@@ -454,8 +514,8 @@ def serve(spec: ServingSpec) -> int:
         router.start_reaper()
         beyond_loopback = not is_loopback(spec.host)
         app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui,
-                         access=spec.access, beyond_loopback=beyond_loopback, transport=spec.transport,
-                         families=families)
+                         max_stored_responses=spec.max_stored_responses, access=spec.access,
+                         beyond_loopback=beyond_loopback, transport=spec.transport, families=families)
         # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
         config = uvicorn_config(app, spec.transport, log_level=spec.log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)

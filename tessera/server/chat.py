@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: messages through the model's chat template, OpenAI chat objects out."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -15,13 +16,14 @@ from tessera.server.protocol import (
     ChatResponseMessage, ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
     TopLogprob, UsageInfo,
 )
-from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage, sse, usage_of
+from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
 
 if TYPE_CHECKING:
-    from tessera.engine.frontend.async_engine import AsyncLLMEngine
+    from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.tokenizer import Tokenizer
 
 from tessera.server.tools import (
-    ParserEvent, ToolCallParser, add_tools_to_messages, check_tools, template_renders_tools, tool_choice_mode,
+    OutputParser, OutputParsing, ParserEvent, check_tools, output_parser, render_prompt, tool_choice_mode,
     tool_constraint,
 )
 
@@ -38,14 +40,16 @@ def chat_logprobs(entries: list[TokenLogprob], num_top: int) -> ChatLogprobs:
     ])
 
 
-def _finish_reason(reason: Optional[str], parser: Optional[ToolCallParser]) -> Optional[str]:
+def _finish_reason(reason: Optional[str], parser: OutputParser) -> Optional[str]:
     """OpenAI says "tool_calls" when the model stopped after calling tools."""
-    return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
+    return "tool_calls" if parser.calls and reason == "stop" else reason
 
 
 def _delta(event: ParserEvent) -> DeltaMessage:
     if event.kind == "content":
         return DeltaMessage(content=event.text)
+    if event.kind == "reasoning":
+        return DeltaMessage(reasoning_content=event.text, reasoning=event.text)
     if event.kind == "call":
         assert event.call is not None
         return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=event.call.id, type="function",
@@ -54,19 +58,18 @@ def _delta(event: ParserEvent) -> DeltaMessage:
     return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))])
 
 
-class ChatStream:
+class ChatStream(StreamRenderer):
     """SSE events for a streamed chat completion: a role delta per choice first, then content (or
     tool-call) deltas, then a chunk with an empty delta and the finish reason."""
 
     def __init__(self, request_id: str, model: str, n: int, num_logprobs: Optional[int],
-                 include_usage: bool, parse_tools: bool = False) -> None:
+                 include_usage: bool, parsers: Callable[[], OutputParser]) -> None:
         self.request_id, self.model, self.n = request_id, model, n
         self.num_logprobs = num_logprobs
         self.include_usage = include_usage
         self.created = int(time.time())
         self.finished: set[int] = set()
-        self.parsers: Optional[dict[int, ToolCallParser]] = {i: ToolCallParser() for i in range(n)} \
-            if parse_tools else None
+        self.parsers = {i: parsers() for i in range(n)}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Optional[UsageInfo] = None) -> str:
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
@@ -84,12 +87,8 @@ class ChatStream:
                 continue
             logprobs = (chat_logprobs(c.delta_logprobs or [], self.num_logprobs)
                         if self.num_logprobs is not None and c.delta_logprobs else None)
-            parser = self.parsers[c.index] if self.parsers is not None else None
-            if parser is None:
-                deltas = [DeltaMessage(content=c.delta_text)] if c.delta_text else []
-            else:
-                parsed = parser.feed(c.delta_text) + (parser.finish() if c.finished else [])
-                deltas = [_delta(e) for e in parsed]
+            parser = self.parsers[c.index]
+            deltas = [_delta(e) for e in parser.feed(c.delta_text) + (parser.finish() if c.finished else [])]
             if logprobs is not None and not deltas:
                 deltas = [DeltaMessage()]
             for i, delta in enumerate(deltas):  # the step's logprobs ride on its first chunk
@@ -103,75 +102,91 @@ class ChatStream:
         return events
 
     def finish(self, usage: UsageInfo) -> list[str]:
-        return [self._chunk([], usage)] if self.include_usage else []
+        return ([self._chunk([], usage)] if self.include_usage else []) + [DONE]
 
 
-def _prompt_ids(engine: AsyncLLMEngine, body: ChatCompletionRequest) -> list[int]:
-    tokenizer = engine.tokenizer
-    messages = body.template_messages()
-    tools = None
-    if template_renders_tools(tokenizer.chat_template):
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    else:
-        messages = add_tools_to_messages(messages, body.tools or [])
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
-                                             tools=tools)
-    except InvalidRequestError:
-        raise
-    except Exception as exc:  # jinja templates raise for e.g. roles they do not know or a bad order
-        raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}") from exc
+def chat_prompt_text(tokenizer: Tokenizer, settings: OutputParsing, body: ChatCompletionRequest) -> str:
+    """The conversation (and its tools, in the model's tool-call syntax) through the chat template
+    (the model's, or the server's --chat-template); /tokenize and Ollama's API render chats here too."""
+    return render_prompt(tokenizer, settings, body.template_messages(), body.tools,
+                         add_generation_prompt=body.add_generation_prompt is not False,
+                         template_kwargs=body.chat_template_kwargs)
+
+
+def chat_prompt(engine: ServingEngine, settings: OutputParsing, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The rendered prompt (text, which the parsers read too) and its token ids."""
+    text = chat_prompt_text(engine.tokenizer, settings, body)
     # The template already has BOS and friends.
-    ids = tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=False)
+    ids = engine.tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the chat template produced an empty prompt")
-    return ids
+    return text, ids
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat_run(body: ChatCompletionRequest, request: Request,
+                   request_id: str) -> tuple[Run, bool, Callable[[], OutputParser]]:
+    """What every chat-shaped API does before generating (chat completions here, and the
+    Responses and Messages APIs, which translate their requests into this one): the model, the
+    output constraint (the tools' or the request's own), the sampling params and the prompt
+    through the chat template. Also returns whether the output is parsed for tool calls, and
+    what makes a parser for each sequence of the output."""
     state: ServerState = request.app.state.tessera
     state.router.resolve(body.model)  # 404 before anything else
     num_logprobs = body.num_logprobs()
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     constraint = body.structured_constraint()
     mode = tool_choice_mode(body.tools, body.tool_choice)
-    if mode != "none":
+    parse_tools = mode != "none"
+    if parse_tools:
         assert body.tools
         check_tools(body.tools)
         if constraint is not None:
             raise InvalidRequestError("tool calling cannot be combined with response_format or structured "
                                       "outputs; set tool_choice to 'none' to use them with tools")
-        constraint = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
     params = body.to_sampling_params(max_tokens=max_tokens, logprobs=num_logprobs, structured=constraint)
     route = await state.route(body.model, request)
-    model = route.reported
-    run = Run(state, request, route, [], params, f"chatcmpl-{uuid.uuid4().hex}",
-              reprompt=lambda engine: [_prompt_ids(engine, body)])
-    run.prompts = run.reprompt(run.engine)
-    parse_tools = mode != "none"
+    settings = route.model.output_parsing
+    run = Run(state, request, route, [], params, request_id,
+              reprompt=lambda engine: [chat_prompt(engine, settings, body)[1]])
+    prompt_text, prompt_ids = chat_prompt(run.engine, settings, body)
+    run.prompts = [prompt_ids]
+    if parse_tools:  # the constraint is in the syntax of the parser of the model that answers
+        assert body.tools
+        run.params = dataclasses.replace(
+            params, structured_outputs=tool_constraint(body.tools, body.tool_choice,
+                                                       body.parallel_tool_calls is not False, settings, prompt_text),
+            # a parser whose call markers are special tokens needs them in the text
+            skip_special_tokens=params.skip_special_tokens and not settings.tool_parser.keeps_special_tokens)
+    tools = body.tools or ()
+    return run, parse_tools, lambda: output_parser(settings, parse_tools, tools=tools, prompt=prompt_text)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    run, parse_tools, parser = await chat_run(body, request, f"chatcmpl-{uuid.uuid4().hex}")
+    params, num_logprobs = run.params, body.num_logprobs()
 
     if body.stream:
-        return await run.stream(ChatStream(run.request_id, model, params.n, num_logprobs, body.include_usage,
-                                           parse_tools))
+        return await run.stream(ChatStream(run.request_id, model=run.route.reported, n=params.n,
+                                           num_logprobs=num_logprobs, include_usage=body.include_usage,
+                                           parsers=parser))
     finals: Union[dict[int, RequestOutput], Response] = await run.collect()
     if isinstance(finals, Response):
         return finals
     choices = []
     for c in sorted(finals[0].outputs, key=lambda c: c.index):
-        parser = None
-        message = ChatResponseMessage(content=c.text)
-        if parse_tools:
-            parser = ToolCallParser()
-            parser.feed(c.text)
-            parser.finish()
-            message = ChatResponseMessage(
-                content=parser.content or None,
-                tool_calls=[ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                            for call in parser.calls])
+        p = parser()
+        p.feed(c.text)
+        p.finish()
+        reasoning = p.reasoning or None
+        message = ChatResponseMessage(
+            content=p.content or (None if parse_tools else ""),
+            tool_calls=[ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                        for call in p.calls],
+            reasoning_content=reasoning, reasoning=reasoning)
         choices.append(ChatChoice(
             index=c.index, message=message,
             logprobs=chat_logprobs(c.logprobs or [], num_logprobs) if num_logprobs is not None else None,
-            finish_reason=_finish_reason(c.finish_reason, parser), stop_reason=c.stop_reason))
+            finish_reason=_finish_reason(c.finish_reason, p), stop_reason=c.stop_reason))
     usage = usage_of(finals)
     record_usage(request, usage)
     response = ChatCompletionResponse(id=run.request_id, model=run.route.reported, choices=choices, usage=usage)

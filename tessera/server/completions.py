@@ -13,7 +13,7 @@ from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                      UsageInfo)
-from tessera.server.serving import Run, ServerState, clamp_logprob, record_usage, sse, usage_of
+from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
@@ -34,7 +34,7 @@ def legacy_logprobs(entries: list[TokenLogprob], num_top: int, offset: int) -> C
     return out
 
 
-class CompletionStream:
+class CompletionStream(StreamRenderer):
     """SSE events for a streamed completion; choice index = prompt index * n + sample index."""
 
     def __init__(self, request_id: str, model: str, n: int, num_logprobs: Optional[int],
@@ -81,7 +81,7 @@ class CompletionStream:
         return events
 
     def finish(self, usage: UsageInfo) -> list[str]:
-        return [self._chunk([], usage)] if self.include_usage else []
+        return ([self._chunk([], usage)] if self.include_usage else []) + [DONE]
 
 
 def _choice(index: int, c: CompletionOutput, num_logprobs: Optional[int], echo: str) -> CompletionChoice:

@@ -15,6 +15,7 @@
     when = ["queue_full", "queue_wait > 2s"]   # also "kv_usage > 0.9", "unavailable"
     max_num_queued_requests = 16
     max_queue_wait = 5.0
+    tool_call_parser = "hermes"   # also reasoning_parser, chat_template (flags of the same names)
     [model.engine]                # any engine flag, spelled with underscores
     max_num_seqs = 8
     kv_cache_memory = "1GiB"
@@ -40,13 +41,14 @@ from typing import Any, Mapping, Optional
 from tessera.config import EngineConfig
 from tessera.deploy.routing import ROUTER_POLICIES, RouterPolicyName
 from tessera.errors import ConfigError, TesseraError
+from tessera.server.output_parsers import OutputParsing
 from tessera.server.auth import AccessSettings
 from tessera.server.router import FallbackCondition, FallbackRule, ModelSpec
 from tessera.server.transport import TransportSettings
 
 _DURATION = re.compile(r"\s*(-?[0-9.]+)\s*(ms|s|m|h)?\s*$")
 MODEL_KEYS = {"name", "model", "aliases", "preload", "keep_alive", "fallback", "when", "max_num_queued_requests",
-              "max_queue_wait", "engine"}
+              "max_queue_wait", "engine", "tool_call_parser", "reasoning_parser", "chat_template"}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig)) - {"model"}
 
@@ -113,6 +115,7 @@ class ServingSpec:
     log_stats: bool = True  # the periodic status line
     otlp_traces_endpoint: Optional[str] = None
     ui: bool = True  # the chat page and the dashboard
+    max_stored_responses: int = 1000  # the Responses API's in-memory store (store / previous_response_id)
     # The engine in a process of its own; stepping in the server (False) is only possible for a
     # lone engine on the main thread (`steps_on_main_thread`); every other engine gets a process.
     engine_process: bool = True
@@ -168,6 +171,7 @@ class ServingSpec:
         _at_least(self.request_timeout, 0, "--request-timeout", "a number of seconds >= 0 (0 = never)")
         _at_least(self.shutdown_timeout, 0, "--shutdown-timeout", "a number of seconds >= 0")
         _at_least(self.max_loaded_models, 1, "--max-loaded-models")
+        _at_least(self.max_stored_responses, 0, "--max-stored-responses")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError(f"--replicas must be at least 1, not {self.replicas}")
         if self.router_policy not in ROUTER_POLICIES:
@@ -189,16 +193,20 @@ class ServingSpec:
         replicated = args.replicas > 1 or args.ray or pd is not None
         keep_alive = parse_duration(args.keep_alive)
         max_loaded = args.max_loaded_models
+        parsing = OutputParsing(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                                chat_template=read_chat_template(args.chat_template))
         if args.config is not None:
-            models, loaded_in_file = models_from_toml(Path(args.config).expanduser(), keep_alive, args.preload)
+            models, loaded_in_file = models_from_toml(Path(args.config).expanduser(), keep_alive, args.preload,
+                                                      parsing)
             max_loaded = max_loaded if max_loaded is not None else loaded_in_file
         else:
             models = models_from_names([args.model, *args.more_models], args.served_model_name, keep_alive,
-                                       args.preload, replicated)
+                                       args.preload, replicated, parsing)
         return cls(
             models=tuple(models), engine_options=engine_options(args), host=args.host, port=args.port,
             log_level=args.log_level or "info", log_stats=not args.disable_log_stats,
-            otlp_traces_endpoint=args.otlp_traces_endpoint, ui=args.ui, engine_process=args.engine_process,
+            otlp_traces_endpoint=args.otlp_traces_endpoint, ui=args.ui, max_stored_responses=args.max_stored_responses,
+            engine_process=args.engine_process,
             max_num_queued_requests=args.max_num_queued_requests, max_queue_wait=args.max_queue_wait,
             engine_step_timeout=args.engine_step_timeout or None, request_timeout=args.request_timeout or None,
             shutdown_timeout=args.shutdown_timeout, max_loaded_models=max_loaded, replicas=args.replicas,
@@ -250,8 +258,22 @@ def _load_toml(path: Path) -> dict:
         raise TesseraError(f"--config {path}: {exc}") from None
 
 
+def read_chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template: a file's text, or the value itself when it is a template (has Jinja tags)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "{{" not in value and "{%" not in value:
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--chat-template: {value!r} is neither a readable file nor a template "
+                              f"({exc})") from None
+    return value
+
+
 def models_from_names(names: list[str], served_model_name: Optional[str], keep_alive: Optional[float],
-                      preload: bool, replicated: bool) -> list[ModelSpec]:
+                      preload: bool, replicated: bool, parsing: OutputParsing = OutputParsing()) -> list[ModelSpec]:
     """The MODEL arguments as served models. A lone model is loaded at start; it is unloaded
     after `keep_alive` only as replicas (then built like any model of a multi-model server):
     one engine is the server's own, stepped on its main thread (ServingSpec.steps_on_main_thread)."""
@@ -260,11 +282,11 @@ def models_from_names(names: list[str], served_model_name: Optional[str], keep_a
     if len(names) == 1:
         name = served_model_name or registry.display_name(names[0])
         return [_model_spec("the command line", name=name, model=names[0], preload=True,
-                            keep_alive=keep_alive if replicated else None)]
+                            keep_alive=keep_alive if replicated else None, parsing=parsing)]
     if served_model_name is not None:
         raise TesseraError("--served-model-name names one model; with several, use --config and `name`")
     return [_model_spec("the command line", name=registry.display_name(m), model=m, preload=preload,
-                        keep_alive=keep_alive) for m in names]
+                        keep_alive=keep_alive, parsing=parsing) for m in names]
 
 
 def _model_spec(where: str, **kwargs: Any) -> ModelSpec:
@@ -274,9 +296,10 @@ def _model_spec(where: str, **kwargs: Any) -> ModelSpec:
         raise TesseraError(f"{where}: {exc}") from None
 
 
-def models_from_toml(path: Path, keep_alive: Optional[float], preload: bool) -> tuple[list[ModelSpec], Optional[int]]:
+def models_from_toml(path: Path, keep_alive: Optional[float], preload: bool,
+                     parsing: OutputParsing = OutputParsing()) -> tuple[list[ModelSpec], Optional[int]]:
     """The [[model]] tables of a --config file, and its max_loaded_models (None if unset);
-    `keep_alive` and `preload` (the flags) are the defaults the file's own top-level keys beat."""
+    `keep_alive`, `preload` and `parsing` (the flags) are the defaults the file's own keys beat."""
     from tessera.models import registry
 
     doc = _load_toml(path)
@@ -315,8 +338,21 @@ def models_from_toml(path: Path, keep_alive: Optional[float], preload: bool) -> 
             aliases=[str(a) for a in t.get("aliases", [])], preload=bool(t.get("preload", preload_all)),
             keep_alive=parse_duration(t["keep_alive"]) if "keep_alive" in t else default_keep,
             fallback=fallback, engine_overrides=_engine_overrides(engine, where),
-            max_num_queued_requests=t.get("max_num_queued_requests"), max_queue_wait=t.get("max_queue_wait")))
+            max_num_queued_requests=t.get("max_num_queued_requests"), max_queue_wait=t.get("max_queue_wait"),
+            parsing=_model_parsing(t, parsing, where)))
     return specs, max_loaded
+
+
+def _model_parsing(table: dict, default: OutputParsing, where: str) -> OutputParsing:
+    """A [[model]] table's tool_call_parser / reasoning_parser / chat_template over the flags'."""
+    try:
+        return OutputParsing(
+            tool_call_parser=table.get("tool_call_parser", default.tool_call_parser),
+            reasoning_parser=table.get("reasoning_parser", default.reasoning_parser),
+            chat_template=read_chat_template(table["chat_template"]) if "chat_template" in table
+            else default.chat_template)
+    except ConfigError as exc:
+        raise TesseraError(f"{where}: {exc}") from None
 
 
 def _engine_parser() -> argparse.ArgumentParser:

@@ -277,6 +277,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Optional[list[ChatTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM extension: template variables (enable_thinking)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates read them: tool-call arguments as objects (Hugging Face's
@@ -370,13 +371,18 @@ class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: Optional[str] = None  # null when the reply is only tool calls
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With a reasoning parser: the think block's text (vLLM's and DeepSeek's name, and the newer `reasoning`).
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """`tool_calls` only when there are some, as OpenAI's responses have it."""
+        """`tool_calls` only when there are some, as OpenAI's responses have it; the reasoning
+        fields only when the model's output is parsed for reasoning."""
         data = handler(self)
-        if not data.get("tool_calls"):
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content", "reasoning"):
+            if not data.get(key) and (key == "tool_calls" or data.get(key) is None):
+                data.pop(key, None)
         return data
 
 
@@ -426,6 +432,8 @@ class DeltaMessage(_SparseModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

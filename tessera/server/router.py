@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 from tessera.errors import TesseraError
 from tessera.server.errors import APIError, model_not_found
+from tessera.server.output_parsers import OutputParsing
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
@@ -37,8 +38,8 @@ logger = logging.getLogger("tessera")
 
 ModelStatus = Literal["unloaded", "loading", "ready", "unloading", "failed"]
 NO_FALLBACK_HEADER = "x-tessera-no-fallback"
-# Unloading for room skips a model used this recently: a request may be between choosing it and
-# handing its prompt to the engine.
+# Unloading (for room, or idle past a keep_alive shorter than this) skips a model used this
+# recently: a request may be between choosing it and handing its prompt to the engine.
 RECENT_USE_S = 2.0
 
 _CONDITION = re.compile(r"\s*(queue_full|unavailable|queue_wait\s*>\s*([0-9.]+)\s*(ms|s)?|kv_usage\s*>\s*([0-9.]+))\s*$")
@@ -91,6 +92,7 @@ class ModelSpec:
     engine_overrides: dict = field(default_factory=dict)  # flag dests -> values, over the server's flags
     max_num_queued_requests: Optional[int] = None
     max_queue_wait: Optional[float] = None
+    parsing: OutputParsing = field(default_factory=OutputParsing)  # tool-call / reasoning parsers, template
 
     def __post_init__(self) -> None:
         for what in ("name", "model"):
@@ -118,6 +120,12 @@ class ServedModel:
         self.last_used = time.monotonic()
         self.loaded_at: Optional[float] = time.time() if engine is not None else None
         self.fixed = engine is not None  # handed in already built: never unloaded
+        # Its engine's loop runs on the server's main thread (ServingSpec.steps_on_main_thread),
+        # which a rebuilt engine could not get back: no request's keep_alive unloads it.
+        self.pinned = False
+        # Seconds idle before unloading (None: never): the configured value, until a request
+        # sets its own (Ollama's per-request keep_alive).
+        self.keep_alive: Optional[float] = spec.keep_alive
         self.load_event = threading.Event()
         self.unloaded = threading.Event()  # clear while an unload is under way: a load waits for it
         self.unloaded.set()
@@ -130,6 +138,14 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def output_parsing(self) -> OutputParsing:
+        """How this model's output is read (its tool-call parser detected from its chat template
+        unless configured) and the template its prompts are rendered with; every API asks here."""
+        engine = self.engine
+        template = getattr(engine.tokenizer, "chat_template", None) if engine is not None else None
+        return self.spec.parsing.resolved(template)
 
     def available(self) -> bool:
         if self.status != "ready" or self.engine is None:
@@ -168,7 +184,7 @@ class ServedModel:
                 "status": self.status, "error": self.error,
                 "fallback": None if self.spec.fallback is None else {
                     "model": self.spec.fallback.model, "when": [str(c) for c in self.spec.fallback.when]},
-                "keep_alive_s": self.spec.keep_alive, "loaded_at": self.loaded_at,
+                "keep_alive_s": self.keep_alive, "loaded_at": self.loaded_at,
                 "engine_core": None if self.engine is None else self.engine.core_info()}
 
 
@@ -401,28 +417,40 @@ class ModelRouter:
         with self._lock:
             if served.status == "unloading":
                 served.status = "unloaded"
+            served.keep_alive = served.spec.keep_alive  # a request's keep_alive lasts one loaded session
         served.unloaded.set()
 
     # -- keep_alive ---------------------------------------------------------------------------
     def start_reaper(self, interval_s: float = 1.0) -> None:
         """Unload models idle past their keep_alive, checked every `interval_s` on a thread."""
-        if self._reaper is not None or not any(m.spec.keep_alive is not None for m in self.models):
+        if self._reaper is not None or not any(m.keep_alive is not None for m in self.models):
             return
 
         def run() -> None:
             while not self._stop.wait(interval_s):
                 now = time.monotonic()
                 for m in self.models:
-                    ka = m.spec.keep_alive
+                    ka = m.keep_alive
                     if ka is None or m.status != "ready" or m.engine is None:
                         continue
                     if m.engine.num_active() > 0 or m.engine.restarting():
                         m.last_used = now  # idle time counts from the end of the last request or restart
-                    elif now - m.last_used > ka:
+                    elif now - m.last_used > max(ka, RECENT_USE_S):  # (a request may be about to arrive)
                         self.unload(m, reason=f"idle for {ka:g} s (keep_alive)")
 
         self._reaper = threading.Thread(target=run, name="tessera-keep-alive", daemon=True)
         self._reaper.start()
+
+    def set_keep_alive(self, served: ServedModel, seconds: Optional[float]) -> bool:
+        """A request's keep_alive (Ollama's semantics): `served` unloads after `seconds` idle from
+        now on (0: once this request is done; None: never). False for a model that cannot be
+        unloaded (handed in built, or stepped on the main thread)."""
+        if served.fixed or served.pinned or self.builder is None:
+            return False
+        served.keep_alive = seconds
+        if seconds is not None:
+            self.start_reaper()
+        return True
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -47,6 +47,13 @@ class RejectionSink(Protocol):
     def record_rejection(self) -> None: ...
 
 
+@runtime_checkable
+class HTTPRequestSink(Protocol):
+    """Something counting HTTP requests by endpoint (tessera.metrics.MetricFamilies)."""
+
+    def record_http_request(self, endpoint: str, method: str, status: int, seconds: float) -> None: ...
+
+
 class LiveView(Protocol):
     """What the dashboard's endpoint needs from tessera.live_stats.LiveStats."""
 
@@ -81,14 +88,17 @@ class ServerState:
                            code="model_unavailable")
         return engine
 
-    async def route(self, requested: Optional[str], request: Request) -> Route:
-        """The loaded model that answers (fallback rules applied unless the request forbids it).
-        The request's API key must be allowed the model (checked before it loads), and gets a
-        place in its fair share of the model's queue."""
+    async def route(self, requested: Optional[str], request: Request, *, fallback: bool = True,
+                    generates: bool = True) -> Route:
+        """The loaded model that answers (fallback rules applied unless the request forbids it, or
+        `fallback` is False: tokenizers and loads name one model). The request's API key must be
+        allowed the model (checked before it loads); a request that `generates` gets a place in
+        its key's fair share of the model's queue."""
         check_model(request.scope, requested, self.router.resolve(requested).name)
         forbid = request.headers.get(NO_FALLBACK_HEADER, "").strip().lower() in ("1", "true", "yes")
-        route = await self.router.route(requested, allow_fallback=not forbid)
-        enter_queue(request.scope, route.model.engine)
+        route = await self.router.route(requested, allow_fallback=fallback and not forbid)
+        if generates:
+            enter_queue(request.scope, route.model.engine)
         return route
 
     def deadline(self) -> Optional[float]:
@@ -137,6 +147,9 @@ class Run:
     # Re-tokenizes the prompts for another model's engine, so a request its model refuses at
     # admission (queue full, forecast wait) can go to the fallback; None: no second chance.
     reprompt: Optional[Callable[[ServingEngine], list[Union[str, list[int]]]]] = None
+    # False for work that outlives its HTTP request (a background response): a disconnect then
+    # aborts nothing; the deadline, a cancel and shutdown still do.
+    watch_client: bool = True
 
     @property
     def engine(self) -> ServingEngine:
@@ -148,8 +161,8 @@ class Run:
 
     def generation(self, restartable: bool = False) -> Generation:
         self.request.state.request_id = self.request_id
-        return Generation(self.engine, self.request, self.prompts, self.params, self.request_id,
-                          self.state.deadline(), self.state.generations, restartable=restartable,
+        return Generation(self.engine, self.request if self.watch_client else None, self.prompts, self.params,
+                          self.request_id, self.state.deadline(), self.state.generations, restartable=restartable,
                           log_requests=self.state.log_requests)
 
     def error(self, exc: BaseException) -> APIError:
@@ -204,8 +217,10 @@ class Run:
             raise self.error(exc) from exc
         return finals
 
-    async def stream(self, renderer: StreamRenderer) -> Response:
-        """A text/event-stream response once every prompt is admitted, else the error response."""
+    async def stream(self, renderer: StreamRenderer, framing: Optional[StreamFraming] = None) -> Response:
+        """A streamed response once every prompt is admitted, else the error response; `framing`
+        is the API's (server-sent events by default)."""
+        framing = framing or SSE
         gen = self.generation()
         await gen.__aenter__()
         outputs = gen.outputs()
@@ -223,22 +238,23 @@ class Run:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             if isinstance(exc, DeadlineExceeded):
                 self._note("timed out before the first token; aborted")
-                return self._timeout_error().response()
+                return framing.error_response(self._timeout_error())
             if isinstance(exc, ServerShuttingDown):
                 self._note("server shutting down; aborted")
-                return shutting_down().response()
+                return framing.error_response(shutting_down())
             if isinstance(exc, Exception):
                 if await self._fall_back(exc):
                     renderer.model = self.route.reported
-                    return await self.stream(renderer)
-                return self.error(exc).response()
+                    return await self.stream(renderer, framing)
+                return framing.error_response(self.error(exc))
             raise
-        return StreamingResponse(self._events(gen, outputs, first, renderer), media_type="text/event-stream",
+        return StreamingResponse(self._events(gen, outputs, first, renderer, framing), media_type=framing.media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           **self.route.headers()})
 
     async def _events(self, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                      first: list[tuple[int, RequestOutput]], renderer: StreamRenderer) -> AsyncIterator[str]:
+                      first: list[tuple[int, RequestOutput]], renderer: StreamRenderer,
+                      framing: StreamFraming) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
         try:
             for event in renderer.start():
@@ -257,25 +273,44 @@ class Run:
             record_usage(self.request, usage)
             for event in renderer.finish(usage):
                 yield event
-            yield "data: [DONE]\n\n"
         except (ClientDisconnected, asyncio.CancelledError) as exc:  # our listener or Starlette's saw it first
             self._note("client disconnected mid-stream; aborted")
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except DeadlineExceeded:
             self._note("timed out mid-stream; aborted")
-            yield self._timeout_error().sse_event()
+            for event in renderer.error(self._timeout_error()):
+                yield event
         except ServerShuttingDown:
             self._note("server shutting down; aborted")
-            yield shutting_down().sse_event()
+            for event in renderer.error(shutting_down()):
+                yield event
         except Exception as exc:
-            yield self.error(exc).sse_event()
+            for event in renderer.error(self.error(exc)):
+                yield event
         finally:
             await gen.close()
 
 
+@dataclass(frozen=True)
+class StreamFraming:
+    """How an API frames a stream: its media type, and its error as a whole response when the
+    request fails before the stream's first byte (once under way, the renderer's `error` events
+    end it)."""
+
+    media_type: str
+    error_response: Callable[[APIError], Response]
+
+
+# OpenAI's (and Anthropic's): server-sent events.
+SSE = StreamFraming("text/event-stream", APIError.response)
+
+
 class StreamRenderer(Protocol):
-    """Turns engine outputs into one endpoint's SSE events ("data: {...}\\n\\n" strings)."""
+    """Turns engine outputs into one endpoint's SSE events ("data: {...}\\n\\n" strings).
+
+    `error`'s default is OpenAI's chat and completions streams' (one data line); the Responses
+    and Messages streams fail with typed events of their own."""
 
     model: str  # the `model` of every chunk (changed if a fallback model takes the request over)
 
@@ -284,6 +319,13 @@ class StreamRenderer(Protocol):
     def render(self, prompt_index: int, output: RequestOutput) -> list[str]: ...
 
     def finish(self, usage: UsageInfo) -> list[str]: ...
+
+    def error(self, err: APIError) -> list[str]:
+        """The events that end the stream when `err` stops it after its headers were sent."""
+        return [err.sse_event()]
+
+
+DONE = "data: [DONE]\n\n"
 
 
 def sse(payload: str) -> str:

@@ -1,0 +1,622 @@
+"""Ollama's API on Tessera's port: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+
+Many tools people run beside local models speak Ollama's API rather than OpenAI's (Open WebUI,
+Continue, n8n, LangChain's ChatOllama, the `ollama` client). These handlers translate its
+requests onto the same path the OpenAI handlers take (`Run`: the router and its fallback rules,
+admission and 429, deadlines, abort on disconnect, the engine's metrics and traces) and its
+answers back into Ollama's shapes:
+
+- streamed by default, as NDJSON (one JSON object a line, the last one `"done": true` with the
+  statistics); `"stream": false` for one object;
+- durations in nanoseconds: `total_duration` (the whole request), `load_duration` (waiting for
+  the model to load), `prompt_eval_duration` (first scheduled to first token), `eval_duration`
+  (first token to last); `prompt_eval_count` is the whole prompt, cached prefix included;
+- `options` onto SamplingParams with Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9);
+  `num_predict` past the context is cut to what the context leaves (Ollama generates until the
+  context is full), `num_ctx` bounds prompt + output below the model's own length;
+- `format` ("json" or a JSON schema) through xgrammar, `tools` through the tool-calling core
+  (tools.py) with each call's `function.arguments` an object, as Ollama returns them; a streamed
+  call comes whole in one line once its arguments are complete, as Ollama sends it;
+- `keep_alive` onto the router's per-model keep_alive (`ModelRouter.set_keep_alive`), counted
+  from the end of the request; a request without it restores the model's configured value;
+- errors as `{"error": "..."}` with Ollama's statuses (400 bad request, 404 unknown model, 429,
+  503); an error after the stream started is one last `{"error": ...}` line.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from tessera import __version__
+from tessera.engine.input_processor import check_token_ids
+from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from tessera.server.auth import check_model
+from tessera.server.chat import chat_prompt, chat_prompt_text
+from tessera.server.errors import APIError, validation_error
+from tessera.server.protocol import ChatCompletionRequest, UsageInfo
+from tessera.server.protocol_ollama import (
+    DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, KeepAlive, OllamaChatRequest, OllamaGenerateRequest,
+    OllamaGenerationRequest, OllamaShowRequest,
+)
+from tessera.server.router import ServedModel
+from tessera.server.serving import Run, ServerState, StreamFraming, clamp_logprob, record_usage, usage_of
+from tessera.server.tools import (
+    OutputParser, OutputParsing, check_tools, output_parser, tool_choice_mode, tool_constraint,
+)
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+    from tessera.engine.frontend.async_engine import ServingEngine
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+Parser = Callable[[Request, "type[RequestModel]", Callable[[RequestModel, Request], Awaitable[Response]]],
+                  Awaitable[Response]]
+
+# The Ollama release whose API this one follows; clients read /api/version to decide what a
+# server supports (tool calls, JSON-schema formats), so it names Ollama's version, not Tessera's.
+OLLAMA_VERSION = "0.12.0"
+# Go's largest duration: what Ollama reports as the expiry of a model kept loaded for ever.
+_FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
+_LATEST = ":latest"
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def ollama_error(err: APIError) -> JSONResponse:
+    """Ollama's error shape: {"error": message}, same status and headers (Retry-After on a 429)."""
+    return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
+
+
+NDJSON = StreamFraming("application/x-ndjson", ollama_error)
+
+
+async def _guarded(request: Request, handler: Awaitable[Response]) -> Response:
+    """Every failure inside a handler becomes an Ollama error response; the server stays up."""
+    try:
+        return await handler
+    except APIError as exc:
+        return ollama_error(exc)
+    except Exception as exc:
+        return ollama_error(request.app.state.tessera.error(exc))
+
+
+def _served(state: ServerState, name: Optional[str]) -> ServedModel:
+    """The model a request names (Ollama's implicit ":latest" tag accepted); 400 without a name
+    and 404 for one this server does not serve, as Ollama answers."""
+    if not name:
+        raise APIError(400, "model is required", param="model")
+    for candidate in (name, name.removesuffix(_LATEST)):
+        try:
+            return state.router.resolve(candidate)
+        except APIError:
+            continue
+    served = ", ".join(n for n, _ in state.router.names())
+    raise APIError(404, f'model "{name}" not found (this server serves: {served})', param="model",
+                   code="model_not_found")
+
+
+def _keep_alive(value: KeepAlive, served: ServedModel) -> Optional[float]:
+    """Seconds the model stays loaded after this request (None: for ever); the model's
+    configured keep_alive when the request gives none, as Ollama falls back to its default."""
+    from tessera.errors import TesseraError
+    from tessera.server.config import parse_duration
+
+    if value is None:
+        return served.spec.keep_alive
+    if isinstance(value, bool):
+        raise InvalidRequestError("keep_alive must be a duration such as \"5m\" or a number of seconds")
+    try:
+        return parse_duration(value)
+    except TesseraError as exc:
+        raise InvalidRequestError(f"keep_alive: {exc}") from None
+
+
+def _refuse_unsupported(body: OllamaGenerationRequest, name: str) -> None:
+    if body.think not in (None, False, ""):
+        raise InvalidRequestError(f'"{name}" does not support thinking')
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _constraint(body: OllamaGenerationRequest) -> Optional[StructuredOutputsParams]:
+    fmt = body.format
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=fmt)
+
+
+def _max_tokens(engine: ServingEngine, body: OllamaGenerationRequest, prompt_len: int) -> int:
+    """`num_predict` within the context: num_ctx (at most the model's length and what its KV
+    cache holds) minus the prompt. Unset or negative (-1 infinite, -2 fill) is the whole rest."""
+    opts = body.opts
+    model_len = engine.config.max_model_len
+    context = min(model_len, engine.kv_cache_info().get("max_sequence_tokens") or model_len)
+    if opts.num_ctx is not None:
+        context = min(context, opts.num_ctx)
+    if prompt_len >= context:
+        raise InvalidRequestError(f"the prompt is {prompt_len} tokens, which leaves no room to generate in a context "
+                                  f"of {context} tokens (num_ctx {opts.num_ctx or 'unset'}, the model's "
+                                  f"maximum {model_len})")
+    room = context - prompt_len
+    wanted = opts.num_predict
+    return room if wanted is None or wanted <= 0 else min(wanted, room)
+
+
+def _sampling_params(body: OllamaGenerationRequest, max_tokens: int,
+                     structured: Optional[StructuredOutputsParams]) -> SamplingParams:
+    opts = body.opts
+    opts.check()
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick(opts.temperature, DEFAULT_TEMPERATURE),
+            top_k=pick(opts.top_k, DEFAULT_TOP_K),
+            top_p=pick(opts.top_p, DEFAULT_TOP_P),
+            min_p=pick(opts.min_p, 0.0),
+            repetition_penalty=pick(opts.repeat_penalty, 1.0),
+            presence_penalty=pick(opts.presence_penalty, 0.0),
+            frequency_penalty=pick(opts.frequency_penalty, 0.0),
+            seed=opts.seed if opts.seed is not None and opts.seed >= 0 else None,  # Ollama: -1 = random
+            stop=opts.stop or None,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            structured_outputs=structured,
+        )
+    except (TypeError, ValueError) as exc:  # InvalidRequestError is a ValueError
+        raise InvalidRequestError(f"options: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def _as_chat_request(messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
+                     ) -> ChatCompletionRequest:
+    """Ollama's messages and tools as the OpenAI request the chat template path reads."""
+    try:
+        return ChatCompletionRequest.model_validate({"messages": messages, "tools": tools or None})
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
+    messages = []
+    for m in body.messages or []:
+        if m.images:
+            raise InvalidRequestError(f'"{name}" does not support images')
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "function": {"name": c.function.name,
+                                                                   "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        if m.tool_name:
+            msg["name"] = m.tool_name
+        messages.append(msg)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    return _as_chat_request(messages, tools)
+
+
+def _generate_ids(engine: ServingEngine, settings: OutputParsing, body: OllamaGenerateRequest) -> list[int]:
+    """The prompt's ids: `context` (an earlier response's), then the prompt through the chat
+    template as a user turn after `system`, or as it is with `raw` (or a model without a template)."""
+    tokenizer = engine.tokenizer
+    context = list(body.context or [])
+    if context:
+        check_token_ids(context, engine.model_config.vocab_size)
+    prompt = body.prompt or ""
+    if body.raw or not tokenizer.chat_template:
+        text, special = prompt, not context  # BOS and friends only at the very start
+    else:
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) \
+            + [{"role": "user", "content": prompt}]
+        text, special = chat_prompt_text(tokenizer, settings, _as_chat_request(messages)), False
+    return context + tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=special)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def _done_reason(finish_reason: Optional[str]) -> str:
+    return "length" if finish_reason == "length" else "stop"
+
+
+def _logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token": e.token, "logprob": clamp_logprob(e.logprob), "bytes": list(e.token.encode("utf-8")),
+             "top_logprobs": [{"token": text, "logprob": clamp_logprob(lp), "bytes": list(text.encode("utf-8"))}
+                              for _, text, lp in e.top]}
+            for e in entries]
+
+
+def _tool_call(call_id: str, index: int, name: str, arguments: str) -> Optional[dict[str, Any]]:
+    """Ollama's form of a parsed call, its arguments an object; None when they are not one."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": call_id, "function": {"index": index, "name": name, "arguments": args}}
+
+
+@dataclass
+class Timing:
+    """When the request began and how long it waited for its model to load (perf_counter_ns)."""
+
+    start: int
+    load: int = 0
+
+
+class OllamaReply:
+    """The lines of one /api/chat or /api/generate answer: the streamed pieces and the final
+    object with the statistics; a whole (non-streamed) answer is the same final object with
+    all the text in it, parsed by the same code."""
+
+    def __init__(self, kind: str, model: str, timing: Timing, parser: Optional[OutputParser], logprobs: bool) -> None:
+        self.kind = kind  # "chat" | "generate"
+        self.model = model
+        self.timing = timing
+        self.logprobs = logprobs
+        self.parser = parser  # the model's tool-call parser when the request has tools
+        self.sent_calls = 0
+        self.final: Optional[RequestOutput] = None
+
+    # -- pieces ---------------------------------------------------------------------
+    def _piece(self, text: str, calls: list[dict[str, Any]], logprobs: Optional[list[TokenLogprob]],
+               done: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "created_at": _now()}
+        if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+            out["message"] = message
+        else:
+            out["response"] = text
+        if self.logprobs and logprobs:
+            out["logprobs"] = _logprobs(logprobs)
+        out["done"] = done
+        return out
+
+    def _text_and_calls(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Content and the tool calls completed by `text` (after what came before)."""
+        parser = self.parser
+        if parser is None:
+            return text, []
+        events = parser.feed(text) + (parser.finish() if finished else [])
+        content = "".join(e.text for e in events if e.kind == "content")
+        # Ollama sends each call whole: the last one is complete once another follows or the text ends.
+        complete = len(parser.calls) if finished else max(len(parser.calls) - 1, 0)
+        calls = []
+        for i, c in enumerate(parser.calls[self.sent_calls:complete], start=self.sent_calls):
+            call = _tool_call(c.id, i, c.name, c.arguments)
+            if call is not None:
+                calls.append(call)
+            else:  # arguments that are not an object (only unconstrained text has them): left as text
+                content += f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}'
+        self.sent_calls = max(self.sent_calls, complete)
+        return content, calls
+
+    # -- the StreamRenderer protocol (serving.Run.stream) ---------------------------
+    def start(self) -> list[str]:
+        return []
+
+    def render(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        c = output.outputs[0]
+        if output.finished:
+            self.final = output
+        text, calls = self._text_and_calls(c.delta_text, c.finished)
+        if not (text or calls or (self.logprobs and c.delta_logprobs)):
+            return []
+        return [json.dumps(self._piece(text, calls, c.delta_logprobs)) + "\n"]
+
+    def finish(self, usage: UsageInfo) -> list[str]:
+        assert self.final is not None
+        return [json.dumps(self._last(self._piece("", [], None, done=True), self.final)) + "\n"]
+
+    def error(self, err: APIError) -> list[str]:
+        """Ollama ends a failed stream with one {"error": ...} line."""
+        return [json.dumps({"error": err.message}) + "\n"]
+
+    # -- the final object ------------------------------------------------------------
+    def whole(self, output: RequestOutput) -> dict[str, Any]:
+        c = output.outputs[0]
+        text, calls = self._text_and_calls(c.text, True)
+        return self._last(self._piece(text, calls, c.logprobs, done=True), output)
+
+    def _last(self, body: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
+        c: CompletionOutput = output.outputs[0]
+        m = output.metrics
+        prompt_s = eval_s = 0.0
+        if m is not None and m.first_token_time is not None:
+            prompt_s = m.first_token_time - (m.first_scheduled_time or m.arrival_time)
+            eval_s = (m.last_token_time or m.first_token_time) - m.first_token_time
+        body["done_reason"] = _done_reason(c.finish_reason)
+        if self.kind == "generate":
+            body["context"] = list(output.prompt_token_ids) + list(c.token_ids)
+        body.update(total_duration=time.perf_counter_ns() - self.timing.start, load_duration=self.timing.load,
+                    prompt_eval_count=len(output.prompt_token_ids), prompt_eval_duration=_ns(prompt_s),
+                    eval_count=len(c.token_ids), eval_duration=_ns(eval_s))
+        return body
+
+
+# ----------------------------------------------------------------------------- chat and generate
+
+
+async def _load_or_unload(state: ServerState, request: Request, served: ServedModel, keep: Optional[float],
+                          kind: str, timing: Timing) -> Response:
+    """An empty conversation or prompt loads the model (keep_alive 0: unloads it), as Ollama does."""
+    reply = OllamaReply(kind, served.name, timing, parser=None, logprobs=False)
+    check_model(request.scope, served.name, served.name)  # a key may only load or unload its models
+    if keep == 0:
+        if served.fixed or served.pinned:
+            raise APIError(400, f'"{served.name}" stays loaded: it is this server\'s own engine, which '
+                                "only stopping the server unloads")
+        if served.engine is not None:
+            await asyncio.to_thread(state.router.unload, served, "keep_alive 0")
+        return JSONResponse({**reply._piece("", [], None, done=True), "done_reason": "unload"})
+    route = await state.route(served.name, request, fallback=False, generates=False)
+    timing.load = time.perf_counter_ns() - timing.start
+    state.router.set_keep_alive(route.model, keep)
+    return JSONResponse({**reply._piece("", [], None, done=True), "done_reason": "load"},
+                        headers=route.headers())
+
+
+async def _answer(state: ServerState, request: Request, body: OllamaGenerationRequest, served: ServedModel,
+                  kind: str, timing: Timing, prompt: Callable[[ServingEngine], list[int]],
+                  constraint: Optional[StructuredOutputsParams],
+                  parser: Optional[Callable[[], OutputParser]]) -> Response:
+    """Route, tokenize, run and answer (streamed or whole); keep_alive applies once it is done."""
+    keep = _keep_alive(body.keep_alive, served)
+    route = await state.route(served.name, request)
+    timing.load = time.perf_counter_ns() - timing.start
+    run: Optional[Run] = None
+    try:
+        engine = route.model.engine
+        if engine is None:
+            raise APIError(503, f'model "{route.model.name}" was unloaded; retry', type="server_error")
+        ids = prompt(engine)
+        params = _sampling_params(body, _max_tokens(engine, body, len(ids)), constraint)
+        run = Run(state, request, route, [ids], params, f"ollama-{uuid.uuid4().hex}",
+                  reprompt=lambda other: [prompt(other)])
+        reply = OllamaReply(kind, route.reported, timing, parser() if parser else None, bool(body.logprobs))
+        if body.stream is not False:
+            return await run.stream(reply, NDJSON)
+        finals = await run.collect()
+        if isinstance(finals, Response):
+            return finals
+        usage = usage_of(finals)
+        record_usage(request, usage)
+        return run.json(reply.whole(finals[0]))
+    finally:
+        state.router.set_keep_alive(run.route.model if run is not None else route.model, keep)
+
+
+async def chat(body: OllamaChatRequest, request: Request) -> Response:
+    timing = Timing(time.perf_counter_ns())
+    state: ServerState = request.app.state.tessera
+    served = _served(state, body.model)
+    _refuse_unsupported(body, served.name)
+    if not body.messages:
+        return await _load_or_unload(state, request, served, _keep_alive(body.keep_alive, served), "chat", timing)
+    chat_body = _chat_request(body, served.name)
+    constraint = _constraint(body)
+    parse_tools = tool_choice_mode(chat_body.tools, None) != "none"
+    if parse_tools:
+        assert chat_body.tools
+        check_tools(chat_body.tools)
+        if constraint is not None:
+            raise InvalidRequestError("format cannot be combined with tools")
+    settings = served.output_parsing  # the model's tool-call syntax, in the prompt, grammar and parser
+    if parse_tools:
+        assert chat_body.tools
+        constraint = tool_constraint(chat_body.tools, None, True, settings)
+    tools = chat_body.tools or ()
+    return await _answer(state, request, body, served, "chat", timing,
+                         lambda engine: chat_prompt(engine, settings, chat_body)[1], constraint,
+                         (lambda: output_parser(settings, True, tools=tools)) if parse_tools else None)
+
+
+async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
+    timing = Timing(time.perf_counter_ns())
+    state: ServerState = request.app.state.tessera
+    served = _served(state, body.model)
+    _refuse_unsupported(body, served.name)
+    if body.images:
+        raise InvalidRequestError(f'"{served.name}" does not support images')
+    if body.suffix:
+        raise InvalidRequestError(f'"{served.name}" does not support insert')
+    if body.template:
+        raise InvalidRequestError("template overrides are not supported: Tessera renders the model's own chat "
+                                  "template; send raw: true with a prompt formatted as you want it")
+    if not body.prompt:
+        return await _load_or_unload(state, request, served, _keep_alive(body.keep_alive, served), "generate",
+                                     timing)
+    return await _answer(state, request, body, served, "generate", timing,
+                         lambda engine: _generate_ids(engine, served.output_parsing, body), _constraint(body),
+                         parser=None)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _local_path(served: ServedModel) -> Optional[Path]:
+    """The model's file or folder if it is on this machine (never downloads)."""
+    from tessera.models import registry
+
+    spec = served.spec.model
+    if registry.is_registry_name(spec):
+        path = registry.model_path(registry.get_entry(spec))
+        return path if path.is_file() else None
+    path = Path(spec).expanduser()
+    return path if path.exists() else None
+
+
+def _model_facts(served: ServedModel) -> dict[str, Any]:
+    """What /api/tags says of a model: size, digest, modification time and details (blocking:
+    an unregistered model's digest is hashed once, then remembered)."""
+    from tessera.models import registry
+
+    spec = served.spec.model
+    entry = registry.MODELS.get(spec) or registry.MODELS.get(spec.lower())
+    path = _local_path(served)
+    config = served.engine.model_config if served.engine is not None else None
+    size = entry.size if entry is not None else 0
+    if entry is None and path is not None:
+        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    digest = entry.sha256 if entry is not None else (registry.model_digest(path) if path is not None else "")
+    modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc) if path is not None else \
+        datetime.now(timezone.utc)
+    family = entry.architecture if entry is not None else (config.architecture if config is not None else "")
+    fmt = "gguf" if entry is not None or (path is not None and path.suffix.lower() == ".gguf") else "safetensors"
+    quant = entry.quantization if entry is not None else (config.quantization if config is not None else "")
+    return {"size": size, "digest": digest, "modified_at": modified.isoformat().replace("+00:00", "Z"),
+            "details": {"parent_model": "", "format": fmt, "family": family,
+                        "families": [family] if family else None,
+                        "parameter_size": entry.parameters if entry is not None else "",
+                        "quantization_level": quant}}
+
+
+def _config_and_template(served: ServedModel) -> tuple[Optional[ModelConfig], Optional[str]]:
+    """The model's shape and chat template: the loaded engine's, else read from its file without
+    the weights, else unknown (a model not on this machine yet)."""
+    engine = served.engine
+    if engine is not None:
+        return engine.model_config, engine.tokenizer.chat_template
+    path = _local_path(served)
+    if path is None:
+        return None, None
+    from tessera.models.loader import load_model_info
+
+    config, tokenizer = load_model_info(path)
+    return config, tokenizer.chat_template
+
+
+def _model_info(config: ModelConfig) -> dict[str, Any]:
+    """Ollama's model_info keys (GGUF metadata names) for what Tessera knows of the model."""
+    arch = config.architecture
+    return {"general.architecture": arch, "general.basename": config.name,
+            f"{arch}.context_length": config.max_position_embeddings,
+            f"{arch}.embedding_length": config.hidden_size, f"{arch}.block_count": config.num_layers,
+            f"{arch}.feed_forward_length": config.intermediate_size,
+            f"{arch}.attention.head_count": config.num_heads,
+            f"{arch}.attention.head_count_kv": config.num_kv_heads,
+            f"{arch}.attention.key_length": config.head_dim, f"{arch}.rope.freq_base": config.rope_theta,
+            f"{arch}.vocab_size": config.vocab_size}
+
+
+async def tags(request: Request) -> Response:
+    """Every name this server answers to (aliases included), loaded or not."""
+    state: ServerState = request.app.state.tessera
+    models = []
+    for name, served in state.router.names():
+        facts = await asyncio.to_thread(_model_facts, served)
+        models.append({"name": name, "model": name, **facts})
+    return JSONResponse({"models": models})
+
+
+async def show(body: OllamaShowRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.tessera
+    served = _served(state, body.model or body.name)
+    facts = await asyncio.to_thread(_model_facts, served)
+    config, template = await asyncio.to_thread(_config_and_template, served)
+    capabilities = ["completion"] + (["tools"] if template else [])
+    parameters = ""
+    if served.engine is not None:
+        tokenizer = served.engine.tokenizer
+        stops = [tokenizer.token_text(i) for i in tokenizer.eos_token_ids]
+        parameters = "".join(f'stop "{s}"\n' for s in stops)
+    return JSONResponse({
+        "license": "", "modelfile": f"# Served by Tessera {__version__}\nFROM {served.spec.model}\n",
+        "parameters": parameters, "template": template or "", "details": facts["details"],
+        "model_info": _model_info(config) if config is not None else {}, "capabilities": capabilities,
+        "modified_at": facts["modified_at"]})
+
+
+def _expires_at(served: ServedModel, engine: ServingEngine) -> str:
+    now = datetime.now(timezone.utc)
+    keep = served.keep_alive
+    if keep is None or served.fixed or served.pinned:
+        expiry = now + _FOREVER
+    else:
+        idle = 0.0 if engine.num_active() > 0 else time.monotonic() - served.last_used
+        expiry = now + timedelta(seconds=max(0.0, keep - idle))
+    return expiry.isoformat().replace("+00:00", "Z")
+
+
+async def ps(request: Request) -> Response:
+    """The models loaded now; `size` is the weights' file plus the KV cache, all in CPU memory."""
+    state: ServerState = request.app.state.tessera
+    models = []
+    for served in state.router.loaded():
+        engine = served.engine
+        if engine is None:
+            continue
+        facts = await asyncio.to_thread(_model_facts, served)
+        size = facts["size"] + int(engine.kv_cache_info().get("bytes") or 0)
+        models.append({"name": served.name, "model": served.name, "size": size, "digest": facts["digest"],
+                       "details": facts["details"], "expires_at": _expires_at(served, engine), "size_vram": 0,
+                       "context_length": engine.config.max_model_len})
+    return JSONResponse({"models": models})
+
+
+OLLAMA_REQUESTS: list[type[BaseModel]] = [OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest]
+
+
+def install_ollama_api(app: FastAPI, parse: Parser, json_body: Callable[[type[BaseModel]], dict[str, Any]],
+                       root: bool) -> None:
+    """Add Ollama's endpoints; `parse` reads and validates a body (app._parse_then), `json_body`
+    describes it for /docs (the schemas are OLLAMA_REQUESTS). `root`: also answer GET/HEAD /
+    with "Ollama is running", as Ollama does (when the chat page is not there)."""
+
+    def post(path: str, model: type[RequestModel], handler: Callable[[RequestModel, Request], Awaitable[Response]]
+             ) -> None:
+        async def endpoint(request: Request) -> Response:
+            return await _guarded(request, parse(request, model, handler))
+
+        app.add_api_route(path, endpoint, methods=["POST"], name=f"ollama_{path.rsplit('/', 1)[-1]}",
+                          tags=["ollama"], openapi_extra=json_body(model))
+
+    post("/api/chat", OllamaChatRequest, chat)
+    post("/api/generate", OllamaGenerateRequest, generate)
+    post("/api/show", OllamaShowRequest, show)
+
+    @app.get("/api/tags", tags=["ollama"])
+    async def ollama_tags(request: Request) -> Response:
+        return await _guarded(request, tags(request))
+
+    @app.get("/api/ps", tags=["ollama"])
+    async def ollama_ps(request: Request) -> Response:
+        return await _guarded(request, ps(request))
+
+    @app.get("/api/version", tags=["ollama"])
+    async def ollama_version() -> Response:
+        return JSONResponse({"version": OLLAMA_VERSION, "tessera": __version__})
+
+    if root:
+        @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+        async def ollama_root() -> Response:
+            return PlainTextResponse("Ollama is running")

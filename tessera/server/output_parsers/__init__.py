@@ -1,0 +1,146 @@
+"""Reading what a model wrote: its reasoning, its answer and its tool calls, in the syntax of
+its family. One interface for every API (chat completions, Responses, Messages):
+
+    settings = route.model.output_parsing            # OutputParsing, per served model
+    parser = output_parser(settings, parse_tools, tools=tools, prompt=prompt_text)
+    for delta in deltas: events = parser.feed(delta)  # ParserEvent: content / reasoning / call / args
+    events += parser.finish()
+    parser.calls, parser.reasoning, parser.content
+
+Tool-call parsers carry vLLM's names (`--tool-call-parser`); without the flag the parser is
+detected from the chat template. Reasoning parsers (`--reasoning-parser`) are the think family.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from tessera.errors import ConfigError
+from tessera.server.output_parsers.base import (
+    OutputParser, ParsedCall, ParserEvent, ToolParser, new_call, partial_suffix,
+)
+from tessera.server.output_parsers.hermes import HermesToolParser
+from tessera.server.output_parsers.llama import Llama3JsonToolParser
+from tessera.server.output_parsers.mistral import MistralToolParser
+from tessera.server.output_parsers.pythonic import PythonicToolParser
+from tessera.server.output_parsers.qwen3_coder import Qwen3CoderToolParser
+from tessera.server.output_parsers.reasoning import (
+    REASONING_PARSERS, ThinkReasoningParser, prompt_closes_think, prompt_opens_think,
+)
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser)}
+DEFAULT_TOOL_PARSER = "hermes"
+
+
+def detect_tool_parser(chat_template: Optional[str]) -> str:
+    """The tool-call syntax a chat template teaches its model (hermes when it shows none)."""
+    template = chat_template or ""
+    for marker, name in (("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                         ("[func_name1(", "pythonic"), ("<|python_tag|>", "llama3_json"),
+                         ('"parameters": dictionary of argument name', "llama3_json")):
+        if marker in template and name in TOOL_PARSERS:
+            return name
+    return DEFAULT_TOOL_PARSER
+
+
+@dataclass(frozen=True)
+class OutputParsing:
+    """How one served model's output is read, and the template its prompts are rendered with.
+
+    `tool_call_parser` None means "detect from the chat template" (`resolved` fills it in once
+    the template is known); `chat_template` is a template text that overrides the model's own.
+    """
+
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
+    chat_template: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
+                              f"not {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                              f"not {self.reasoning_parser!r}")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ConfigError("--chat-template must not be empty")
+
+    def template(self, model_template: Optional[str]) -> Optional[str]:
+        """The template prompts are rendered with: the override, else the model's."""
+        return self.chat_template or model_template
+
+    def resolved(self, model_template: Optional[str]) -> "OutputParsing":
+        """These settings with the tool-call parser named (detected from the template if unset)."""
+        if self.tool_call_parser is not None:
+            return self
+        return replace(self, tool_call_parser=detect_tool_parser(self.template(model_template)))
+
+    @property
+    def tool_parser(self) -> type[ToolParser]:
+        return TOOL_PARSERS[self.tool_call_parser or DEFAULT_TOOL_PARSER]
+
+    @property
+    def reasoning(self) -> Optional[type[ThinkReasoningParser]]:
+        return REASONING_PARSERS[self.reasoning_parser] if self.reasoning_parser else None
+
+
+class ChainedParser:
+    """The reasoning parser (if any) in front of the tool-call parser (if any); content passes
+    through untouched when there is neither."""
+
+    def __init__(self, reasoning: Optional[ThinkReasoningParser], tools: Optional[ToolParser]) -> None:
+        self.reasoner = reasoning
+        self.tools = tools
+        self.content = ""
+
+    @property
+    def calls(self) -> list[ParsedCall]:
+        return self.tools.calls if self.tools is not None else []
+
+    @property
+    def reasoning(self) -> str:
+        return self.reasoner.reasoning if self.reasoner is not None else ""
+
+    def feed(self, delta: str) -> list[ParserEvent]:
+        events = self.reasoner.feed(delta) if self.reasoner is not None else [ParserEvent("content", text=delta)]
+        return self._through(events)
+
+    def finish(self) -> list[ParserEvent]:
+        out = self._through(self.reasoner.finish() if self.reasoner is not None else [])
+        if self.tools is not None:
+            out += self._count(self.tools.finish())
+        return out
+
+    def _through(self, events: list[ParserEvent]) -> list[ParserEvent]:
+        out: list[ParserEvent] = []
+        for e in events:
+            if e.kind != "content":
+                out.append(e)
+            elif self.tools is not None:
+                out += self._count(self.tools.feed(e.text))
+            elif e.text:
+                out += self._count([e])
+        return out
+
+    def _count(self, events: list[ParserEvent]) -> list[ParserEvent]:
+        self.content += "".join(e.text for e in events if e.kind == "content")
+        return events
+
+
+def output_parser(settings: OutputParsing, parse_tools: bool, *, tools: Sequence = (),
+                  prompt: str = "") -> OutputParser:
+    """The parser of one response (one per choice): `settings` of the model that answers,
+    `parse_tools` when the request allows tool calls; `tools` (ChatTool) give parsers whose
+    syntax is untyped (qwen3_coder's XML) the parameter types; `prompt` is the rendered prompt,
+    which says whether the template opened a think block."""
+    reasoning_cls = settings.reasoning
+    return ChainedParser(reasoning_cls(prompt) if reasoning_cls is not None else None,
+                         settings.tool_parser(tools) if parse_tools else None)
+
+
+__all__ = [
+    "DEFAULT_TOOL_PARSER", "REASONING_PARSERS", "TOOL_PARSERS", "ChainedParser", "OutputParser", "OutputParsing",
+    "ParsedCall", "ParserEvent", "ThinkReasoningParser", "ToolParser", "detect_tool_parser", "new_call",
+    "output_parser", "partial_suffix", "prompt_closes_think", "prompt_opens_think",
+]

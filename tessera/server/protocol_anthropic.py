@@ -1,0 +1,262 @@
+"""Anthropic Messages API schemas (`POST /v1/messages`, `POST /v1/messages/count_tokens`).
+
+A request is translated into a chat completion request (`MessagesRequest.chat_request`):
+`system` becomes the system message, `tool_use` blocks the assistant turn's tool calls,
+each `tool_result` block a tool message, `tool_choice` auto/any/tool/none the chat's
+auto/required/named/none, `input_schema` a function's parameters. So the template, tool
+constraint and parsing are the ones chat completions use. Fields Tessera has no use for
+(cache_control, service_tier, container) are ignored; image and document blocks, server tools
+and blocks of unknown types are a 400, since the models served read text.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Discriminator, Field, Tag
+
+from tessera.sampling_params import InvalidRequestError
+from tessera.server.protocol import ChatCompletionRequest, OpenAIModel
+from tessera.server.protocol_responses import chat_request
+
+# ----------------------------------------------------------------------------- content blocks
+
+
+class TextBlock(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class MediaBlock(OpenAIModel):
+    """image / document: accepted by the schema so that the refusal can say why."""
+
+    type: Literal["image", "document"]
+
+
+class ToolUseBlock(OpenAIModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(OpenAIModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[Union[TextBlock, MediaBlock]], None] = None
+    is_error: Optional[bool] = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(_text_of(b) for b in self.content)
+
+
+class ThinkingBlock(OpenAIModel):
+    """An earlier turn's thinking sent back: kept out of the prompt, as chat templates keep
+    earlier turns' reasoning out."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: Optional[str] = None
+    signature: Optional[str] = None
+    data: Optional[str] = None
+
+
+BLOCK_TYPES = ("text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+def _block_type(value: Any) -> Optional[str]:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in ("image", "document"):
+        return "media"
+    if kind == "redacted_thinking":
+        return "thinking"
+    return kind if kind in BLOCK_TYPES else None
+
+
+ContentBlock = Annotated[
+    Union[Annotated[TextBlock, Tag("text")], Annotated[MediaBlock, Tag("media")],
+          Annotated[ToolUseBlock, Tag("tool_use")], Annotated[ToolResultBlock, Tag("tool_result")],
+          Annotated[ThinkingBlock, Tag("thinking")]],
+    Discriminator(_block_type, custom_error_type="invalid_content_block",
+                  custom_error_message="a content block must be an object whose type is one of "
+                                       + ", ".join(BLOCK_TYPES)),
+]
+
+
+def _text_of(block: Any) -> str:
+    if isinstance(block, MediaBlock):
+        raise InvalidRequestError(f"{block.type} content blocks are not supported: this server's models read "
+                                  "text only")
+    return block.text
+
+
+class InputMessage(OpenAIModel):
+    role: Literal["user", "assistant"]
+    content: Union[list[ContentBlock], str]  # the list first: a bad block is the error reported
+
+
+# ----------------------------------------------------------------------------- request
+
+
+class Tool(OpenAIModel):
+    """A client tool. Server tools (web_search_..., bash_..., with a `type`) are refused."""
+
+    name: str
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+    type: Optional[Literal["custom"]] = None
+
+
+class ToolChoice(OpenAIModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class Metadata(OpenAIModel):
+    user_id: Optional[str] = None
+
+
+class ThinkingConfig(OpenAIModel):
+    """Extended thinking, as Claude Code sends it: the chat template's `enable_thinking`
+    (Qwen3's and other hybrid reasoners' switch), on unless `disabled` ("adaptive" lets the
+    model decide, which a hybrid model does with thinking on). `budget_tokens` is accepted and
+    not enforced: the reasoning shares `max_tokens` with the answer."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.type != "disabled"}
+
+
+class OutputFormat(OpenAIModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(OpenAIModel):
+    """Structured output (`format`), through the same grammar path as chat's response_format."""
+
+    format: Optional[OutputFormat] = None
+    effort: Optional[str] = None
+
+
+class CountTokensRequest(OpenAIModel):
+    model: Optional[str] = None
+    messages: list[InputMessage]
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[ThinkingConfig] = None
+    output_config: Optional[OutputConfig] = None
+
+    def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
+        if not self.messages:
+            raise InvalidRequestError("messages: at least one message is required")
+        messages: list[dict[str, Any]] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "\n\n".join(b.text for b in self.system)
+            messages.append({"role": "system", "content": system})
+        for m in self.messages:
+            messages += _to_chat(m)
+        choice: Any = None
+        parallel = True
+        if self.tool_choice is not None:
+            tc = self.tool_choice
+            if tc.type == "tool" and not tc.name:
+                raise InvalidRequestError("tool_choice of type 'tool' needs a name")
+            choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type) or \
+                {"type": "function", "function": {"name": tc.name}}
+            parallel = not tc.disable_parallel_tool_use
+        fmt = self.output_config.format if self.output_config is not None else None
+        return chat_request({
+            "model": self.model, "messages": messages, "parallel_tool_calls": parallel, "tool_choice": choice,
+            "response_format": None if fmt is None else {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": fmt.schema_}},
+            "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                        "parameters": t.input_schema}}
+                      for t in self.tools] if self.tools else None,
+            "chat_template_kwargs": self.thinking.template_kwargs() if self.thinking is not None else None,
+            **sampling,
+        })
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)  # required, as Anthropic's API has it
+    stop_sequences: Optional[list[str]] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    metadata: Optional[Metadata] = None
+    stream: Optional[bool] = False
+    seed: Optional[int] = None  # not Anthropic's: reproducible sampling, as vLLM's extension
+
+    def sampling(self) -> dict[str, Any]:
+        return {"max_completion_tokens": self.max_tokens, "stop": self.stop_sequences,
+                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "user": self.metadata.user_id if self.metadata is not None else None}
+
+
+def _to_chat(message: InputMessage) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: a user message's tool_result blocks become tool
+    messages (before its text), an assistant message's tool_use blocks its tool calls."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    texts: list[str] = []
+    results: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, ToolResultBlock):
+            if message.role != "user":
+                raise InvalidRequestError("tool_result blocks belong in user messages")
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+        elif isinstance(block, ToolUseBlock):
+            if message.role != "assistant":
+                raise InvalidRequestError("tool_use blocks belong in assistant messages")
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+        elif isinstance(block, ThinkingBlock):
+            continue
+        else:
+            texts.append(_text_of(block))
+    out = list(results)
+    text = "".join(texts)
+    if calls:
+        out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+    elif text or not results:
+        out.append({"role": message.role, "content": text})
+    return out
+
+
+# ----------------------------------------------------------------------------- response
+
+
+class Usage(OpenAIModel):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessageResponse(OpenAIModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[dict[str, Any]] = Field(default_factory=list)
+    model: str
+    stop_reason: Optional[str] = None  # end_turn, max_tokens, stop_sequence, tool_use
+    stop_sequence: Optional[str] = None
+    usage: Usage = Field(default_factory=Usage)
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
