@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ async def stream_once(http: httpx.AsyncClient, model: str, max_tokens: int) -> t
             await r.aread()
             return r.status_code, ttft
         async for line in r.aiter_lines():
-            if ttft != ttft and line.startswith("data: {") and '"content"' in line:
+            if math.isnan(ttft) and line.startswith("data: {") and '"content"' in line:
                 ttft = time.monotonic() - start
     return 200, ttft
 

@@ -374,8 +374,25 @@ def test_fair_share_caps_one_key_only_while_the_queue_is_contended():
     assert fair.queued("flood", engine) == 3
     assert fair.enter("flood", engine, bound=8, num_queued=4) is None
     assert fair.enter("flood", engine, bound=8, num_queued=5).limit == "queue_share"
-    assert fair.enter("flood", engine, bound=8, num_queued=2) is None  # queue under half full: no cap
+    assert fair.enter("third", engine, bound=8, num_queued=5) is None  # three keys active: shares of 8 // 3
+    for who in ("flood", "flood", "calm", "third"):
+        fair.leave(who, engine)
+    assert fair.queued("flood", engine) == 2
+    # under half full (by the engine's count and by the places held here): no cap, even past the share
+    assert fair.enter("flood", engine, bound=8, num_queued=2) is None
+    assert fair.enter("flood", engine, bound=8, num_queued=2) is None
+    assert fair.enter("flood", engine, bound=8, num_queued=2).limit == "queue_share"  # 4 places held: half full
     assert FairShare(num_keys=1, clock=clock).enter("solo", engine, bound=8, num_queued=7) is None
+
+
+def test_fair_share_counts_a_burst_the_engine_has_not_seen_yet():
+    """Requests take their place when routed, before the engine counts them: 24 arriving at once
+    all see an empty engine queue, and the key is still held to all but the last quarter."""
+    fair = FairShare(num_keys=2, clock=Clock())
+    engine = object()
+    admitted = sum(fair.enter("flood", engine, bound=8, num_queued=0) is None for _ in range(24))
+    assert admitted == 6 and fair.queued("flood", engine) == 6
+    assert fair.enter("calm", engine, bound=8, num_queued=0) is None
 
 
 # ----------------------------------------------------------------------------- limits under load

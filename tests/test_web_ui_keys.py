@@ -9,7 +9,7 @@ from test_web_ui import browser, by_css, wait_for  # noqa: F401 - `browser` is t
 __all__ = ["browser"]
 
 
-def test_chat_page_asks_for_the_key_once_and_keeps_it_for_the_tab(browser):  # noqa: F811
+def test_chat_page_asks_for_the_key_once_and_keeps_it_for_the_tab(browser):
     with keyed_server() as s:
         assert httpx.get(s.url + "/").status_code == 200  # the page shell itself is open
         browser.get(s.url + "/static/tessera.css")  # this origin, no script: clear the tab's storage

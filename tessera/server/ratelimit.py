@@ -159,9 +159,14 @@ class KeyLimiter:
 class FairShare:
     """Each model's waiting queue shared between the keys using it: while the queue is at least
     half full, a key may hold at most `bound // active keys` of it, and never the last quarter
-    while other keys exist (room for another key's first requests before it counts as active),
-    so one key's burst cannot take every place and turn everyone else's requests into 429s. Keys count as active for a model for ACTIVE_WINDOW_S after their last
-    request to it."""
+    while other keys exist in the key set (room for another key's first requests before it counts
+    as active), so one key's burst cannot take every place and turn everyone else's requests into
+    429s. Keys count as active for a model for ACTIVE_WINDOW_S after their last request to it.
+
+    How full the queue is is the larger of the engine's count and the places the keys hold here:
+    a request takes its place here when it is routed, but the engine counts it only once it
+    reaches `generate` a few awaits later, so a burst arriving at once would otherwise find the
+    queue empty on every request and pass the cap all together."""
 
     def __init__(self, num_keys: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.num_keys = num_keys
@@ -179,7 +184,8 @@ class FairShare:
             active = sum(1 for k, s in shares.items() if k == key or s.queued > 0
                          or now - s.last_seen < ACTIVE_WINDOW_S)
             share = min(max(1, bound // active), max(1, bound - max(1, bound // 4)))
-            if mine.queued >= share and num_queued >= bound // 2:
+            held = sum(s.queued for s in shares.values())
+            if mine.queued >= share and max(num_queued, held) >= bound // 2:
                 return Refusal("queue_share", f"This API key already holds {mine.queued} of the model's "
                                               f"{bound} queue places, its fair share while other keys wait; "
                                               "retry shortly.", 1.0)
