@@ -110,6 +110,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="log verbosity (default: %(default)s)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="do not log periodic engine statistics (throughput, KV cache use)")
+    g = parser.add_argument_group("traffic recording and SLO (see README, 'Record, replay and tune')")
+    g.add_argument("--record-traffic", default=None, metavar="PATH",
+                   help="append every request to this JSONL trace (arrival, endpoint, token counts, sampling "
+                        "settings, prefix-block hashes, how it ended), written off the request path; replay it "
+                        "with `tessera bench replay`, tune for it with `tessera tune` (default: off)")
+    g.add_argument("--record-text", action="store_true",
+                   help="with --record-traffic: also record prompt and output text (default: token counts "
+                        "and hashes only)")
+    g.add_argument("--record-traffic-max-size", type=parse_size, default=256 << 20, metavar="SIZE",
+                   help="rotate the trace past this size: PATH becomes PATH.1, and so on (default: 256MiB)")
+    g.add_argument("--record-traffic-keep", type=int, default=5, metavar="N",
+                   help="rotated trace files kept (default: %(default)s)")
+    g.add_argument("--slo", default=None, metavar="OBJECTIVES",
+                   help="latency objectives live traffic is checked against on /v1/engine/live and the "
+                        "dashboard, e.g. 'ttft_p95<=1s,itl_p50<=50ms' (default: a tuned --config's `slo`, else none)")
     add_engine_args(parser)
 
 

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from tessera.metrics import MetricFamilies, PrometheusStatLogger
     from tessera.observability import StatLoggers, StatsConsumer
     from tessera.server.config import RaySettings, ServingSpec
+    from tessera.server.traffic import TrafficRecorder
+    from tessera.slo import SLOSpec
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
@@ -76,6 +78,7 @@ class AccessLog:
         start = time.perf_counter()
         status: Optional[int] = None
         request_state: dict[str, Any] = scope.setdefault("state", {})
+        request_state["received_at"] = time.time()  # the arrival --record-traffic writes
         server: Optional[ServerState] = getattr(scope["app"].state, "tessera", None) if "app" in scope else None
 
         async def send_and_note_status(message: Message) -> None:
@@ -174,10 +177,12 @@ def _body_too_large() -> APIError:
 
 def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[list[str]] = None, *,
                router: Optional[ModelRouter] = None, request_timeout: Optional[float] = None,
-               metrics: Optional[ServerMetrics] = None, live: Optional[LiveView] = None, ui: bool = True) -> FastAPI:
+               metrics: Optional[ServerMetrics] = None, live: Optional[LiveView] = None, ui: bool = True,
+               recorder: Optional[TrafficRecorder] = None, slo: Optional[SLOSpec] = None) -> FastAPI:
     """The app over one engine (`model_names`: the names clients may use, the first reported;
     `metrics`/`live` its loggers) or over a `router` of several models. `ui` adds the chat page
-    (/) and the dashboard (/dashboard)."""
+    (/) and the dashboard (/dashboard); `recorder` writes every request to a traffic trace
+    (--record-traffic); `slo` is checked against the live percentiles on /v1/engine/live."""
     if router is None:
         if engine is None or not model_names:
             raise ValueError("create_app needs an engine and at least one served model name, or a router")
@@ -185,7 +190,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
         router.default.metrics = metrics if isinstance(metrics, RejectionSink) else None
     app = FastAPI(title="Tessera", summary="OpenAI-compatible LLM inference server",
                   docs_url="/docs", redoc_url=None)
-    app.state.tessera = ServerState(router=router, request_timeout=request_timeout, metrics=metrics)
+    app.state.tessera = ServerState(router=router, request_timeout=request_timeout, metrics=metrics,
+                                    recorder=recorder)
     install_error_handlers(app)
     app.add_middleware(AccessLog)
 
@@ -320,6 +326,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                                    "num_blocks_total": stats.num_blocks_total,
                                    "num_blocks_free": stats.num_blocks_free}
             snapshot["settings"] = engine_settings(engine)
+            if slo is not None:  # does live traffic still fit the SLO the settings were tuned for?
+                snapshot["slo"] = slo.check_live(snapshot["summary"])
             snapshots.append(snapshot)
         loaded = state.router.loaded()
         if loaded and all(m.live is None for m in loaded):
@@ -428,12 +436,19 @@ def serve(spec: ServingSpec) -> int:
                          closer=close_serving_engine, max_loaded=spec.max_loaded_models,
                          on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())
     sock = _bind(spec.host, spec.port)
+    recorder = None
     try:
         for served in router.models:
             if served.spec.preload:
                 _preload(router, served)
         router.start_reaper()
-        app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui)
+        if spec.record is not None:
+            from tessera.server.traffic import TrafficRecorder
+
+            recorder = TrafficRecorder(spec.record)
+            logger.info("recording traffic to %s%s", spec.record.path, " with text" if spec.record.record_text else "")
+        app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui,
+                         recorder=recorder, slo=spec.slo)
         # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
         config = uvicorn.Config(app, log_level=spec.log_level, access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
@@ -450,6 +465,8 @@ def serve(spec: ServingSpec) -> int:
     finally:
         router.shutdown()
         sock.close()
+        if recorder is not None:
+            recorder.close()
     return 0
 
 
