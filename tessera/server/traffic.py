@@ -222,6 +222,22 @@ def read_trace(paths: Union[str, Path, Iterable[Union[str, Path]]], skip_invalid
     return Trace(records, headers, skipped)
 
 
+def prefix_hit_rate(records: Sequence[TraceRecord]) -> Optional[float]:
+    """Share of prompt tokens in blocks an earlier request's prompt already had (in arrival
+    order): the hit rate of an unbounded prefix cache, a property of the traffic alone. None
+    for a trace without prompt tokens."""
+    seen: set[str] = set()
+    hit = total = 0
+    for r in records:
+        run = 0
+        while run < len(r.prefix_hashes) and r.prefix_hashes[run] in seen:
+            run += 1
+        hit += run * r.block_size
+        total += r.prompt_tokens
+        seen.update(r.prefix_hashes)
+    return hit / total if total else None
+
+
 # ----------------------------------------------------------------------------- writing
 
 @dataclass(frozen=True)
