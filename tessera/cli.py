@@ -361,11 +361,13 @@ def _add_bench(sub) -> None:
     """`tessera bench` comes from tessera.bench.cli when that module is present."""
     try:
         from tessera.bench.cli import add_bench_subparsers
+        from tessera.bench.tune import add_parser as add_tune_parser
     except ModuleNotFoundError as exc:
         if exc.name in ("tessera.bench.cli", "tessera.bench"):
             return
         raise
     add_bench_subparsers(sub)
+    add_tune_parser(sub)  # `tessera tune`: trial servers measured by the bench tools
 
 
 def _one_line(exc: BaseException) -> str:
