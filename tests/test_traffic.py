@@ -6,6 +6,7 @@ token lengths (two-sample KS tests) and the prefix sharing the hashes show.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import threading
@@ -116,7 +117,7 @@ def test_prefix_hit_rate_of_a_trace():
 def test_speed_parsing():
     assert replay.parse_speed("2x") == 2.0 and replay.parse_speed("0.5") == 0.5
     for bad in ("fast", "0x", "-1", "infx"):
-        with pytest.raises(Exception):
+        with pytest.raises(argparse.ArgumentTypeError):
             replay.parse_speed(bad)
 
 
@@ -304,3 +305,18 @@ def test_replay_cli_against_the_server(tiny_server, tmp_path):
     assert doc["config"]["exact_lengths"] and (tmp_path / "replay_throughput.png").exists()
     bad = write_trace(tmp_path / "future.jsonl", GOOD, head={"format": "tessera-traffic", "version": 9})
     assert main(["replay", str(bad), "--base-url", url, "--model", "tiny"]) == 2
+
+
+def test_serve_flags_make_the_recording_and_slo_settings(tmp_path):
+    from tessera.cli import build_parser
+    from tessera.server.config import ServingSpec
+
+    parse = build_parser(with_bench=False).parse_args
+    spec = ServingSpec.from_args(parse(["serve", "smollm2-135m", "--record-traffic", str(tmp_path / "t.jsonl"),
+                                        "--record-text", "--record-traffic-max-size", "1MiB",
+                                        "--record-traffic-keep", "2", "--slo", "ttft_p95<=1s"]))
+    assert spec.record == RecordSettings(tmp_path / "t.jsonl", record_text=True, max_bytes=1 << 20, keep=2)
+    assert str(spec.slo) == "ttft_p95<=1s"
+    assert ServingSpec.from_args(parse(["serve", "smollm2-135m"])).record is None
+    with pytest.raises(ConfigError, match="cannot read"):
+        ServingSpec.from_args(parse(["serve", "smollm2-135m", "--slo", "fast"]))

@@ -266,8 +266,9 @@ class Tuner:
             n = max(args.min_requests, min(args.max_requests, math.ceil(rate * args.probe_duration)))
             self.probe_seed += 1
             sessions, arrivals = self.workload.build(rate, n, args.seed + 1000 * self.probe_seed)
+            # The same limits as `bench capacity` (its --probe-timeout default), so the two agree.
             run = asyncio.run(run_open_loop(target, sessions, rate, args.seed + self.probe_seed, progress=False,
-                                            drain_timeout=args.probe_duration + 30, arrivals=arrivals))
+                                            drain_timeout=args.probe_duration + 60, arrivals=arrivals))
             summary = summarize(run.results, run.duration, self.bench_slo)
             passed, reason = self.check(summary)
             count[0] += 1
@@ -313,7 +314,7 @@ class Tuner:
                                note=f"server did not start: {exc}")
         try:
             target = Target(base_url=f"http://127.0.0.1:{port}", model=served_name(self.args.model),
-                            request_timeout=self.args.probe_duration + 60)
+                            request_timeout=self.args.request_timeout)
             failed = asyncio.run(warm_up(target, 2, self.args.seed, chat=self.workload.chat))
             if failed is not None:
                 return TrialResult(number, params, "failed", None, (None, None),
@@ -564,6 +565,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="seconds of arrivals per probe (default: %(default)s)")
     g.add_argument("--min-requests", type=options.positive_int, default=12, help="fewest requests a probe (default: 12)")
     g.add_argument("--max-requests", type=options.positive_int, default=200, help="most requests a probe (default: 200)")
+    g.add_argument("--request-timeout", type=options.positive_float, default=600.0,
+                   help="seconds before one request counts as failed (default: %(default)s)")
     g.add_argument("--keep-requests", action="store_true", help="keep every request's numbers in the report")
     p.set_defaults(func=main)
     return p
