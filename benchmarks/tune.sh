@@ -15,14 +15,14 @@ PY=${PY:-python}
 MODEL=${MODEL:-smollm2-135m}
 OUT=${OUT:-$REPO/benchmarks/results/tune}
 WORKLOADS=${WORKLOADS:-"random chat"}
-BUDGET=${BUDGET:-20m}
-SLO_TTFT=${SLO_TTFT:-5}       # seconds, TTFT p95
-SLO_ITL=${SLO_ITL:-0.3}       # seconds, ITL p50
+BUDGET=${BUDGET:-15m}
+SLO_TTFT=${SLO_TTFT:-10}       # seconds, TTFT p95
+SLO_ITL=${SLO_ITL:-0.5}       # seconds, ITL p50
 SLO="ttft_p95<=${SLO_TTFT}s,itl_p50<=$(awk "BEGIN{print $SLO_ITL*1000}")ms"
-MAX_TOKENS=${MAX_TOKENS:-16:64}
-PROMPT_WORDS=${PROMPT_WORDS:-20:200}
-PROBE=${PROBE:-25}
-PORT=${PORT:-8731}
+MAX_TOKENS=${MAX_TOKENS:-8:48}
+PROMPT_WORDS=${PROMPT_WORDS:-20:120}
+PROBE=${PROBE:-30}
+PORT=${PORT:-8731}  # one pipeline per workload may run at once: give each its own PORT
 common_workload() {  # the same requests for the tuner and the capacity runs
   case "$1" in
     random) echo "--prompt-words $PROMPT_WORDS --max-tokens $MAX_TOKENS" ;;
@@ -37,7 +37,7 @@ capacity() {  # label, workload, server flags...
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
   "$PY" -m tessera bench capacity --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" \
       --dataset "$wl" $(common_workload "$wl") --slo-ttft "$SLO_TTFT" --slo-itl "$SLO_ITL" \
-      --start-rate 0.1 --growth 1.5 --max-probes 6 --min-rate 0.02 --probe-duration "$PROBE" --min-requests 8 \
+      --start-rate 0.05 --growth 1.5 --max-probes 5 --min-rate 0.02 --probe-duration "$PROBE" --min-requests 6 \
       --no-progress --output "$OUT/$wl/capacity_$label.json" | tail -3
   kill -TERM "$pid"; wait "$pid" || true
 }
@@ -45,8 +45,8 @@ for wl in $WORKLOADS; do
   mkdir -p "$OUT/$wl"
   lscpu | grep "Model name" > "$OUT/$wl/host.txt"; uptime >> "$OUT/$wl/host.txt"
   /usr/bin/time -f "tune wall %e s" "$PY" -m tessera tune "$MODEL" --workload "$wl" --slo "$SLO" \
-      --time-budget "$BUDGET" --output-dir "$OUT/$wl" --start-rate 0.1 --min-rate 0.02 --max-probes 5 \
-      --probe-duration "$PROBE" --min-requests 8 $(common_workload "$wl") 2>&1 | tee "$OUT/$wl/tune.log"
+      --time-budget "$BUDGET" --output-dir "$OUT/$wl" --start-rate 0.05 --min-rate 0.02 --max-probes 5 \
+      --probe-duration "$PROBE" --min-requests 6 $(common_workload "$wl") 2>&1 | tee "$OUT/$wl/tune.log"
   capacity default "$wl" "$MODEL"
   capacity tuned "$wl" --config "$OUT/$wl/tuned.toml"
   uptime >> "$OUT/$wl/host.txt"

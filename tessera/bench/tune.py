@@ -273,7 +273,9 @@ class Tuner:
             passed, reason = self.check(summary)
             count[0] += 1
             self.console.print(f"    probe {count[0]}: {rate:.3g} req/s, {len(run.results)} requests -> "
-                               f"{'[green]pass[/]' if passed else '[red]fail[/]'} ({reason})")
+                               f"{'[green]pass[/]' if passed else '[red]fail[/]'} ({reason})"
+                               + (f"; first error: {summary['errors'][0]}" if summary["errors"] else ""),
+                               markup=True, highlight=False)
             if not passed:
                 lowest_fail[0] = rate if lowest_fail[0] is None else min(lowest_fail[0], rate)
                 trial.set_user_attr("lowest_fail", lowest_fail[0])
