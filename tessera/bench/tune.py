@@ -255,6 +255,7 @@ class Tuner:
 
     def probe_fn(self, target: Target, trial: Any, number: int) -> Callable[[float], Probe]:
         import optuna
+        from rich.markup import escape
 
         args = self.args
         lowest_fail: list[Optional[float]] = [None]
@@ -274,8 +275,8 @@ class Tuner:
             count[0] += 1
             self.console.print(f"    probe {count[0]}: {rate:.3g} req/s, {len(run.results)} requests -> "
                                f"{'[green]pass[/]' if passed else '[red]fail[/]'} ({reason})"
-                               + (f"; first error: {summary['errors'][0]}" if summary["errors"] else ""),
-                               markup=True, highlight=False)
+                               + (f"; first error: {escape(summary['errors'][0])}" if summary["errors"] else ""),
+                               highlight=False)
             if not passed:
                 lowest_fail[0] = rate if lowest_fail[0] is None else min(lowest_fail[0], rate)
                 trial.set_user_attr("lowest_fail", lowest_fail[0])
