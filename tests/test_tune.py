@@ -34,7 +34,7 @@ class FixedTrial:
 
 def test_every_point_of_the_space_is_a_config_serve_accepts(tmp_path):
     space = tune.Space(topology=tuple(tune.topologies(4)))
-    assert space.topology == ("1x4", "2x2", "4x1")
+    assert space.topology == ("1x4", "2x2", "4x1", "1x2", "2x1") and tune.topologies(2) == ["1x2", "2x1", "1x1"]
     for seed in range(12):
         params = space.suggest(FixedTrial(seed))
         engine, replicas = tune.engine_settings(params, 4)
@@ -50,6 +50,7 @@ def test_every_point_of_the_space_is_a_config_serve_accepts(tmp_path):
         if config.speculative_config is not None:
             assert config.speculative_config.num_speculative_tokens == params["num_speculative_tokens"]
         assert config.num_threads == (None if params["topology"] == "1x4" else int(params["topology"][-1]))
+        assert spec.replicas == int(params["topology"][0])
 
 
 def test_the_baseline_is_the_default_profile(tmp_path):

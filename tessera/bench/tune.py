@@ -52,8 +52,13 @@ BASELINE_PROFILE = "bursty"  # what a server runs with no flags (config.DEFAULT_
 # ----------------------------------------------------------------------------- the search space
 
 def topologies(cores: int) -> list[str]:
-    """'RxT': R replicas of T torch threads each, using the machine's cores (1xN: one engine on all)."""
-    return [f"{r}x{cores // r}" for r in range(1, cores + 1) if cores % r == 0 and r <= 4]
+    """'RxT': R replicas (at most 4) of T torch threads each, on all the machine's cores or half of
+    them (fewer threads than cores can win where the cores are shared: an OpenMP team waits for its
+    slowest thread); 1xN, one engine on every core, first."""
+    out = []
+    for used in (cores, cores // 2) if cores > 1 else (cores,):
+        out += [f"{r}x{used // r}" for r in range(1, min(4, used) + 1) if used % r == 0]
+    return out
 
 
 @dataclass(frozen=True)
