@@ -118,3 +118,23 @@ def test_tune_end_to_end_on_a_tiny_budget(tmp_path):
     assert config.max_num_seqs == best["max_num_seqs"] and str(spec.slo) == "ttft_p95<=3s,itl_p50<=500ms"
     assert spec.replicas == int(best["topology"].split("x")[0])
     assert report["best"]["capacity"] >= report["baseline"]["capacity"]
+
+
+def test_a_trace_workload_keeps_its_arrival_pattern_scaled_to_each_rate(tmp_path):
+    from tessera.server import traffic
+
+    records = [{"t": 100.0 + t, "endpoint": "chat", "model": "m", "prompt_tokens": 40, "output_tokens": 5,
+                "prefix_hashes": ["%016x" % (i % 3), "%016x" % i], "block_size": 16, "stream": True, "status": 200}
+               for i, t in enumerate((0, 1, 1.5, 4, 4.5, 9))]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in [traffic.header(False), *records]) + "\n")
+    args = SimpleNamespace(skip_invalid=False, model=str(tmp_path / "no-such-model"))
+    workload = tune.trace_workload(path, args)
+    base = 5 / 9  # the trace's own rate
+    sessions, arrivals = workload.build(2 * base, 6, seed=1)  # twice as fast
+    assert arrivals == pytest.approx([0, 0.5, 0.75, 2, 2.25, 4.5])
+    assert [s.turns[0].max_tokens for s in sessions] == [5] * 6
+    again, _ = workload.build(base, 6, seed=2)  # another probe: other text, same structure
+    assert again[0].turns[0].prompt != sessions[0].turns[0].prompt
+    first = [s.turns[0].prompt.split()[:8] for s in sessions]
+    assert first[0] == first[3] != first[1]  # the shared leading block is the same words
