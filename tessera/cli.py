@@ -150,6 +150,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", type=int, default=1024,
                    help="open connections at most; past it a new one closes the longest-idle connection "
                         "(default: %(default)s)")
+    g = parser.add_argument_group("traffic recording and SLO (see README, 'Record, replay and tune')")
+    g.add_argument("--record-traffic", default=None, metavar="PATH",
+                   help="append every request to this JSONL trace (arrival, endpoint, token counts, sampling "
+                        "settings, prefix-block hashes, how it ended), written off the request path; replay it "
+                        "with `tessera bench replay`, tune for it with `tessera tune` (default: off)")
+    g.add_argument("--record-text", action="store_true",
+                   help="with --record-traffic: also record prompt and output text (default: token counts "
+                        "and hashes only)")
+    g.add_argument("--record-traffic-max-size", type=parse_size, default=256 << 20, metavar="SIZE",
+                   help="rotate the trace past this size: PATH becomes PATH.1, and so on (default: 256MiB)")
+    g.add_argument("--record-traffic-keep", type=int, default=5, metavar="N",
+                   help="rotated trace files kept (default: %(default)s)")
+    g.add_argument("--slo", default=None, metavar="OBJECTIVES",
+                   help="latency objectives live traffic is checked against on /v1/engine/live and the "
+                        "dashboard, e.g. 'ttft_p95<=1s,itl_p50<=50ms' (default: a tuned --config's `slo`, else none)")
     add_engine_args(parser)
 
 
@@ -386,11 +401,13 @@ def _add_bench(sub) -> None:
     """`tessera bench` comes from tessera.bench.cli when that module is present."""
     try:
         from tessera.bench.cli import add_bench_subparsers
+        from tessera.bench.tune import add_parser as add_tune_parser
     except ModuleNotFoundError as exc:
         if exc.name in ("tessera.bench.cli", "tessera.bench"):
             return
         raise
     add_bench_subparsers(sub)
+    add_tune_parser(sub)  # `tessera tune`: trial servers measured by the bench tools
 
 
 def _one_line(exc: BaseException) -> str:

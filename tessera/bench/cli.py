@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from typing import Optional, Sequence
 
-from tessera.bench import capacity, hostile, report, serve, storm
+from tessera.bench import capacity, hostile, replay, report, serve, storm
 from tessera.errors import TesseraError
 
 THROUGHPUT_MODULE = "tessera.bench.throughput"
@@ -22,12 +22,13 @@ def add_bench_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Arg
     bench = subparsers.add_parser(
         "bench", help="benchmark a server (serve, capacity) or the engine (throughput)",
         description="Benchmarks: `serve` and `capacity` measure any OpenAI-compatible server; "
-                    "`report` turns saved results into markdown tables; `hostile` sends malformed "
+                    "`replay` sends a recorded traffic trace again; `report` turns saved results into markdown tables; `hostile` sends malformed "
                     "and abusive requests; `cancel-storm` cuts many streams and checks nothing leaks.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,capacity,report,hostile,...}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,capacity,replay,report,hostile,...}")
     sub.required = True
     serve.add_parser(sub)
     capacity.add_parser(sub)
+    replay.add_parser(sub)
     if importlib.util.find_spec(THROUGHPUT_MODULE) is not None:
         importlib.import_module(THROUGHPUT_MODULE).add_parser(sub)
     report.add_parser(sub)

@@ -145,6 +145,30 @@ def multi_turn_workload(num_conversations: int, seed: int, turns: int = 4,
     return sessions
 
 
+def chat_workload(num_conversations: int, seed: int, turns: int = 3, num_system_prompts: int = 3,
+                  system_words: tuple[int, int] = (150, 300), user_words: tuple[int, int] = (10, 60),
+                  output_tokens: tuple[int, int] = (16, 128)) -> list[Session]:
+    """Multi-turn chat behind a few long shared system prompts (an assistant product's
+    instructions): every conversation starts with one of `num_system_prompts` heads, so the
+    prefix cache serves the head once per prompt and each turn extends the conversation's own
+    earlier turns."""
+    _check_range("system words", *system_words)
+    _check_range("user words", *user_words)
+    _check_range("output tokens", *output_tokens)
+    if turns < 1 or num_system_prompts < 1:
+        raise ValueError("chat: need at least one turn and one system prompt")
+    rng = random.Random(seed)
+    systems = [f"You are assistant {k}. Follow these instructions. " + _words(rng, rng.randint(*system_words))
+               for k in range(num_system_prompts)]
+    sessions = []
+    for i in range(num_conversations):
+        conv = [Turn(f"Turn {t}: " + _words(rng, rng.randint(*user_words)), rng.randint(*output_tokens))
+                for t in range(turns)]
+        g = rng.randrange(num_system_prompts)
+        sessions.append(Session(i, conv, chat=True, system=systems[g], meta={"system_prompt": g}))
+    return sessions
+
+
 # Pieces of the code-edit workload's snippets: plain Python an instruction-tuned coder can rewrite.
 _NAMES = ("total", "count", "items", "values", "result", "buffer", "index", "limit", "score", "weight",
           "offset", "record", "entry", "window", "batch", "size", "key", "name", "price", "amount")
@@ -253,8 +277,8 @@ def json_schema_workload(num_prompts: int, seed: int, output_tokens: tuple[int, 
     return sessions
 
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "code-edit", "json-schema")
-CHAT_DATASETS = ("multi-turn", "code-edit", "json-schema")  # sent to the chat API whatever --endpoint says
+DATASETS = ("random", "shared-prefix", "multi-turn", "chat", "code-edit", "json-schema")
+CHAT_DATASETS = ("multi-turn", "chat", "code-edit", "json-schema")  # sent to the chat API whatever --endpoint says
 
 
 def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple[int, int] = (50, 400),
@@ -273,6 +297,8 @@ def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple
             raise ValueError("multi-turn: need at least one turn per conversation")
         conversations = max(1, -(-num_prompts // turns))
         return multi_turn_workload(conversations, seed, turns, output_tokens=output_tokens)
+    if name == "chat":
+        return chat_workload(max(1, -(-num_prompts // turns)), seed, turns, output_tokens=output_tokens)
     if name == "code-edit":
         return code_edit_workload(num_prompts, seed, output_tokens=output_tokens)
     if name == "json-schema":

@@ -120,7 +120,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="random",
-                   help="random mixed lengths, shared-prefix (RAG-like), multi-turn chat, code-edit or json-schema "
+                   help="random mixed lengths, shared-prefix (RAG-like), multi-turn chat, chat (multi-turn behind a few "
+                        "long shared system prompts), code-edit or json-schema "
                         "(structured output: each request with its own response_format) (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals (default: 0)")
     g.add_argument("--prompt-words", type=int_range, default=(50, 400), metavar="MIN:MAX",

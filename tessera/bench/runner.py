@@ -217,15 +217,20 @@ async def _run_interleaved(target: Target, sessions: Sequence[Session], concurre
 
 async def run_open_loop(target: Target, sessions: Sequence[Session], rate: float, seed: int,
                         max_concurrency: Optional[int] = None, progress: bool = True,
-                        desc: str = "", drain_timeout: Optional[float] = None) -> RunOutput:
-    """Sessions start at seeded Poisson arrival times, whether or not earlier ones finished.
+                        desc: str = "", drain_timeout: Optional[float] = None,
+                        arrivals: Optional[Sequence[float]] = None) -> RunOutput:
+    """Sessions start at seeded Poisson arrival times (or the given `arrivals`, offsets in seconds,
+    one per session: a replayed trace), whether or not earlier ones finished.
 
     With `drain_timeout` (seconds), requests still unfinished that long after the last
     arrival are cancelled and counted as failed: an overloaded server cannot stretch a
     capacity probe without bound, and a slow arrival process (low rates spread the same
     number of requests over a longer span) never eats into the time its requests have.
     """
-    arrivals = poisson_arrivals(len(sessions), rate, seed)
+    if arrivals is None:
+        arrivals = poisson_arrivals(len(sessions), rate, seed)
+    elif len(arrivals) != len(sessions):
+        raise ValueError("need one arrival time per session")
     time_limit = None if drain_timeout is None else (arrivals[-1] if arrivals else 0.0) + drain_timeout
     results: list[RequestResult] = []
     bar = _bar(sum(s.num_requests for s in sessions), desc or f"rate {rate:g}/s", progress)

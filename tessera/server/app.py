@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     from tessera.metrics import MetricFamilies, PrometheusStatLogger
     from tessera.observability import StatLoggers, StatsConsumer
     from tessera.server.config import RaySettings, ServingSpec
+    from tessera.server.traffic import TrafficRecorder
+    from tessera.slo import SLOSpec
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
@@ -93,6 +95,7 @@ class AccessLog:
         start = time.perf_counter()
         status: Optional[int] = None
         request_state: dict[str, Any] = scope.setdefault("state", {})
+        request_state["received_at"] = time.time()  # the arrival --record-traffic writes
         server: Optional[ServerState] = getattr(scope["app"].state, "tessera", None) if "app" in scope else None
 
         async def send_and_note_status(message: Message) -> None:
@@ -204,12 +207,15 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                metrics: Optional[ServerMetrics] = None, live: Optional[LiveView] = None, ui: bool = True,
                max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, access: Optional[AccessSettings] = None,
                beyond_loopback: bool = False, transport: Optional[TransportSettings] = None,
-               families: Optional[MetricFamilies] = None) -> FastAPI:
+               families: Optional[MetricFamilies] = None, recorder: Optional[TrafficRecorder] = None,
+               slo: Optional[SLOSpec] = None) -> FastAPI:
     """The app over one engine (`model_names`: the names clients may use, the first reported;
     `metrics`/`live` its loggers) or over a `router` of several models. `ui` adds the chat page
     (/) and the dashboard (/dashboard); `max_stored_responses` bounds the Responses API's store.
     `access`: API keys and what stays open (the admin routes are off beyond loopback without an
-    admin key); `transport`: the CORS origins; `families`: where the per-key metrics go."""
+    admin key); `transport`: the CORS origins; `families`: where the per-key metrics go;
+    `recorder` writes every request to a traffic trace (--record-traffic); `slo` is checked
+    against the live percentiles on /v1/engine/live."""
     if router is None:
         if engine is None or not model_names:
             raise ValueError("create_app needs an engine and at least one served model name, or a router")
@@ -219,7 +225,7 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                   docs_url="/docs", redoc_url=None)
     access = access or AccessSettings()
     app.state.tessera = ServerState(router=router, request_timeout=request_timeout, metrics=metrics,
-                                    log_requests=access.log_requests)
+                                    log_requests=access.log_requests, recorder=recorder)
     install_error_handlers(app)
     app.add_middleware(AccessControl, settings=access, beyond_loopback=beyond_loopback, families=families)
     app.add_middleware(AccessLog)
@@ -388,6 +394,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                                    "num_blocks_total": stats.num_blocks_total,
                                    "num_blocks_free": stats.num_blocks_free}
             snapshot["settings"] = engine_settings(engine)
+            if slo is not None:  # does live traffic still fit the SLO the settings were tuned for?
+                snapshot["slo"] = slo.check_live(snapshot["summary"])
             snapshots.append(snapshot)
         loaded = state.router.loaded()
         if loaded and all(m.live is None for m in loaded):
@@ -511,15 +519,22 @@ def serve(spec: ServingSpec) -> int:
                          on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())
     router.default.pinned = spec.steps_on_main_thread
     sock = _bind(spec.host, spec.port)
+    recorder = None
     try:
         for served in router.models:
             if served.spec.preload:
                 _preload(router, served)
         router.start_reaper()
+        if spec.record is not None:
+            from tessera.server.traffic import TrafficRecorder
+
+            recorder = TrafficRecorder(spec.record)
+            logger.info("recording traffic to %s%s", spec.record.path, " with text" if spec.record.record_text else "")
         beyond_loopback = not is_loopback(spec.host)
         app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui,
                          max_stored_responses=spec.max_stored_responses, access=spec.access,
-                         beyond_loopback=beyond_loopback, transport=spec.transport, families=families)
+                         beyond_loopback=beyond_loopback, transport=spec.transport, families=families,
+                         recorder=recorder, slo=spec.slo)
         # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
         config = uvicorn_config(app, spec.transport, log_level=spec.log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)
@@ -539,6 +554,8 @@ def serve(spec: ServingSpec) -> int:
     finally:
         router.shutdown()
         sock.close()
+        if recorder is not None:
+            recorder.close()
     return 0
 
 

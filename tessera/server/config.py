@@ -45,6 +45,8 @@ from tessera.server.output_parsers import OutputParsing
 from tessera.server.auth import AccessSettings
 from tessera.server.router import FallbackCondition, FallbackRule, ModelSpec
 from tessera.server.transport import TransportSettings
+from tessera.server.traffic import RecordSettings
+from tessera.slo import SLOSpec
 
 _DURATION = re.compile(r"\s*(-?[0-9.]+)\s*(ms|s|m|h)?\s*$")
 MODEL_KEYS = {"name", "model", "aliases", "preload", "keep_alive", "fallback", "when", "max_num_queued_requests",
@@ -131,6 +133,8 @@ class ServingSpec:
     ray: Optional[RaySettings] = None  # None: replicas are local processes
     access: AccessSettings = field(default_factory=AccessSettings)  # API keys, scopes, limits, --log-requests
     transport: TransportSettings = field(default_factory=TransportSettings)  # TLS, CORS, socket timeouts
+    record: Optional[RecordSettings] = None  # --record-traffic: every request to a trace file
+    slo: Optional[SLOSpec] = None  # --slo (or a tuned --config's `slo`): checked live on /v1/engine/live
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -195,10 +199,12 @@ class ServingSpec:
         max_loaded = args.max_loaded_models
         parsing = OutputParsing(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                                 chat_template=read_chat_template(args.chat_template))
+        replicas, slo = args.replicas, args.slo
         if args.config is not None:
             models, loaded_in_file = models_from_toml(Path(args.config).expanduser(), keep_alive, args.preload,
                                                       parsing)
             max_loaded = max_loaded if max_loaded is not None else loaded_in_file
+            replicas, slo = _tuned_keys(Path(args.config).expanduser(), replicas, slo)
         else:
             models = models_from_names([args.model, *args.more_models], args.served_model_name, keep_alive,
                                        args.preload, replicated, parsing)
@@ -209,9 +215,13 @@ class ServingSpec:
             engine_process=args.engine_process,
             max_num_queued_requests=args.max_num_queued_requests, max_queue_wait=args.max_queue_wait,
             engine_step_timeout=args.engine_step_timeout or None, request_timeout=args.request_timeout or None,
-            shutdown_timeout=args.shutdown_timeout, max_loaded_models=max_loaded, replicas=args.replicas,
+            shutdown_timeout=args.shutdown_timeout, max_loaded_models=max_loaded, replicas=replicas,
             router_policy=args.router_policy, pd=pd, ray=ray if args.ray else None,
-            access=AccessSettings.from_args(args), transport=TransportSettings.from_args(args))
+            access=AccessSettings.from_args(args), transport=TransportSettings.from_args(args),
+            record=None if args.record_traffic is None else RecordSettings(
+                Path(args.record_traffic).expanduser(), record_text=args.record_text,
+                max_bytes=args.record_traffic_max_size, keep=args.record_traffic_keep),
+            slo=None if slo is None else SLOSpec.parse(slo))
 
     @property
     def replicated(self) -> bool:
@@ -306,7 +316,7 @@ def models_from_toml(path: Path, keep_alive: Optional[float], preload: bool,
     tables = doc.get("model")
     if not isinstance(tables, list) or not tables:
         raise TesseraError(f"--config {path}: no [[model]] tables")
-    unknown = set(doc) - {"model", "keep_alive", "max_loaded_models", "preload"}
+    unknown = set(doc) - {"model", "keep_alive", "max_loaded_models", "preload", *TUNED_KEYS}
     if unknown:
         raise TesseraError(f"--config {path}: unknown top-level keys {', '.join(sorted(unknown))}")
     default_keep = parse_duration(doc["keep_alive"]) if "keep_alive" in doc else keep_alive
@@ -353,6 +363,22 @@ def _model_parsing(table: dict, default: OutputParsing, where: str) -> OutputPar
             else default.chat_template)
     except ConfigError as exc:
         raise TesseraError(f"{where}: {exc}") from None
+
+
+TUNED_KEYS = ("replicas", "slo")  # top-level keys `tessera tune` writes beside the [[model]] table
+
+
+def _tuned_keys(path: Path, replicas: int, slo: Optional[str]) -> tuple[int, Optional[str]]:
+    """The file's `replicas` and `slo` (what `tessera tune` chose and tuned for), unless the
+    command line set them (--replicas other than 1, --slo)."""
+    doc = _load_toml(path)
+    if replicas == 1 and "replicas" in doc:
+        replicas = doc["replicas"]
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise TesseraError(f"--config {path}: replicas must be an integer, not {replicas!r}")
+    if slo is None and "slo" in doc:
+        slo = doc["slo"]
+    return replicas, slo
 
 
 def _engine_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from tessera.server.router import NO_FALLBACK_HEADER, ModelRouter, Route, Served
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.server.traffic import TrafficRecorder
 
 # nginx's "client closed request"; only ever seen in the access log, the client is gone.
 CLIENT_CLOSED_REQUEST = 499
@@ -75,6 +76,7 @@ class ServerState:
     generations: set[Generation] = field(default_factory=set)  # running now, for shut_down()
     draining: bool = False  # shutting down: running requests finish, new ones get 503
     log_requests: bool = False  # prompts and outputs in the log (--log-requests)
+    recorder: Optional[TrafficRecorder] = None  # --record-traffic
 
     @property
     def model_name(self) -> str:
@@ -203,6 +205,18 @@ class Run:
         """Why the request ended early, for the access log line."""
         self.request.state.outcome = outcome
 
+    def _record(self, status: int, finals: Optional[dict[int, RequestOutput]] = None, *, stream: bool,
+                error: Optional[str] = None) -> None:
+        """Hand the ended request to --record-traffic's writer thread, when the server records."""
+        if self.state.recorder is None:
+            return
+        from tessera.server.traffic import note_request
+
+        note_request(self.state.recorder, arrival=getattr(self.request.state, "received_at", time.time()),
+                     endpoint="chat" if self.request.url.path.endswith("/chat/completions") else "completions",
+                     model=self.route.reported, engine=self.route.model.engine, prompts=self.prompts,
+                     params=self.params, stream=stream, status=status, finals=finals, error=error)
+
     def _timeout_error(self) -> APIError:
         return request_timeout(self.state.request_timeout or 0.0)
 
@@ -216,18 +230,24 @@ class Run:
                         finals[index] = output
         except ClientDisconnected:
             self._note("client disconnected; aborted")
+            self._record(CLIENT_CLOSED_REQUEST, finals, stream=False, error="client_disconnected")
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except DeadlineExceeded:
             self._note("timed out; aborted")
-            raise self._timeout_error()
+            raise self._recorded(self._timeout_error(), finals, stream=False)
         except ServerShuttingDown:
             self._note("server shutting down; aborted")
-            raise shutting_down()
+            raise self._recorded(shutting_down(), finals, stream=False)
         except Exception as exc:
             if await self._fall_back(exc):
                 return await self.collect()
-            raise self.error(exc) from exc
+            raise self._recorded(self.error(exc), finals, stream=False) from exc
+        self._record(200, finals, stream=False)
         return finals
+
+    def _recorded(self, err: APIError, finals: dict[int, RequestOutput], *, stream: bool) -> APIError:
+        self._record(err.status, finals, stream=stream, error=str(err.code or err.type))
+        return err
 
     async def stream(self, renderer: StreamRenderer, framing: Optional[StreamFraming] = None) -> Response:
         """A streamed response once every prompt is admitted, else the error response; `framing`
@@ -247,18 +267,19 @@ class Run:
             await gen.close()
             if isinstance(exc, ClientDisconnected):
                 self._note("client disconnected before the first token; aborted")
+                self._record(CLIENT_CLOSED_REQUEST, stream=True, error="client_disconnected")
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             if isinstance(exc, DeadlineExceeded):
                 self._note("timed out before the first token; aborted")
-                return framing.error_response(self._timeout_error())
+                return framing.error_response(self._recorded(self._timeout_error(), {}, stream=True))
             if isinstance(exc, ServerShuttingDown):
                 self._note("server shutting down; aborted")
-                return framing.error_response(shutting_down())
+                return framing.error_response(self._recorded(shutting_down(), {}, stream=True))
             if isinstance(exc, Exception):
                 if await self._fall_back(exc):
                     renderer.model = self.route.reported
                     return await self.stream(renderer, framing)
-                return framing.error_response(self.error(exc))
+                return framing.error_response(self._recorded(self.error(exc), {}, stream=True))
             raise
         return StreamingResponse(self._events(gen, outputs, first, renderer, framing), media_type=framing.media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
@@ -268,6 +289,7 @@ class Run:
                       first: list[tuple[int, RequestOutput]], renderer: StreamRenderer,
                       framing: StreamFraming) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
+        status, error = 200, None  # for --record-traffic
         try:
             for event in renderer.start():
                 yield event
@@ -287,21 +309,28 @@ class Run:
                 yield event
         except (ClientDisconnected, asyncio.CancelledError) as exc:  # our listener or Starlette's saw it first
             self._note("client disconnected mid-stream; aborted")
+            status, error = CLIENT_CLOSED_REQUEST, "client_disconnected"
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except DeadlineExceeded:
             self._note("timed out mid-stream; aborted")
-            for event in renderer.error(self._timeout_error()):
+            err = self._timeout_error()
+            status, error = err.status, "timeout"
+            for event in renderer.error(err):
                 yield event
         except ServerShuttingDown:
             self._note("server shutting down; aborted")
+            status, error = 503, "server_shutting_down"
             for event in renderer.error(shutting_down()):
                 yield event
         except Exception as exc:
-            for event in renderer.error(self.error(exc)):
+            err = self.error(exc)
+            status, error = err.status, str(err.code or err.type)
+            for event in renderer.error(err):
                 yield event
         finally:
             await gen.close()
+            self._record(status, finals, stream=True, error=error)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,24 @@
       tile("preemptions / 429s (1 min)", `${s.preemptions} / ${s.rejections}`, "pressure"),
       tile("finished (1 min)", String(s.requests_finished), "finished"),
     );
+    if (m.slo) els.summary.append(sloTile(m.slo));
+  }
+
+  // Whether the last minute's traffic still meets the SLO the server was tuned for (--slo).
+  function sloTile(slo) {
+    const missed = slo.objectives.filter((o) => o.ok === false);
+    const value = slo.fits === null ? "no data" : slo.fits ? "fits" : "missed";
+    const div = tile(`SLO ${slo.slo} (1 min)`, value, "slo");
+    div.dataset.fits = String(slo.fits);
+    div.title = slo.objectives.map((o) =>
+      `${o.metric}: ${o.live_ms === null ? "not measured" : fmt(o.live_ms, "ms")} (limit ${fmt(o.limit_ms, "ms")})`).join("\n");
+    if (missed.length) {
+      const why = document.createElement("span");
+      why.className = "label";
+      why.textContent = missed.map((o) => `${o.metric} ${fmt(o.live_ms)} > ${fmt(o.limit_ms, "ms")}`).join(", ");
+      div.append(why);
+    }
+    return div;
   }
 
   function renderSettings(settings) {

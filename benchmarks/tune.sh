@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# `tessera tune` against the default profile, verified by separate capacity runs.
+#
+#   benchmarks/tune.sh                       both workloads: random mix, then chat
+#   WORKLOADS=chat BUDGET=30m benchmarks/tune.sh
+#
+# For each workload: `tessera tune smollm2-135m` within $BUDGET (--no-baseline: the default profile is
+# measured below, so the tuner spends its budget on the search), then `tessera bench capacity` twice with the same workload and SLO: against `tessera serve
+# smollm2-135m` (no flags: the default profile) and against `tessera serve --config tuned.toml`.
+# The tuned settings count only by the second pair of figures, not by the tuner's own.
+# Results: benchmarks/results/tune/<workload>/ (tune_report.json, tuned.toml, plots, capacity_*.json).
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-python}
+MODEL=${MODEL:-smollm2-135m}
+OUT=${OUT:-$REPO/benchmarks/results/tune}
+WORKLOADS=${WORKLOADS:-"random chat"}
+BUDGET=${BUDGET:-12m}
+SLO_TTFT=${SLO_TTFT:-10}       # seconds, TTFT p95
+SLO_ITL=${SLO_ITL:-1}       # seconds, ITL p50
+SLO="ttft_p95<=${SLO_TTFT}s,itl_p50<=$(awk "BEGIN{print $SLO_ITL*1000}")ms"
+MAX_TOKENS=${MAX_TOKENS:-4:32}
+PROMPT_WORDS=${PROMPT_WORDS:-10:60}
+PROBE=${PROBE:-30}
+PORT=${PORT:-8731}  # one pipeline per workload may run at once: give each its own PORT
+common_workload() {  # the same requests for the tuner and the capacity runs
+  case "$1" in
+    random) echo "--prompt-words $PROMPT_WORDS --max-tokens $MAX_TOKENS" ;;
+    chat) echo "--turns 3 --max-tokens $MAX_TOKENS" ;;
+  esac
+}
+capacity() {  # label, workload, server flags...
+  local label=$1 wl=$2; shift 2
+  "$PY" -m tessera serve "$@" --port "$PORT" --no-ui --disable-log-stats --log-level warning \
+      > "$OUT/$wl/server_$label.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
+  "$PY" -m tessera bench capacity --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" \
+      --dataset "$wl" $(common_workload "$wl") --slo-ttft "$SLO_TTFT" --slo-itl "$SLO_ITL" \
+      --start-rate 0.1 --growth 1.5 --max-probes 5 --min-rate 0.03 --probe-duration "$PROBE" --min-requests 6 \
+      --no-progress --output "$OUT/$wl/capacity_$label.json" | tail -3
+  kill -TERM "$pid"; wait "$pid" || true
+}
+for wl in $WORKLOADS; do
+  mkdir -p "$OUT/$wl"
+  lscpu | grep "Model name" > "$OUT/$wl/host.txt"; uptime >> "$OUT/$wl/host.txt"
+  /usr/bin/time -f "tune wall %e s" "$PY" -m tessera tune "$MODEL" --workload "$wl" --slo "$SLO" \
+      --time-budget "$BUDGET" --output-dir "$OUT/$wl" --no-baseline --start-rate 0.1 --min-rate 0.03 --max-probes 4 \
+      --probe-duration "$PROBE" --min-requests 6 $(common_workload "$wl") 2>&1 | tee "$OUT/$wl/tune.log"
+  capacity default "$wl" "$MODEL"
+  capacity tuned "$wl" --config "$OUT/$wl/tuned.toml"
+  uptime >> "$OUT/$wl/host.txt"
+done
