@@ -3,6 +3,7 @@
 #
 #   benchmarks/tune.sh                       both workloads: random mix, then chat
 #   WORKLOADS=chat BUDGET=30m benchmarks/tune.sh
+#   SKIP_TUNE=1 ORDER="tuned default" SUFFIX=_run2 CAP_PROBES=6 benchmarks/tune.sh   # verify again, other order
 #
 # For each workload: `tessera tune smollm2-135m` within $BUDGET (--no-baseline: the default profile is
 # measured below, so the tuner spends its budget on the search), then `tessera bench capacity` twice with the same workload and SLO: against `tessera serve
@@ -22,6 +23,10 @@ SLO="ttft_p95<=${SLO_TTFT}s,itl_p50<=$(awk "BEGIN{print $SLO_ITL*1000}")ms"
 MAX_TOKENS=${MAX_TOKENS:-4:32}
 PROMPT_WORDS=${PROMPT_WORDS:-10:60}
 PROBE=${PROBE:-30}
+SKIP_TUNE=${SKIP_TUNE:-0}
+ORDER=${ORDER:-"default tuned"}
+SUFFIX=${SUFFIX:-}
+CAP_PROBES=${CAP_PROBES:-5}
 PORT=${PORT:-8731}  # one pipeline per workload may run at once: give each its own PORT
 common_workload() {  # the same requests for the tuner and the capacity runs
   case "$1" in
@@ -37,17 +42,21 @@ capacity() {  # label, workload, server flags...
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
   "$PY" -m tessera bench capacity --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" \
       --dataset "$wl" $(common_workload "$wl") --slo-ttft "$SLO_TTFT" --slo-itl "$SLO_ITL" \
-      --start-rate 0.1 --growth 1.5 --max-probes 5 --min-rate 0.03 --probe-duration "$PROBE" --min-requests 6 \
+      --start-rate 0.1 --growth 1.5 --max-probes "$CAP_PROBES" --min-rate 0.03 --probe-duration "$PROBE" --min-requests 6 \
       --no-progress --output "$OUT/$wl/capacity_$label.json" | tail -3
   kill -TERM "$pid"; wait "$pid" || true
 }
 for wl in $WORKLOADS; do
   mkdir -p "$OUT/$wl"
   lscpu | grep "Model name" > "$OUT/$wl/host.txt"; uptime >> "$OUT/$wl/host.txt"
-  /usr/bin/time -f "tune wall %e s" "$PY" -m tessera tune "$MODEL" --workload "$wl" --slo "$SLO" \
+  [ "$SKIP_TUNE" = 1 ] || /usr/bin/time -f "tune wall %e s" "$PY" -m tessera tune "$MODEL" --workload "$wl" --slo "$SLO" \
       --time-budget "$BUDGET" --output-dir "$OUT/$wl" --no-baseline --start-rate 0.1 --min-rate 0.03 --max-probes 4 \
       --probe-duration "$PROBE" --min-requests 6 $(common_workload "$wl") 2>&1 | tee "$OUT/$wl/tune.log"
-  capacity default "$wl" "$MODEL"
-  capacity tuned "$wl" --config "$OUT/$wl/tuned.toml"
+  for which in $ORDER; do
+    case "$which" in
+      default) capacity "default$SUFFIX" "$wl" "$MODEL" ;;
+      tuned) capacity "tuned$SUFFIX" "$wl" --config "$OUT/$wl/tuned.toml" ;;
+    esac
+  done
   uptime >> "$OUT/$wl/host.txt"
 done
