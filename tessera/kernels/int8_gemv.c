@@ -22,12 +22,60 @@
 
 #include "bf16.h"
 
+/* One weight row against M activation rows: sums[m] = sum_k xf[m, k] * (wr[k] * sr[k / G] + zr[k / G]).
+ * Inlined with G and the presence of zeros as constants (int8_gemv's dispatch), so the group loop
+ * unrolls and the zero test leaves the inner loop. */
+static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, const float *sr, const float *zr,
+                                                          const float *xf, int64_t M, int64_t K, const int64_t G,
+                                                          const int has_zero, float *sums) {
+    const int64_t groups = K / G;
+#if defined(__AVX512F__)
+    __m512 acc[MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 s = _mm512_set1_ps(sr[g]);
+        const __m512 z = has_zero ? _mm512_set1_ps(zr[g]) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < G; j += 16) {
+            const int64_t k = g * G + j;
+            const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
+            const __m512 wv = has_zero ? _mm512_fmadd_ps(c, s, z) : _mm512_mul_ps(c, s);
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + k), acc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 s = _mm256_set1_ps(sr[g]);
+        const __m256 z = has_zero ? _mm256_set1_ps(zr[g]) : _mm256_setzero_ps();
+        for (int64_t j = 0; j < G; j += 8) {
+            const int64_t k = g * G + j;
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
+            const __m256 wv = has_zero ? _mm256_fmadd_ps(c, s, z) : _mm256_mul_ps(c, s);
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + m * K + k), acc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        sums[m] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    }
+#else
+    for (int64_t m = 0; m < M; m++) sums[m] = 0.f;
+    for (int64_t k = 0; k < K; k++) {
+        const float wk = (float)wr[k] * sr[k / G] + (has_zero ? zr[k / G] : 0.f);
+        for (int64_t m = 0; m < M; m++) sums[m] += wk * xf[m * K + k];
+    }
+#endif
+}
+
 /* x: [M][K] (bf16 if is_bf16 else f32), w: [N][K] int8, scale and zero (NULL: none): [N][K/G] f32,
  * out: [M][N] like x. xf: scratch of M*K floats. Returns 0, or -1 if M > MAX_ROWS or K is not a
- * whole number of groups of a multiple of 16 values. */
+ * whole number of groups of 16 or 32 values. */
 int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M,
               int64_t N, int64_t K, int64_t G, int is_bf16, float *xf) {
-    if (M > MAX_ROWS || G <= 0 || G % 16 != 0 || K % G != 0) return -1;
+    if (M > MAX_ROWS || (G != 16 && G != 32) || K % G != 0) return -1;
     const int64_t groups = K / G;
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
@@ -36,43 +84,11 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *z
         const int8_t *wr = w + n * K;
         const float *sr = scale + n * groups;
         const float *zr = zero ? zero + n * groups : NULL;
-        float sums[MAX_ROWS] = {0.f};
-#if defined(__AVX512F__)
-        __m512 acc[MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const __m512 s = _mm512_set1_ps(sr[g]);
-            const __m512 z = _mm512_set1_ps(zr ? zr[g] : 0.f);
-            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wr + k))));
-                const __m512 wv = zr ? _mm512_fmadd_ps(c, s, z) : _mm512_mul_ps(c, s);
-                for (int64_t m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + m * K + k), acc[m]);
-            }
-        }
-        for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
-#elif defined(__AVX2__) && defined(__FMA__)
-        __m256 acc[MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const __m256 s = _mm256_set1_ps(sr[g]);
-            const __m256 z = _mm256_set1_ps(zr ? zr[g] : 0.f);
-            for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-                const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
-                const __m256 wv = zr ? _mm256_fmadd_ps(c, s, z) : _mm256_mul_ps(c, s);
-                for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + m * K + k), acc[m]);
-            }
-        }
-        for (int64_t m = 0; m < M; m++) {
-            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-            const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            sums[m] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-        }
-#else
-        for (int64_t k = 0; k < K; k++) {
-            const float wk = (float)wr[k] * sr[k / G] + (zr ? zr[k / G] : 0.f);
-            for (int64_t m = 0; m < M; m++) sums[m] += wk * xf[m * K + k];
-        }
-#endif
+        float sums[MAX_ROWS];
+        if (G == 32 && !zr) row_dot(wr, sr, zr, xf, M, K, 32, 0, sums);
+        else if (G == 32) row_dot(wr, sr, zr, xf, M, K, 32, 1, sums);
+        else if (!zr) row_dot(wr, sr, zr, xf, M, K, 16, 0, sums);
+        else row_dot(wr, sr, zr, xf, M, K, 16, 1, sums);
         for (int64_t m = 0; m < M; m++) {
             if (is_bf16)
                 ((uint16_t *)out)[m * N + n] = f32_to_bf16(sums[m]);
