@@ -6,6 +6,9 @@ The usual serving-memory formula, term by term, with Tessera's own storage rules
              + KV cache (bytes per token x tokens) + swap space (when preemption swaps)
              + activations of the largest step
 
+The swap pool is allocated untouched, so it becomes resident only as requests are swapped out: the
+total is the peak once the pool is full, a server that never swaps stays `swap space` below it.
+
 Weights come from the checkpoint's tensor table alone (GGUF header or safetensors headers) run
 through the same rule the loader uses (`QuantConfig.storage_for`) and the bytes each method keeps
 (`storage_bytes`), so the figure follows the code rather than a parameter count. The KV cache is
@@ -250,7 +253,7 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
     if "hybrid" in e.kv_cache_groups:
         lines.append(f"                              ({e.kv_cache_groups})")
     if e.swap_bytes:
-        lines.append(f"  swap space     {gib(e.swap_bytes):>10}   (host copies of preempted sequences)")
+        lines.append(f"  swap space     {gib(e.swap_bytes):>10}   (host copies of preempted sequences, resident once used)")
     lines += [
         f"  activations    {gib(e.activation_bytes):>10}   (largest step)",
         f"  runtime        {gib(e.runtime_bytes):>10}   (interpreter, torch, server; tokenizer {gib(e.tokenizer_bytes)})",

@@ -146,9 +146,14 @@ class AttentionBackend(ABC):
         return num_layers * n * self.kv_cache_dtype(model_dtype).itemsize
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 model_dtype: torch.dtype) -> list[torch.Tensor]:
+                 model_dtype: torch.dtype, zeroed: bool = True) -> list[torch.Tensor]:
+        """One cache tensor per layer. `zeroed=False` leaves the memory untouched: for a pool whose
+        blocks are always written whole before they are read (the host swap pool), so that pages
+        no block has used yet stay out of the resident set (1 GiB of swap space costs nothing until
+        requests are swapped out)."""
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        return [torch.zeros(shape, dtype=self.kv_cache_dtype(model_dtype)) for _ in range(num_layers)]
+        make = torch.zeros if zeroed else torch.empty
+        return [make(shape, dtype=self.kv_cache_dtype(model_dtype)) for _ in range(num_layers)]
 
     def copy_blocks(self, src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor,
                     dst_ids: torch.Tensor) -> None:

@@ -84,9 +84,11 @@ class ModelRunner(ModelRunnerBase):
             self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, dtype)
             self.kv_caches = groups.layer_caches(self.kv_slots)
-            # Host copies for swapped-out requests (pinned memory would go here on a GPU).
+            # Host copies for swapped-out requests (pinned memory would go here on a GPU); a swapped
+            # block is copied whole before it is read, so the pool is not zeroed.
             self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size,
-                                               mc.num_kv_heads, mc.head_dim, dtype) if num_host_blocks > 0 else []
+                                               mc.num_kv_heads, mc.head_dim, dtype,
+                                               zeroed=False) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
         self.structured = structured
 
