@@ -20,15 +20,14 @@ import argparse
 import ctypes
 import json
 import platform
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from tessera import kernels
+from tessera.bench.machine import median_ms
 from tessera.hostinfo import cpu_model_name
 
 LAYER = [(1152, 896, 32), (896, 896, 32), (9728, 896, 32), (896, 4864, 16)]
@@ -83,13 +82,7 @@ def time_pass(mats, rows: int, how: str, old) -> float:
             else:
                 kernels.int8_gemm_bf16(x, codes, group_scale)
 
-    one_pass()
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    return median_ms(one_pass)
 
 
 def main() -> None:

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from tessera import kernels
+from tessera.bench.machine import median_ms
 from tessera.layers.quantization import quantize_int4
 
 SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -57,13 +56,7 @@ def time_pass(model, rows: int, how: str) -> float:
                 else:
                     kernels.int4_gemm_bf16(xs[k], packed, sz, n)
 
-    one_pass()
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    return median_ms(one_pass)
 
 
 def main() -> None:

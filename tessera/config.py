@@ -215,6 +215,9 @@ class EngineConfig:
     dense_weight_copy: Literal["auto", "on", "off"] = "auto"
     # Map the weights as an earlier start packed them ($TESSERA_HOME/packed), or write them there.
     weight_cache: bool = True
+    # Q6_K and Q4_K tensors at the file's width times int8-quantized activations
+    # (layers/quantization.py _KQuantMethod), bfloat16 only; off keeps them int8 / int4.
+    int8_activations: bool = True
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size

@@ -139,7 +139,7 @@ def weight_storage(config: ModelConfig, tensors, quant) -> WeightStorage:
             module = f"{parent}.{PACKED_MODULES[leaf][0]}"
         groups.setdefault(module, []).append((shape, ggml_type))
     total, dense_copies = small, 0
-    params = {"dense": 0, "int8": 0, "int4": 0}
+    params = {kind: 0 for kind in METHODS}
     for pieces in groups.values():
         rows, cols = sum(s[0] for s, _ in pieces), pieces[0][0][1]
         kind = quant.storage_for([t for _, t in pieces], cols)
@@ -200,7 +200,7 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     runtime = RUNTIME_BYTES + tokenizer
     budget = memory if memory is not None else available_memory() + runtime
     dense_copy = resolve_dense_copy(engine.dense_copy, linear_param_count(config), dtype, budget)
-    quant = QuantConfig(engine.quantization, dtype, dense_copy)
+    quant = QuantConfig(engine.quantization, dtype, dense_copy, engine.int8_activations)
     stored = weight_storage(config, tensors, quant)
     weights = stored.bytes
 

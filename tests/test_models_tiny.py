@@ -43,6 +43,16 @@ def test_float32_logits_match_transformers(tiny_model_dir, kind):
     assert (ours - ref).abs().max().item() < F32_ATOL
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_a_sequence_in_chunks_has_the_logits_of_one_pass(tiny_model_dir, kind):
+    """forward_single's chunked passes (decode-sized row counts over the KV cache of the earlier
+    tokens, what benchmarks/perplexity.py --chunk scores) are the one-pass forward."""
+    loaded = load_model(tiny_model_dir(kind), "float32")
+    whole = forward_single(loaded, TOKENS)
+    for chunk in (1, 3, len(TOKENS)):
+        assert (forward_single(loaded, TOKENS, chunk=chunk) - whole).abs().max().item() < F32_ATOL
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_bfloat16_logits_close_to_transformers(tiny_model_dir, kind):
     folder = tiny_model_dir(kind)

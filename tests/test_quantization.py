@@ -235,7 +235,7 @@ def _random_blocks(qtype: Q, rows: int, blocks: int, seed: int = 0) -> GGUFWeigh
     rng = np.random.default_rng(seed)
     size, nbytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
-    headers = {Q.Q8_0: [0], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    headers = {Q.Q8_0: [0], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q4_K: [0, 2]}[qtype]
     for off in headers:
         raw[..., off:off + 2] = rng.uniform(1e-3, 0.1, size=(rows, blocks)).astype(np.float16)[..., None].view(np.uint8)
     return GGUFWeight(raw.reshape(rows, -1), qtype, (rows, blocks * size))
@@ -303,10 +303,9 @@ def test_int8_kernels_against_the_reference(zeros, group, dtype, atol):
         kernels.int8_gemv(torch.randn(9, k), codes, scale, zero)
 
 
-@pytest.mark.parametrize("isa", [["-mno-avx512f", "-mavx2", "-mfma"], ["-mno-avx512f", "-mno-avx2"]],
-                         ids=["avx2", "plain-c"])
-def test_int8_gemv_on_older_instruction_sets(isa, tmp_path):
-    """The AVX2 and plain C branches of int8_gemv.c, compiled apart and called through ctypes."""
+def _kernel_built_for(source: str, isa: list[str], tmp_path: Path):
+    """One kernel source compiled apart with `isa` flags (older instruction sets than the host's
+    build), loaded through ctypes."""
     import ctypes
     import shutil
     import subprocess
@@ -316,11 +315,20 @@ def test_int8_gemv_on_older_instruction_sets(isa, tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    lib_path = tmp_path / "int8.so"
-    src = Path(kernels.__file__).parent / "int8_gemv.c"
-    subprocess.run([cc, "-O2", "-march=native", *isa, "-fopenmp", "-shared", "-fPIC", "-std=c11", str(src),
-                    "-o", str(lib_path)], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib_path = tmp_path / f"{Path(source).stem}.so"
+    subprocess.run([cc, "-O2", "-march=native", *isa, "-fopenmp", "-shared", "-fPIC", "-std=c11",
+                    str(Path(kernels.__file__).parent / source), "-o", str(lib_path), "-lm"], check=True,
+                   capture_output=True)
+    return ctypes.CDLL(str(lib_path))
+
+
+@pytest.mark.parametrize("isa", [["-mno-avx512f", "-mavx2", "-mfma"], ["-mno-avx512f", "-mno-avx2"]],
+                         ids=["avx2", "plain-c"])
+def test_int8_gemv_on_older_instruction_sets(isa, tmp_path):
+    """The AVX2 and plain C branches of int8_gemv.c, compiled apart and called through ctypes."""
+    import ctypes
+
+    lib = _kernel_built_for("int8_gemv.c", isa, tmp_path)
     torch.manual_seed(5)
     n, k, group = 21, 96, 16
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
@@ -470,3 +478,147 @@ def test_int4_dequantize_follows_the_hosts_int4pack_layout(capability):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# -- K-quants at their own width, int8 activations --------------------------------------------
+
+KQUANTS = [Q.Q6_K, Q.Q4_K]
+
+
+def _kquant_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the K-quant kernels compute, in float64: x quantized as they do (per 256 values,
+    round(x * (127 / amax)), float32 arithmetic) times the exact weights."""
+    m, k = x.shape
+    xf = x.float().view(m, k // 256, 256)
+    amax = xf.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, (xf * (torch.full_like(amax, 127.0) / amax)).round().clamp(-127, 127), 0.0)
+    xd = torch.where(amax > 0, amax / 127.0, 0.0)
+    return (q.double() * xd.double()).view(m, k) @ w.double().T
+
+
+def _assert_bf16_rounding_of(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got is want rounded to bfloat16 (half an ulp, 2^-9 relative), give or take float32
+    accumulation (far below that on these sizes)."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6 * want.abs().max().item())
+
+
+def _kquant_layer(src: GGUFWeight, dense_copy: bool = False):
+    from tessera.layers.quantization import METHODS, KQUANT_TYPES
+
+    method = METHODS[KQUANT_TYPES[src.ggml_type]](QuantConfig("auto", torch.bfloat16, dense_copy))
+    layer = nn.Module()
+    method.load(layer, [src])
+    return method, layer
+
+
+def _kquant_kernel(qtype):
+    from tessera import kernels
+
+    return kernels.q6k_gemm if qtype == Q.Q6_K else kernels.q4k_gemm
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_storage_is_the_files_weights(qtype):
+    """The repacked blocks decode to gguf's own values bit for bit (for Q6_K also the int8
+    layer's weight), in the bytes storage_bytes (and so `tessera size`) counts."""
+    src = _random_blocks(qtype, 70, 3, seed=11)
+    method, layer = _kquant_layer(src)
+    assert torch.equal(method._weights(layer, slice(None)), src.dequantize())
+    if qtype == Q.Q6_K:
+        _, int8_layer = _layer(Int8Method, None, source=src)
+        assert torch.equal(method._weights(layer, slice(None)),
+                           Int8Method(QuantConfig())._weights(int8_layer, slice(None)))
+    assert torch.equal(method.dequantize(layer), src.dequantize().bfloat16())  # the C path of large steps
+    ids = torch.tensor([[0, 69], [5, 5]])
+    assert torch.equal(method.embedding(layer, ids), src.dequantize().bfloat16()[ids])
+    stored = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert stored == method.storage_bytes(70, 768, method.config) == 70 * 3 * (212 if qtype == Q.Q6_K else 152)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kquant_kernels_are_the_integer_product(qtype, dtype):
+    """Per 256-value super-block the kernels' sums are exact in integers; only the float scaling
+    and the output rounding differ from the float64 reference."""
+    from tessera import kernels
+
+    if not kernels.kquant_matmuls():
+        pytest.skip("no vector path for the K-quant kernels here")
+    src = _random_blocks(qtype, 37, 3, seed=12)  # 37 rows: not a multiple of the threads' split
+    method, layer = _kquant_layer(src)
+    w, kernel = src.dequantize(), _kquant_kernel(qtype)
+    torch.manual_seed(12)
+    for rows in (1, 2, 3, 5, 8):
+        x = torch.randn(rows, 768).to(dtype)
+        x[0, :256] = 0  # an all-zero super-block of activations
+        got = kernel(x, layer.qweight, layer.scales, layer.d)
+        want = _kquant_reference(x, w)
+        assert got.dtype == dtype and got.shape == (rows, 37)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-6)
+        else:
+            _assert_bf16_rounding_of(got, want)
+    with pytest.raises(kernels.KernelUnavailable):
+        kernel(torch.randn(9, 768), layer.qweight, layer.scales, layer.d)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_layers_slice_small_batches_and_dequantize_large_ones(qtype):
+    from tessera import kernels
+
+    if not kernels.kquant_matmuls():
+        pytest.skip("no vector path for the K-quant kernels here")
+    src = _random_blocks(qtype, 40, 2, seed=13)
+    w = src.dequantize()
+    for dense_copy in (False, True):
+        method, layer = _kquant_layer(src, dense_copy)
+        # without a dense copy, two calls of the kernel (8 rows and 3); with one, 8 rows at most
+        x = torch.randn(min(11, method.config.small_batch_max), 512).bfloat16()
+        _assert_bf16_rounding_of(method.apply(layer, x), _kquant_reference(x, w))
+        big = torch.randn(method.config.small_batch_max + 1, 512).bfloat16()  # a dense product
+        torch.testing.assert_close(method.apply(layer, big).float(), (big.float() @ w.bfloat16().float().T),
+                                   atol=0.02 * w.abs().max().item(), rtol=0.02)
+
+
+def test_kquants_are_chosen_for_whole_kquant_weights_in_bfloat16_only():
+    from tessera import kernels
+
+    if not kernels.kquant_matmuls():
+        pytest.skip("no vector path for the K-quant kernels here")
+    bf16 = QuantConfig("auto", torch.bfloat16)
+    assert bf16.storage_for([Q.Q6_K], 1536) == "q6_k" and bf16.storage_for([Q.Q4_K], 1536) == "q4_k"
+    assert bf16.storage_for([Q.Q6_K, Q.Q6_K], 1536) == "q6_k"
+    assert bf16.storage_for([Q.Q4_K, Q.Q6_K], 1536) == "int8"  # a merged weight of two kinds
+    assert bf16.storage_for([Q.Q4_K], 1600) == "int4"  # not whole super-blocks
+    assert bf16.storage_for([Q.Q4_1], 1536) == "int4"
+    assert QuantConfig("auto", torch.float32).storage_for([Q.Q6_K], 1536) == "int8"  # exact products
+    assert QuantConfig("auto", torch.float32).storage_for([Q.Q4_K], 1536) == "int4"
+    off = QuantConfig("auto", torch.bfloat16, int8_activations=False)
+    assert off.storage_for([Q.Q6_K], 1536) == "int8" and off.storage_for([Q.Q4_K], 1536) == "int4"
+    assert QuantConfig("int8", torch.bfloat16).storage_for([Q.Q6_K], 1536) == "int8"  # asked for
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("isa", [["-mno-avx512f", "-mavx2", "-mfma"], ["-mno-avx512f", "-mno-avx2"]],
+                         ids=["avx2", "plain-c"])
+def test_kquant_kernels_on_older_instruction_sets(qtype, isa, tmp_path):
+    """The AVX2 and plain C branches of kquant_gemm.c, compiled apart and called through ctypes."""
+    import ctypes
+
+    lib = _kernel_built_for("kquant_gemm.c", isa, tmp_path)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = lib.q6k_gemm if qtype == Q.Q6_K else lib.q4k_gemm
+    fn.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int, p]
+    lib.kquant_scratch_bytes.argtypes = [i64, i64]
+    lib.kquant_scratch_bytes.restype = i64
+    src = _random_blocks(qtype, 21, 2, seed=14)
+    _, layer = _kquant_layer(src)
+    torch.manual_seed(14)
+    x = torch.randn(3, 512)
+    out = torch.empty(3, 21)
+    scratch = torch.empty(lib.kquant_scratch_bytes(3, 512), dtype=torch.uint8)
+    assert fn(x.data_ptr(), layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.d.data_ptr(), out.data_ptr(), 3,
+              21, 512, 0, scratch.data_ptr()) == 0
+    want = _kquant_reference(x, src.dequantize())
+    torch.testing.assert_close(out.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-6)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import statistics
 import sys
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 
 def cpu_model() -> str:
@@ -64,3 +66,15 @@ def machine_info(label: Optional[str] = None) -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    """Milliseconds one call of `fn` takes: a warm-up call (first-touch pages, JIT, caches), then
+    the median of `repeats` timed calls (the kernel benchmarks' measure)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000

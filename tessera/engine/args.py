@@ -34,6 +34,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-weight-copy", default=d.dense_weight_copy, choices=DENSE_WEIGHT_COPIES,
                    help="keep a dense copy of quantized weights for prefill-sized steps (faster, more memory); "
                         "auto: when the copy is under 1 GiB and 1/8 of free RAM (default: %(default)s)")
+    g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=d.int8_activations,
+                   help="Q6_K and Q4_K tensors keep the file's blocks and decode-sized products multiply "
+                        "int8-quantized activations (bfloat16 compute; fewer bytes per step than int8 groups or int4 "
+                        "tiles); --no-int8-activations stores them int8/int4 times bfloat16 activations (default: on)")
     g.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=d.weight_cache,
                    help="keep the weights as the kernels use them in $TESSERA_HOME/packed and map that file on "
                         "later starts: seconds instead of tens of seconds, pages shared by every server of the "

@@ -99,7 +99,8 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         torch.set_num_threads(config.num_threads)
     if loaded is None:
         loaded = load_model(resolve_model(config.model), config.dtype, quantization=config.quantization,
-                            dense_copy=config.dense_copy, weight_cache=config.weight_cache)
+                            dense_copy=config.dense_copy, weight_cache=config.weight_cache,
+                            int8_activations=config.int8_activations)
     mc, dtype = loaded.config, loaded.dtype
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > mc.max_position_embeddings:
@@ -255,7 +256,8 @@ def _load_draft(config: EngineConfig, target):
     spec = config.speculative_config
     assert spec is not None and spec.model is not None
     draft = load_model(resolve_model(spec.model), target.dtype, quantization=spec.quantization or config.quantization,
-                       dense_copy=config.dense_copy, weight_cache=config.weight_cache)
+                       dense_copy=config.dense_copy, weight_cache=config.weight_cache,
+                       int8_activations=config.int8_activations)
     probe = "def add(a, b):\n    return a + b  # Grüße, 你好 🙂"
     tok = target.tokenizer
     same = (draft.tokenizer.encode(probe, add_special_tokens=False) == tok.encode(probe, add_special_tokens=False)

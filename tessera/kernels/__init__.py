@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c")
+SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c", "kquant_gemm.c")
 HEADERS = ("bf16.h", "softmax.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
@@ -129,6 +129,16 @@ def load() -> ctypes.CDLL:
     f32.restype = ctypes.c_int
     lib.tessera_avx2_fma.argtypes = []
     lib.tessera_avx2_fma.restype = ctypes.c_int
+    for kq in (lib.q6k_gemm, lib.q4k_gemm):
+        kq.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int, p]
+        kq.restype = ctypes.c_int
+    for dq in (lib.q6k_dequant_bf16, lib.q4k_dequant_bf16):
+        dq.argtypes = [p, p, p, p, i64, i64]
+        dq.restype = None
+    lib.kquant_scratch_bytes.argtypes = [i64, i64]
+    lib.kquant_scratch_bytes.restype = i64
+    lib.tessera_kquant_vector.argtypes = []
+    lib.tessera_kquant_vector.restype = ctypes.c_int
     return lib
 
 
@@ -151,6 +161,13 @@ def avx2_matmuls() -> bool:
     """Whether the float32 AVX2 + FMA int4 kernel (int4_gemm_f32) runs here: hosts without
     AVX-512, where PyTorch's int4pack kernel is the slow path (see int4_avx2.c)."""
     return available() is None and bool(load().tessera_avx2_fma())
+
+
+def kquant_matmuls() -> bool:
+    """Whether the K-quant kernels' vector paths (AVX512-BW or AVX2) run here (kquant_gemm.c):
+    without them the native Q6_K / Q4_K storage would multiply in a plain C loop, so those
+    tensors keep the int8 and int4 layouts."""
+    return available() is None and bool(load().tessera_kquant_vector())
 
 
 def supports(num_heads: int, kv_cache: torch.Tensor) -> bool:
@@ -395,6 +412,47 @@ def int4_gemm_f32(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
                          scales_zeros.shape[1], out_rows, k) != 0:
         raise KernelUnavailable(f"int4_gemm_f32 needs AVX2 + FMA, at most {INT4_F32_MAX_ROWS} rows and K a "
                                 f"multiple of 32 (got {m} x {k})")
+    return out
+
+
+KQUANT_MAX_ROWS = 8
+
+
+def _kquant(fn_name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, floats: torch.Tensor,
+            out_rows: int) -> torch.Tensor:
+    lib = load()
+    m, k = x.shape
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    x = x.contiguous()
+    out = torch.empty(m, out_rows, dtype=x.dtype)
+    scratch = torch.empty(lib.kquant_scratch_bytes(m, k), dtype=torch.uint8)
+    if getattr(lib, fn_name)(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), floats.data_ptr(), out.data_ptr(), m,
+                             out_rows, k, int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
+        raise KernelUnavailable(f"{fn_name} takes 1-{KQUANT_MAX_ROWS} rows and K a multiple of 256 (got {m} x {k})")
+    return out
+
+
+def q6k_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bfloat16 or float32, M <= KQUANT_MAX_ROWS, K a multiple of 256) @ W.T -> [M, N] in
+    x's dtype, W a Q6_K matrix as `GGUFWeight.q6k_blocks` lays it out; x is quantized to int8 per
+    256 values on the way in (see kquant_gemm.c)."""
+    return _kquant("q6k_gemm", x, codes, scales, d, d.shape[0])
+
+
+def q4k_gemm(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """As `q6k_gemm` for a Q4_K matrix as `GGUFWeight.q4k_blocks` lays it out."""
+    return _kquant("q4k_gemm", x, codes, scale_min, dm, dm.shape[0])
+
+
+def kquant_dequant_bf16(kind: str, codes: torch.Tensor, scales: torch.Tensor, floats: torch.Tensor,
+                        in_features: int) -> torch.Tensor:
+    """The dense bfloat16 weight [N, K] of a `kind` ("q6_k" or "q4_k") matrix as q6k_gemm /
+    q4k_gemm read it: the float32 values rounded once (see kquant_gemm.c)."""
+    n = floats.shape[0]
+    out = torch.empty(n, in_features, dtype=torch.bfloat16)
+    fn = load().q6k_dequant_bf16 if kind == "q6_k" else load().q4k_dequant_bf16
+    fn(codes.data_ptr(), scales.data_ptr(), floats.data_ptr(), out.data_ptr(), n, in_features)
     return out
 
 

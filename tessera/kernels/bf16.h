@@ -17,6 +17,26 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(x.u >> 16);
 }
 
+/* Column n of a product's output [M][N] (bfloat16 if is_bf16, else float32) from its M sums. */
+static inline void store_column(void *out, int64_t N, int64_t n, const float *sums, int64_t M, int is_bf16) {
+    for (int64_t m = 0; m < M; m++) {
+        if (is_bf16)
+            ((uint16_t *)out)[m * N + n] = f32_to_bf16(sums[m]);
+        else
+            ((float *)out)[m * N + n] = sums[m];
+    }
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* The sum of an AVX register's 8 floats. */
+static inline float hsum_ps256(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+#endif
+
 /* out[at : at + D] = src * scale, as bfloat16 (is_bf16) or float32: an attention row, normalized. */
 static inline void store_scaled_row(void *out, int64_t at, const float *src, float scale, int64_t D, int is_bf16) {
     if (is_bf16) {

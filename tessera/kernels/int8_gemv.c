@@ -56,11 +56,7 @@ static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, cons
             for (int64_t m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + m * K + k), acc[m]);
         }
     }
-    for (int64_t m = 0; m < M; m++) {
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        sums[m] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-    }
+    for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(acc[m]);
 #else
     for (int64_t m = 0; m < M; m++) sums[m] = 0.f;
     for (int64_t k = 0; k < K; k++) {
@@ -89,12 +85,7 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *z
         else if (G == 32) row_dot(wr, sr, zr, xf, M, K, 32, 1, sums);
         else if (!zr) row_dot(wr, sr, zr, xf, M, K, 16, 0, sums);
         else row_dot(wr, sr, zr, xf, M, K, 16, 1, sums);
-        for (int64_t m = 0; m < M; m++) {
-            if (is_bf16)
-                ((uint16_t *)out)[m * N + n] = f32_to_bf16(sums[m]);
-            else
-                ((float *)out)[m * N + n] = sums[m];
-        }
+        store_column(out, N, n, sums, M, is_bf16);
     }
     return 0;
 }

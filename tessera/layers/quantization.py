@@ -20,7 +20,9 @@ at 1-2 GFLOP/s; there Tessera's float32 int4 kernel (tessera/kernels/int4_avx2.c
 takes 1-64 rows (10-65x faster per matrix, ahead of a dense float32 copy in
 that range). Int8 weights keep the checkpoint's groups (a scale per 16 or 32
 values), which PyTorch's int8 kernel (one scale per row) cannot read, so every
-small int8 product runs through Tessera's kernels (tessera/kernels/int8_gemv.c).
+small int8 product runs through Tessera's kernels (tessera/kernels/int8_gemv.c). In bfloat16,
+Q6_K and Q4_K tensors keep the file's blocks instead (Q6KMethod: a third fewer bytes than int8
+groups; Q4KMethod) and multiply activations quantized to int8 (tessera/kernels/kquant_gemm.c).
 
 The int4 format is PyTorch's CPU int4pack: codes in 0..15 and per-group
 (scale, zero) with `w = (code - 8) * scale + zero`, groups of 32 along the
@@ -36,11 +38,13 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from gguf import GGMLQuantizationType
 
 from tessera import kernels
 from tessera.layers.weights import (
@@ -145,6 +149,9 @@ class QuantConfig:
     mode: QuantizationMode = "auto"
     dtype: torch.dtype = torch.bfloat16  # compute dtype of activations and dense weights
     dense_copy: bool = False  # keep a dense copy of quantized weights for large steps
+    # Q6_K and Q4_K tensors kept at the file's width and multiplied by int8-quantized activations
+    # (_KQuantMethod) under `auto` in bfloat16; False keeps them int8 / int4 with bfloat16 activations.
+    int8_activations: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZATION_MODES:
@@ -168,10 +175,18 @@ class QuantConfig:
         types = [None if isinstance(s, FloatWeight) else s.ggml_type for s in sources]
         return METHODS[self.storage_for(types, sources[0].shape[-1])](self)
 
-    def storage_for(self, ggml_types: list[Optional[int]], in_features: int) -> Literal["dense", "int8", "int4"]:
+    def storage_for(self, ggml_types: list[Optional[int]],
+                    in_features: int) -> Literal["dense", "int8", "int4", "q6_k", "q4_k"]:
         """How a weight made of pieces of these GGUF types (None: a float tensor) is stored; the
-        one rule behind `method_for` and the sizing calculator (tessera/sizing.py)."""
+        one rule behind `method_for` and the sizing calculator (tessera/sizing.py). Under `auto`
+        in bfloat16, a weight all of Q6_K or all of Q4_K keeps the file's blocks (Q6KMethod,
+        Q4KMethod: int8 activations); float32 compute keeps the exact int8 groups and int4
+        tiles, so its products are the file's weights times unrounded activations."""
         mode = self.mode
+        kinds = {KQUANT_TYPES.get(t) for t in ggml_types}
+        if (mode == "auto" and self.int8_activations and self.dtype == torch.bfloat16 and len(kinds) == 1
+                and None not in kinds and in_features % KQ_BLOCK == 0 and kernels.kquant_matmuls()):
+            return kinds.pop()
         if mode == "auto":
             kinds = set()
             for t in ggml_types:
@@ -453,6 +468,126 @@ class Int8Method(_WeightOnlyMethod):
         return "int8" + ("" if layer.int8_exact else " (requantized)")
 
 
+KQ_BLOCK = 256  # values of a K-quant super-block
+KQUANT_TYPES = {GGMLQuantizationType.Q6_K: "q6_k", GGMLQuantizationType.Q4_K: "q4_k"}
+
+
+class _KQuantMethod(_WeightOnlyMethod):
+    """GGUF K-quant matrices at the file's width, multiplied by activations quantized to int8 per
+    256 values (tessera/kernels/kquant_gemm.c): integer dot products per super-block (pmaddubsw,
+    then the sub-block's scale by pmaddwd or VNNI's vpdpwssd), one or two float multiplies per
+    super-block. The activations' rounding (Q8_K's, as llama.cpp's own K-quant products do) is
+    the price; `QuantConfig.int8_activations=False` keeps the int8 and int4 layouts with
+    bfloat16 activations, and benchmarks/perplexity.py --activations measures the difference.
+
+    Up to 8 rows a call, a larger small batch in slices of 8; larger steps multiply a dense copy
+    (kept, or dequantized for the call) as the other methods do. Subclasses say how a kind is
+    stored (`storage_bytes`, `_blocks`), decoded (`_weights`, float32) and multiplied (`kernel`).
+    """
+
+    kernel: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # x, codes, scales, floats -> x @ W.T
+
+    def load(self, layer, sources):
+        rows, cols = sum(s.shape[0] for s in sources), sources[0].shape[1]
+        parts: list[list[Tensor]] = []
+        for src in sources:
+            for i in range(0, src.shape[0], LOAD_CHUNK_ROWS):
+                part = src.raw[i:i + LOAD_CHUNK_ROWS]
+                parts.append(list(self._blocks(GGUFWeight(part, src.ggml_type, (len(part), cols)))))
+        buffers = [torch.cat(p) if len(parts) > 1 else p[0] for p in zip(*parts)]
+        assert buffers[0].shape[0] == rows
+        for name, b in zip(("qweight", "scales", "d"), buffers):
+            layer.register_buffer(name, b, persistent=False)
+        self._finish(layer)
+
+    @staticmethod
+    @abstractmethod
+    def _blocks(src: GGUFWeight) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    @abstractmethod
+    def _weights(self, layer: nn.Module, rows: "slice | Tensor") -> Tensor: ...
+
+    def dequantize(self, layer):
+        if self.config.dtype == torch.bfloat16:  # as storage_for picks these: in C, not a dozen torch passes
+            in_features = layer.scales.shape[1] * 16  # both kinds keep 16 scale bytes per 256 values
+            return kernels.kquant_dequant_bf16(self.name, layer.qweight, layer.scales, layer.d, in_features)
+        return self._weights(layer, slice(None)).to(self.config.dtype)
+
+    def embedding(self, layer, ids):
+        flat = ids.reshape(-1)
+        return self._weights(layer, flat).to(self.config.dtype).view(*ids.shape, -1)
+
+    def _small(self, layer, x):
+        step = kernels.KQUANT_MAX_ROWS
+        parts = [self.kernel(x[i:i + step], layer.qweight, layer.scales, layer.d) for i in range(0, x.shape[0], step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def describe(self, layer):
+        return f"{self.name} (int8 activations)"
+
+
+class Q6KMethod(_KQuantMethod):
+    """Q6_K at 0.83 bytes a weight (192 code bytes, 16 int8 scales and a float32 d per 256
+    values) against int8 groups' 1.25: a Q4_K_M model's LM head and half its down projections
+    stream a third fewer bytes a decode step. Dequantized, the weight is Int8Method's (the same
+    code x (d x sc) in float32)."""
+
+    name = "q6_k"
+    kernel = staticmethod(kernels.q6k_gemm)
+
+    @staticmethod
+    def storage_bytes(rows: int, cols: int, config: QuantConfig, ggml_types: Sequence[Optional[int]] = ()) -> int:
+        dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
+        return rows * (cols // KQ_BLOCK) * (192 + 16 + 4) + dense
+
+    @staticmethod
+    def _blocks(src):
+        return src.q6k_blocks()
+
+    def _weights(self, layer, rows):
+        """Rows of the weight in float32: (code - 32) x d x sc per 16 values."""
+        b = layer.qweight[rows]
+        n = b.shape[0]
+        b = b.view(n, -1, 192)
+        ql0, ql1, qh = b[..., :64], b[..., 64:128], b[..., 128:]
+        codes = torch.cat([(ql0 & 15) | ((qh & 3) << 4), (ql0 >> 4) | (((qh >> 2) & 3) << 4),
+                           (ql1 & 15) | (((qh >> 4) & 3) << 4), (ql1 >> 4) | ((qh >> 6) << 4)], dim=-1)
+        scale = layer.d[rows].repeat_interleave(16, dim=1) * layer.scales[rows].float()  # [n, K/16]
+        w = (codes.view(n, scale.shape[1], 16).float() - 32) * scale.unsqueeze(-1)
+        return w.view(n, -1)
+
+
+class Q4KMethod(_KQuantMethod):
+    """Q4_K at 0.59 bytes a weight (128 code bytes, 8 scales and 8 minimums, float32 d and dmin
+    per 256 values) against int4pack's 0.625 (bfloat16 scale and zero per 32), and the products
+    in integers (int4_gemv.c widens every code to bfloat16)."""
+
+    name = "q4_k"
+    kernel = staticmethod(kernels.q4k_gemm)
+
+    @staticmethod
+    def storage_bytes(rows: int, cols: int, config: QuantConfig, ggml_types: Sequence[Optional[int]] = ()) -> int:
+        dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
+        return rows * (cols // KQ_BLOCK) * (128 + 16 + 8) + dense
+
+    @staticmethod
+    def _blocks(src):
+        return src.q4k_blocks()
+
+    def _weights(self, layer, rows):
+        """Rows of the weight in float32: d x sc x code - dmin x mn per 32 values."""
+        b = layer.qweight[rows]
+        n = b.shape[0]
+        b = b.view(n, -1, 128)
+        lo, hi = b[..., :64], b[..., 64:]
+        codes = torch.cat([lo & 15, lo >> 4, hi & 15, hi >> 4], dim=-1).view(n, -1, 32).float()  # [n, K/32, 32]
+        sm = layer.scales[rows].view(n, -1, 16).float()
+        dm = layer.d[rows]  # [n, K/256, 2]
+        scale = (dm[..., :1] * sm[..., :8]).reshape(n, -1, 1)
+        minimum = (dm[..., 1:] * sm[..., 8:]).reshape(n, -1, 1)
+        return (codes * scale - minimum).view(n, -1)
+
+
 def quantize_int8(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """Round a float [N, K] weight to symmetric int8 groups of `group` values (max |w| per group)."""
     n, k = w.shape
@@ -604,4 +739,5 @@ def resolve_dense_copy(choice: Optional[bool], num_linear_params: int, dtype: to
     return need <= min(1 << 30, available_bytes // 8)
 
 
-METHODS: dict[str, type[QuantMethod]] = {"dense": DenseMethod, "int8": Int8Method, "int4": Int4Method}
+METHODS: dict[str, type[QuantMethod]] = {"dense": DenseMethod, "int8": Int8Method, "int4": Int4Method,
+                                         "q6_k": Q6KMethod, "q4_k": Q4KMethod}

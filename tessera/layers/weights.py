@@ -161,6 +161,59 @@ class GGUFWeight:
                 None if zero is None else torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
 
 
+    def q6k_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A Q6_K matrix in the layout tessera/kernels/kquant_gemm.c reads, the same values:
+        (codes uint8 [N, K/256 * 192], sub-block scales int8 [N, K/16], d float32 [N, K/256]) with
+        w = d * sc[j / 16] * (code_j - 32). Each super-block's 192 bytes: byte p (p < 64) holds the
+        low nibbles of codes p and 64 + p, byte 64 + p those of 128 + p and 192 + p, byte 128 + p
+        the top two bits of all four (see the kernel)."""
+        assert self.ggml_type == Q.Q6_K
+        n, k = self.shape
+        nb = k // 256
+        blocks = self.raw.reshape(n, nb, 210)
+        ql, qh = blocks[..., 0:128].reshape(n, nb, 2, 64), blocks[..., 128:192].reshape(n, nb, 2, 32)
+        # The file's order: half h (128 values) takes ql[h] and qh[h]; value 128h + 32i + l of
+        # quarter i (0..3) is the low (i < 2) or high nibble of ql[h][l + 32 (i % 2)] with the two
+        # bits 2i..2i+1 of qh[h][l] on top.
+        codes = np.empty((n, nb, 256), dtype=np.uint8)
+        for h in range(2):
+            for i in range(4):
+                low = ql[:, :, h, 32 * (i % 2):32 * (i % 2) + 32]
+                low = (low & 0x0F) if i < 2 else (low >> 4)
+                codes[:, :, 128 * h + 32 * i:128 * h + 32 * i + 32] = low | (((qh[:, :, h] >> (2 * i)) & 3) << 4)
+        c = [codes[..., 64 * j:64 * j + 64] for j in range(4)]
+        packed = np.concatenate([(c[0] & 0x0F) | ((c[1] & 0x0F) << 4), (c[2] & 0x0F) | ((c[3] & 0x0F) << 4),
+                                 (c[0] >> 4) | ((c[1] >> 4) << 2) | ((c[2] >> 4) << 4) | ((c[3] >> 4) << 6)],
+                                axis=-1)
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, nb * 16)
+        d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+        return (torch.from_numpy(np.ascontiguousarray(packed.reshape(n, nb * 192))),
+                torch.from_numpy(np.ascontiguousarray(sc)), torch.from_numpy(np.ascontiguousarray(d)))
+
+
+    def q4k_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A Q4_K matrix in the layout tessera/kernels/kquant_gemm.c reads, the same values:
+        (codes uint8 [N, K/256 * 128], scales then minimums uint8 [N, K/256 * 16], (d, dmin)
+        float32 [N, K/256, 2]) with w = d * sc[j / 32] * code_j - dmin * mn[j / 32]. Byte p
+        (p < 64) of a super-block holds codes p and 64 + p, byte 64 + p codes 128 + p and 192 + p."""
+        assert self.ggml_type == Q.Q4_K
+        n, k = self.shape
+        nb = k // 256
+        blocks = self.raw.reshape(n, nb, 144)
+        # The file's order: 64-value chunk i holds sub-block 2i in the low nibbles of its 32
+        # bytes and 2i + 1 in the high ones.
+        qs = blocks[..., 16:144].reshape(n, nb, 4, 32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, nb, 256)
+        c = [codes[..., 64 * j:64 * j + 64] for j in range(4)]
+        packed = np.concatenate([c[0] | (c[1] << 4), c[2] | (c[3] << 4)], axis=-1)
+        sc, mn = _k_scales_mins(blocks[..., 4:16].astype(np.uint8))
+        scale_min = np.concatenate([sc, mn], axis=-1).astype(np.uint8)
+        dm = blocks[..., 0:4].copy().view(np.float16).astype(np.float32)  # [N, NB, 2]: d, dmin
+        return (torch.from_numpy(np.ascontiguousarray(packed.reshape(n, nb * 128))),
+                torch.from_numpy(np.ascontiguousarray(scale_min.reshape(n, nb * 16))),
+                torch.from_numpy(np.ascontiguousarray(dm)))
+
+
 def _k_scales_mins(sc_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 8 six-bit (scale, minimum) pairs of a Q4_K / Q5_K block's 12 scale bytes."""
     shape = sc_bytes.shape[:-1] + (8,)

@@ -62,6 +62,7 @@ def load_model(
     quantization: QuantizationMode = "auto",
     dense_copy: Optional[bool] = None,
     weight_cache: bool = False,
+    int8_activations: bool = True,
 ) -> LoadedModel:
     """Load a .gguf file or an HF folder (config.json + *.safetensors) with its tokenizer.
 
@@ -69,6 +70,8 @@ def load_model(
     precision class); `dense_copy` whether quantized weights also keep a dense
     copy for large steps (None: when it is small, see resolve_dense_copy). `weight_cache`: map
     the weights as packed by an earlier load, or write them for the next (models/weight_cache.py).
+    `int8_activations`: Q6_K and Q4_K tensors keep the file's blocks and take int8 activations
+    (see QuantConfig).
     """
     if quantization not in QUANTIZATION_MODES:
         raise TesseraError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATION_MODES)}")
@@ -78,7 +81,7 @@ def load_model(
     map_large_allocations()
     t0 = time.perf_counter()
     config, tokenizer = load_model_info(path)
-    model, quant = _build(config, dtype, quantization, dense_copy)
+    model, quant = _build(config, dtype, quantization, dense_copy, int8_activations)
     if path.is_dir():
         from tessera.models.safetensors_loader import iter_safetensors_weights
 
@@ -129,11 +132,11 @@ def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokeniz
 
 
 def _build(config: ModelConfig, dtype: Union[str, torch.dtype], quantization: QuantizationMode,
-           dense_copy: Optional[bool]) -> tuple[nn.Module, QuantConfig]:
+           dense_copy: Optional[bool], int8_activations: bool = True) -> tuple[nn.Module, QuantConfig]:
     """The model with empty layers; dense-copy policy decided from its size before any weight loads."""
     resolved = resolve_dtype(dtype, config)
     keep = resolve_dense_copy(dense_copy, linear_param_count(config), resolved, available_memory())
-    quant = QuantConfig(quantization, resolved, keep)
+    quant = QuantConfig(quantization, resolved, keep, int8_activations)
     return model_class(config)(config, quant), quant
 
 
@@ -171,13 +174,21 @@ def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:
 
 @torch.inference_mode()
 def forward_single(loaded: LoadedModel, token_ids: list[int], block_size: int = 16,
-                   backend_name: str = "sdpa") -> torch.Tensor:
-    """Logits [T, vocab] (float32) of one fresh sequence, run without the engine."""
+                   backend_name: str = "sdpa", chunk: Optional[int] = None) -> torch.Tensor:
+    """Logits [T, vocab] (float32) of one fresh sequence, run without the engine: in one pass, or
+    `chunk` tokens a pass over the KV cache of the earlier ones (the row counts of decode and
+    verification steps, which take the quantized layers' few-row kernels)."""
     c = loaded.config
     n = len(token_ids)
     num_blocks = max(1, math.ceil(n / block_size))
     backend = get_backend(backend_name)
     caches = backend.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
-    meta = backend.build_metadata([n], [n], [list(range(num_blocks))], block_size)
-    hidden = loaded.model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n), caches, meta)
-    return loaded.model.compute_logits(hidden)
+    step = chunk or n
+    logits = []
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        meta = backend.build_metadata([end - start], [end], [list(range(num_blocks))], block_size)
+        hidden = loaded.model(torch.tensor(token_ids[start:end], dtype=torch.long), torch.arange(start, end),
+                              caches, meta)
+        logits.append(loaded.model.compute_logits(hidden))
+    return logits[0] if len(logits) == 1 else torch.cat(logits)

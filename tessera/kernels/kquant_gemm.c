@@ -1,0 +1,445 @@
+/* GGUF K-quant weights (Q6_K, Q4_K) kept at their own width, multiplied by int8-quantized
+ * activations.
+ *
+ * A K-quant super-block is 256 values of one weight row with small integer scales per sub-block
+ * and one or two float scales: Q6_K has 6-bit codes q in 0..63 and an int8 scale per 16 values,
+ * w = d * sc[j / 16] * (q - 32); Q4_K 4-bit codes, a 6-bit scale and minimum per 32 values,
+ * w = d * sc[j / 32] * q - dmin * mn[j / 32]. Stored as int8 codes with a float32 scale per 16
+ * (int8_gemv.c) a Q6_K weight takes 1.25 bytes, here 0.83 (the file's 0.82 and a float32 d); a
+ * Q4_K weight 0.625 in int4pack with bfloat16 scales and zeros per 32 (int4_gemv.c), here 0.59.
+ *
+ * Layouts (repacked at load from the file's; byte p for p in 0..63):
+ *   Q6_K, 192 code bytes: byte p holds the low nibbles of codes p (bits 0-3) and 64 + p (bits
+ *   4-7), byte 64 + p those of 128 + p and 192 + p, byte 128 + p the top two bits of codes p,
+ *   64 + p, 128 + p, 192 + p (bits 0-1, 2-3, 4-5, 6-7); then 16 int8 scales, and d per block.
+ *   Q4_K, 128 code bytes: byte p holds codes p and 64 + p, byte 64 + p codes 128 + p and
+ *   192 + p; then 8 scales and 8 minimums (uint8), and (d, dmin) per block.
+ * Sixty-four codes come out of one 64-byte register with a shift, masks and an or.
+ *
+ * The activations are quantized per row and per 256 values, as llama.cpp's Q8_K does: xq =
+ * round(x * (127 / amax)), xd = amax / 127, and the sum of each 16 xq kept (bsum). Then per
+ * super-block, exactly in integers, the codes' dot products per sub-block (u8 x s8 pairs summed to
+ * int16 by pmaddubsw: at most 2 * 63 * 127), times the sub-block's scale summed to int32 (pmaddwd,
+ * or vpdpwssd with AVX512-VNNI); the offset term (Q6_K: 32 * sc_g * bsum_g; Q4_K: mn_g * bsum_g)
+ * from the sums; one float multiply per super-block by d * xd (and dmin * xd). Rows are split
+ * across torch's OpenMP threads; each weight super-block is unpacked once for all M activation
+ * rows. AVX2 hosts take 32 codes at a time; others a plain C loop.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+
+#define KQ_BLOCK 256
+#define Q6K_CODE_BYTES 192
+#define Q4K_CODE_BYTES 128
+#define KQ_MAX_ROWS 8
+/* Code bytes read ahead of the block being multiplied: on the 2-vCPU EPYC hosts a one-row
+ * product over a model's Q4_K matrices streamed 24-25 GB/s without, 26-28 with 1-2 KiB (the
+ * hardware prefetcher alone leaves the two cores waiting on memory). */
+#define KQ_PREFETCH 2048
+
+/* Row m of x (K bfloat16 or float32 values) -> xq [K] int8, xd [K/256] float, bsum [K/16] int16. */
+static void quantize_row(const void *x, int is_bf16, int64_t m, int64_t K, int8_t *xq, float *xd, int16_t *bsum) {
+    for (int64_t b = 0; b < K / KQ_BLOCK; b++) {
+        float v[KQ_BLOCK], amax = 0.f;
+        for (int j = 0; j < KQ_BLOCK; j++) {
+            const int64_t k = m * K + b * KQ_BLOCK + j;
+            v[j] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            const float a = fabsf(v[j]);
+            amax = a > amax ? a : amax;
+        }
+        int8_t *q = xq + b * KQ_BLOCK;
+        if (amax == 0.f) {
+            for (int j = 0; j < KQ_BLOCK; j++) q[j] = 0;
+            xd[b] = 0.f;
+        } else {
+            const float iscale = 127.f / amax;
+            for (int j = 0; j < KQ_BLOCK; j++) {
+                float r = nearbyintf(v[j] * iscale);
+                q[j] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+            }
+            xd[b] = amax / 127.f;
+        }
+        for (int g = 0; g < KQ_BLOCK / 16; g++) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += q[g * 16 + j];
+            bsum[b * 16 + g] = (int16_t)s;
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512i madd_acc(__m512i acc, __m512i p, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, p, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+#endif
+}
+#endif
+
+/* One weight row's parts, as each kind stores them: codes, per-sub-block integer scales, floats. */
+typedef struct {
+    const uint8_t *codes;
+    const void *scales;
+    const float *d;
+} kq_row_t;
+
+/* One Q6_K weight row (NB super-blocks) against M quantized activation rows -> sums[m]. */
+static void q6k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t M,
+                    int64_t K, float *sums) {
+    const uint8_t *codes = row.codes;
+    const int8_t *sc = (const int8_t *)row.scales;
+    const float *d = row.d;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 facc[KQ_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+    /* chunk c's 64 codes are groups 4c..4c+3: lane l of 32 int16 takes scale 4c + l / 8 */
+    __m512i pick[4];
+    for (int c = 0; c < 4; c++) {
+        int16_t idx[32];
+        for (int l = 0; l < 32; l++) idx[l] = (int16_t)(4 * c + l / 8);
+        pick[c] = _mm512_loadu_si512((const void *)idx);
+    }
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
+        for (int line = 0; line < 3; line++) _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64 * line), _MM_HINT_T0);
+        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
+        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
+        const __m512i qh = _mm512_loadu_si512((const void *)(blk + 128));
+        __m512i q[4];
+        q[0] = _mm512_or_si512(_mm512_and_si512(ql0, low4), _mm512_slli_epi16(_mm512_and_si512(qh, low2), 4));
+        q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), low2), 4));
+        q[2] = _mm512_or_si512(_mm512_and_si512(ql1, low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), low2), 4));
+        q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), low2), 4));
+        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sc + b * 16))));
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
+        const float db = d[b];
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
+            __m512i acc = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++)
+                acc = madd_acc(acc, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), s[c]);
+            /* the -32 of every code: 32 * sum_g sc_g * bsum_g, in the low 8 int32 lanes */
+            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
+            const __m512i corr = _mm512_madd_epi16(s16, bs);
+            acc = _mm512_sub_epi32(acc, _mm512_slli_epi32(corr, 5));
+            facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(db * xd[m * (K / KQ_BLOCK) + b]), facc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
+#elif defined(__AVX2__)
+    __m256 facc[KQ_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
+        const int8_t *sb = sc + b * 16;
+        int32_t isum[KQ_MAX_ROWS] = {0};
+        __m256i acc[KQ_MAX_ROWS];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) { /* bytes 32 * half .. + 31 of each 64-byte row */
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * half));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * half));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4));
+            for (int c = 0; c < 4; c++) {
+                /* codes 64c + 32 * half .. + 31: groups 4c + 2 * half and the next */
+                const int g = 4 * c + 2 * half;
+                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sb[g + 1]), _mm_set1_epi16(sb[g]));
+                for (int64_t m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * KQ_BLOCK + 64 * c + 32 * half));
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), s));
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *bs = bsum + m * (K / 16) + b * 16;
+            for (int g = 0; g < 16; g++) isum[m] -= 32 * sb[g] * bs[g];
+            const __m256 part = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m], _mm256_setr_epi32(isum[m], 0, 0, 0, 0, 0, 0, 0)));
+            facc[m] = _mm256_fmadd_ps(part, _mm256_set1_ps(d[b] * xd[m * (K / KQ_BLOCK) + b]), facc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
+#else
+    for (int64_t m = 0; m < M; m++) {
+        float total = 0.f;
+        for (int64_t b = 0; b < NB; b++) {
+            const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
+            int32_t isum = 0;
+            for (int j = 0; j < KQ_BLOCK; j++) {
+                const int c = j / 64, p = j % 64;
+                const int lo = (blk[(c / 2) * 64 + p] >> (4 * (c % 2))) & 0x0F;
+                const int hi = (blk[128 + p] >> (2 * c)) & 0x03;
+                isum += sc[b * 16 + j / 16] * ((lo | (hi << 4)) - 32) * xq[m * K + b * KQ_BLOCK + j];
+            }
+            total += (float)isum * (d[b] * xd[m * (K / KQ_BLOCK) + b]);
+        }
+        sums[m] = total;
+    }
+    (void)bsum;
+#endif
+}
+
+/* One Q4_K weight row: codes as the header says, scales[b * 16 ..]: 8 scales then 8 minimums,
+ * d[2 b], d[2 b + 1]: the block's d and dmin. */
+static void q4k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t M,
+                    int64_t K, float *sums) {
+    const uint8_t *codes = row.codes;
+    const uint8_t *sm = (const uint8_t *)row.scales;
+    const float *d = row.d;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 facc[KQ_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    /* chunk c's 64 codes are sub-blocks 2c, 2c + 1: lane l of 32 int16 takes scale 2c + l / 16;
+     * the minimums (int16 lanes 8..15) pair with the 16 bsums: lane i takes minimum i / 2 */
+    __m512i pick[4], pick_min;
+    {
+        int16_t idx[32];
+        for (int c = 0; c < 4; c++) {
+            for (int l = 0; l < 32; l++) idx[l] = (int16_t)(2 * c + l / 16);
+            pick[c] = _mm512_loadu_si512((const void *)idx);
+        }
+        for (int l = 0; l < 32; l++) idx[l] = (int16_t)(l < 16 ? 8 + l / 2 : 0);
+        pick_min = _mm512_loadu_si512((const void *)idx);
+    }
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
+        _mm_prefetch((const char *)(blk + KQ_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64), _MM_HINT_T0);
+        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
+        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
+        __m512i q[4];
+        q[0] = _mm512_and_si512(ql0, low4);
+        q[1] = _mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4);
+        q[2] = _mm512_and_si512(ql1, low4);
+        q[3] = _mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4);
+        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sm + b * 16))));
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
+        const __m512i mn = _mm512_maskz_permutexvar_epi16(0x0000FFFF, pick_min, s16);
+        const float db = d[2 * b], dminb = d[2 * b + 1];
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
+            __m512i acc = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++)
+                acc = madd_acc(acc, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), s[c]);
+            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
+            const __m512i corr = _mm512_madd_epi16(mn, bs); /* mn_g * (bsum_2g + bsum_2g+1) in lanes 0..7 */
+            const float xs = xd[m * (K / KQ_BLOCK) + b];
+            facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(db * xs), facc[m]);
+            facc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr), _mm512_set1_ps(dminb * xs), facc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
+#elif defined(__AVX2__)
+    __m256 facc[KQ_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
+        const uint8_t *sb = sm + b * 16;
+        __m256i acc[KQ_MAX_ROWS];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * half));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * half));
+            __m256i q[4];
+            q[0] = _mm256_and_si256(ql0, low4);
+            q[1] = _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4);
+            q[2] = _mm256_and_si256(ql1, low4);
+            q[3] = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4);
+            for (int c = 0; c < 4; c++) {
+                /* codes 64c + 32 * half .. + 31: sub-block 2c + half */
+                const __m256i sv = _mm256_set1_epi16((int16_t)sb[2 * c + half]);
+                for (int64_t m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * KQ_BLOCK + 64 * c + 32 * half));
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), sv));
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *bs = bsum + m * (K / 16) + b * 16;
+            int32_t corr = 0;
+            for (int g = 0; g < 8; g++) corr += sb[8 + g] * (bs[2 * g] + bs[2 * g + 1]);
+            const float xs = xd[m * (K / KQ_BLOCK) + b];
+            facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(d[2 * b] * xs), facc[m]);
+            facc[m] = _mm256_fnmadd_ps(_mm256_setr_ps((float)corr, 0, 0, 0, 0, 0, 0, 0), _mm256_set1_ps(d[2 * b + 1] * xs),
+                                       facc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
+#else
+    for (int64_t m = 0; m < M; m++) {
+        float total = 0.f;
+        for (int64_t b = 0; b < NB; b++) {
+            const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
+            const uint8_t *sb = sm + b * 16;
+            int32_t isum = 0, corr = 0;
+            for (int j = 0; j < KQ_BLOCK; j++) {
+                const int c = j / 64, p = j % 64;
+                const int q = (blk[(c / 2) * 64 + p] >> (4 * (c % 2))) & 0x0F;
+                const int x = xq[m * K + b * KQ_BLOCK + j];
+                isum += sb[j / 32] * q * x;
+                corr += sb[8 + j / 32] * x;
+            }
+            const float xs = xd[m * (K / KQ_BLOCK) + b];
+            total += (float)isum * (d[2 * b] * xs) - (float)corr * (d[2 * b + 1] * xs);
+        }
+        sums[m] = total;
+    }
+    (void)bsum;
+#endif
+}
+
+/* Bytes of scratch q6k_gemm and q4k_gemm need for M rows of K. */
+int64_t kquant_scratch_bytes(int64_t M, int64_t K) {
+    return M * K + M * (K / KQ_BLOCK) * (int64_t)sizeof(float) + M * (K / 16) * (int64_t)sizeof(int16_t) + 64;
+}
+
+typedef void (*kq_row_fn)(kq_row_t, int64_t, const int8_t *, const float *, const int16_t *, int64_t, int64_t, float *);
+
+/* The shared driver: quantize x's rows, then every weight row against them. Per weight row the
+ * kind stores code_bytes * NB code bytes, scale_bytes * NB scale bytes and floats * NB floats. */
+static int kquant_gemm(kq_row_fn row_fn, int64_t code_bytes, int64_t scale_bytes, int64_t floats, const void *x,
+                       const uint8_t *codes, const void *scales, const float *d, void *out, int64_t M, int64_t N,
+                       int64_t K, int is_bf16, void *scratch) {
+    if (M < 1 || M > KQ_MAX_ROWS || K % KQ_BLOCK != 0) return -1;
+    const int64_t NB = K / KQ_BLOCK;
+    int8_t *xq = (int8_t *)scratch;
+    float *xd = (float *)(((uintptr_t)(xq + M * K) + 15) & ~(uintptr_t)15);
+    int16_t *bsum = (int16_t *)(xd + M * NB);
+    for (int64_t m = 0; m < M; m++) quantize_row(x, is_bf16, m, K, xq + m * K, xd + m * NB, bsum + m * (K / 16));
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float sums[KQ_MAX_ROWS];
+        const kq_row_t row = {codes + n * NB * code_bytes, (const uint8_t *)scales + n * NB * scale_bytes,
+                              d + n * NB * floats};
+        row_fn(row, NB, xq, xd, bsum, M, K, sums);
+        store_column(out, N, n, sums, M, is_bf16);
+    }
+    return 0;
+}
+
+/* x: [M][K] (bfloat16 if is_bf16 else float32), codes: [N][K/256][192], sc: [N][K/16] int8,
+ * d: [N][K/256] float, out: [M][N] like x. Returns 0, or -1 if M > KQ_MAX_ROWS or K is not a
+ * multiple of 256. */
+int q6k_gemm(const void *x, const uint8_t *codes, const int8_t *sc, const float *d, void *out, int64_t M,
+             int64_t N, int64_t K, int is_bf16, void *scratch) {
+    return kquant_gemm(q6k_row, Q6K_CODE_BYTES, 16, 1, x, codes, sc, d, out, M, N, K, is_bf16, scratch);
+}
+
+/* As q6k_gemm for Q4_K: codes [N][K/256][128], scale_min [N][K/256][16] uint8 (8 scales, then 8
+ * minimums), dm [N][K/256][2] float (d, dmin). */
+int q4k_gemm(const void *x, const uint8_t *codes, const uint8_t *scale_min, const float *dm, void *out, int64_t M,
+             int64_t N, int64_t K, int is_bf16, void *scratch) {
+    return kquant_gemm(q4k_row, Q4K_CODE_BYTES, 16, 2, x, codes, scale_min, dm, out, M, N, K, is_bf16, scratch);
+}
+
+/* Whether the vector paths were compiled in (AVX512-BW, or AVX2); else the plain C loops. */
+int tessera_kquant_vector(void) {
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Dense bfloat16 weights [N][K] from the stored blocks, for the dense path of large steps (which
+ * would otherwise rebuild them with a dozen PyTorch passes over the whole matrix: 3-9 s for a
+ * 1.5B model's prefill step, against the matmul's ~6). Values are the float32 products the
+ * Python decoding (Q6KMethod / Q4KMethod._weights) makes, rounded once to bfloat16. */
+static inline void store_bf16x16(uint16_t *dst, const float *src) {
+#if defined(__AVX512F__)
+    const __m512 v = _mm512_loadu_ps(src);
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+#else /* round to nearest even by hand (finite weights: no NaN case) */
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+#endif
+#else
+    for (int i = 0; i < 16; i++) dst[i] = f32_to_bf16(src[i]);
+#endif
+}
+
+/* The 256 codes of one block, in order: Q6_K's in 0..63, Q4_K's in 0..15. */
+static inline void q6k_codes(const uint8_t *blk, uint8_t *q) {
+    for (int p = 0; p < 64; p++) {
+        const uint8_t l0 = blk[p], l1 = blk[64 + p], h = blk[128 + p];
+        q[p] = (uint8_t)((l0 & 0x0F) | ((h & 3) << 4));
+        q[64 + p] = (uint8_t)((l0 >> 4) | (((h >> 2) & 3) << 4));
+        q[128 + p] = (uint8_t)((l1 & 0x0F) | (((h >> 4) & 3) << 4));
+        q[192 + p] = (uint8_t)((l1 >> 4) | ((h >> 6) << 4));
+    }
+}
+
+static inline void q4k_codes(const uint8_t *blk, uint8_t *q) {
+    for (int p = 0; p < 64; p++) {
+        q[p] = blk[p] & 0x0F;
+        q[64 + p] = blk[p] >> 4;
+        q[128 + p] = blk[64 + p] & 0x0F;
+        q[192 + p] = blk[64 + p] >> 4;
+    }
+}
+
+void q6k_dequant_bf16(const uint8_t *codes, const int8_t *sc, const float *d, uint16_t *out, int64_t N, int64_t K) {
+    const int64_t NB = K / KQ_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        uint8_t q[KQ_BLOCK];
+        float w[16];
+        for (int64_t b = 0; b < NB; b++) {
+            q6k_codes(codes + (n * NB + b) * Q6K_CODE_BYTES, q);
+            const int8_t *sb = sc + (n * NB + b) * 16;
+            const float db = d[n * NB + b];
+            uint16_t *o = out + n * K + b * KQ_BLOCK;
+            for (int g = 0; g < 16; g++) {
+                const float scale = db * (float)sb[g];
+                for (int i = 0; i < 16; i++) w[i] = (float)((int)q[g * 16 + i] - 32) * scale;
+                store_bf16x16(o + g * 16, w);
+            }
+        }
+    }
+}
+
+void q4k_dequant_bf16(const uint8_t *codes, const uint8_t *scale_min, const float *dm, uint16_t *out, int64_t N,
+                      int64_t K) {
+    const int64_t NB = K / KQ_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        uint8_t q[KQ_BLOCK];
+        float w[16];
+        for (int64_t b = 0; b < NB; b++) {
+            q4k_codes(codes + (n * NB + b) * Q4K_CODE_BYTES, q);
+            const uint8_t *sm = scale_min + (n * NB + b) * 16;
+            const float db = dm[2 * (n * NB + b)], dminb = dm[2 * (n * NB + b) + 1];
+            uint16_t *o = out + n * K + b * KQ_BLOCK;
+            for (int j = 0; j < 16; j++) {
+                const float scale = db * (float)sm[j / 2], minimum = dminb * (float)sm[8 + j / 2];
+                for (int i = 0; i < 16; i++) w[i] = (float)q[j * 16 + i] * scale - minimum;
+                store_bf16x16(o + j * 16, w);
+            }
+        }
+    }
+}
