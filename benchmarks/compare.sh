@@ -64,7 +64,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-TESSERA=("$PY" -m tessera)
+TESSERA=("$PY" -P -m tessera)  # -P: the source on PYTHONPATH (tessera=REV), not the current directory's
 # The bench client; BENCH_CMD overrides it (e.g. "python -m tessera.bench.cli").
 read -r -a BENCH <<< "${BENCH_CMD:-$PY -m tessera bench}"
 LOGS=$RESULTS/logs
