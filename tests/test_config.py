@@ -34,3 +34,14 @@ def test_cli_reports_bad_options_without_a_traceback(capsys):
     assert cli.main(["generate", "smollm2-135m", "--prompt", "hi", "--max-num-seqs", "0"]) == 2
     err = capsys.readouterr().err
     assert "error: --max-num-seqs must be at least 1" in err and "Traceback" not in err
+
+
+def test_int8_activations_flag_reaches_the_config():
+    import argparse
+
+    from tessera.engine.args import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([]), "smollm2-135m").int8_activations is True
+    assert config_from_args(parser.parse_args(["--no-int8-activations"]), "smollm2-135m").int8_activations is False
