@@ -71,7 +71,9 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DENSE_WEIGHT_COPIES = ("auto", "on", "off")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULER_POLICIES = ("continuous", "static")
-ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference")
+ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference", "triton")
+# Where the model runs; auto: cuda when torch sees a GPU, else cpu.
+DEVICES = ("auto", "cpu", "cuda")
 # KV cache element format (vLLM's --kv-cache-dtype); auto = the compute dtype. int8: per-block scales.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 PROFILES = ("auto", "chat-solo", "multi-agent", "bursty")
@@ -208,6 +210,12 @@ class EngineConfig:
     """
 
     model: str = "smollm2-135m"
+    # cpu or cuda; "auto" is resolved here (cuda when torch sees a GPU), so every part built from
+    # this config reads one answer.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Share of the GPU's memory this engine may hold, weights and activations included (vLLM's
+    # --gpu-memory-utilization); the KV cache gets what is left. CPU engines ignore it.
+    gpu_memory_utilization: float = 0.9
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # Weight storage of Linear layers (vLLM's --quantization): auto keeps the file's precision class.
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
@@ -240,7 +248,7 @@ class EngineConfig:
     preemption_mode: Optional[Literal["recompute", "swap"]] = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     scheduler_policy: Literal["continuous", "static"] = "continuous"
-    attention_backend: Literal["auto", "paged", "sdpa", "reference"] = "auto"
+    attention_backend: Literal["auto", "paged", "sdpa", "reference", "triton"] = "auto"
     num_threads: Optional[int] = None
     seed: int = 0
     # Speculative decoding (vLLM's --speculative-config); None = off.
@@ -264,7 +272,8 @@ class EngineConfig:
                 setattr(self, name, getattr(preset, name))
         choices = [("quantization", QUANTIZATIONS), ("dense_weight_copy", DENSE_WEIGHT_COPIES),
                    ("preemption_mode", PREEMPTION_MODES), ("scheduler_policy", SCHEDULER_POLICIES),
-                   ("attention_backend", ATTENTION_BACKENDS), ("kv_cache_dtype", KV_CACHE_DTYPES)]
+                   ("attention_backend", ATTENTION_BACKENDS), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                   ("device", DEVICES)]
         if isinstance(self.dtype, str):  # a torch.dtype from the Python API is checked when resolved
             choices.append(("dtype", DTYPES))
         for name, allowed in choices:
@@ -286,6 +295,16 @@ class EngineConfig:
                                   "draft_model speculation (ngram and layer_skip are fine)")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ConfigError(f"--pooling must be one of {', '.join(POOLING_TYPES)}, not {self.pooling!r}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be a fraction in (0, 1], not {util!r}")
+        import torch  # here: reading a config needs no torch, resolving its device does
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA GPU is visible to PyTorch here (torch "
+                              f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use --device cpu")
         target = self.target_itl_ms
         if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
             raise ConfigError(f"--target-itl-ms must be a number of milliseconds >= 0 (0 = no target), "

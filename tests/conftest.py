@@ -6,10 +6,18 @@ template), so tests can compare Tessera against Hugging Face in seconds.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. The knob is read as
+# kernels are decorated (triton.language's helpers at its import), so it is set before any test
+# module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Where the real models were assembled before the registry existed; used only as a fallback.
 _FALLBACK_FILES = {

@@ -12,7 +12,9 @@ from tessera.attention.reference import ReferenceBackend
 pytestmark = pytest.mark.skipif(kernels.available() is not None, reason="C kernels unavailable here")
 
 
-def _case(dtype, hq=6, hkv=2, d=64, bs=16, lens=(1, 17, 40, 300), seed=0):
+def _case(dtype, hq=6, hkv=2, d=64, bs=16, lens=(1, 17, 40, 300), seed=0, tokens=None):
+    """A random cache over scattered blocks for contexts of `lens`, and q/k/v for `tokens` step
+    tokens (default: one per context, a decode step)."""
     gen = torch.Generator().manual_seed(seed)
     nblocks = sum((n + bs - 1) // bs for n in lens) + 3
     cache = torch.randn(2, hkv, nblocks, bs, d, generator=gen).to(dtype)
@@ -22,9 +24,10 @@ def _case(dtype, hq=6, hkv=2, d=64, bs=16, lens=(1, 17, 40, 300), seed=0):
         k = (n + bs - 1) // bs
         tables.append(order[pos:pos + k])
         pos += k
-    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-    k = torch.randn(len(lens), hkv, d, generator=gen).to(dtype)
-    v = torch.randn(len(lens), hkv, d, generator=gen).to(dtype)
+    t = len(lens) if tokens is None else tokens
+    q = torch.randn(t, hq, d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
     return cache, tables, q, k, v
 
 
@@ -59,7 +62,7 @@ def test_paged_decode_with_prefill_rows_matches_reference(lens):
 
 
 def test_backend_registry_and_auto():
-    assert set(BACKENDS) == {"paged", "sdpa", "reference"}
+    assert set(BACKENDS) == {"paged", "sdpa", "reference", "triton"}
     assert get_backend("auto").name == "paged"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("flash")

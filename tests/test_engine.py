@@ -167,3 +167,11 @@ def test_abort_frees_blocks(loaded):
 def test_reference_and_sdpa_backends_agree(loaded, alone):
     llm = make_llm(loaded, attention_backend="reference", max_num_batched_tokens=13)
     assert texts(llm.generate(prompts(32)[:8], GREEDY)) == alone[:8]
+
+
+def test_triton_backend_agrees(loaded, alone):
+    """The GPU's attention kernel (in Triton's interpreter here) through the whole engine: mixed
+    decode and chunked-prefill steps over cached blocks give the paged backend's greedy tokens."""
+    llm = make_llm(loaded, attention_backend="triton", max_num_batched_tokens=13)
+    assert llm.engine.parts.attn_backend.name == "triton"
+    assert texts(llm.generate(prompts(32)[:8], GREEDY)) == alone[:8]

@@ -59,6 +59,7 @@ def test_gemma3_270m_layers_make_six_groups_of_three() -> None:
     {"attention_backend": "paged"},
     {"attention_backend": "sdpa"},
     {"attention_backend": "reference"},
+    {"attention_backend": "triton"},  # the GPU's kernel, in Triton's interpreter
     {"attention_backend": "paged", "kv_cache_dtype": "int8"},
     {"attention_backend": "paged", "max_num_batched_tokens": 5, "max_num_seqs": 4},  # chunked prefill
 ])

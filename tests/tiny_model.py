@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -23,7 +24,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, max_positions: int = 256) -> Path:
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, max_positions: int = 256,
+                    shape: Optional[dict] = None, std: float = 0.25) -> Path:
+    """`shape`: config fields over the tiny ones (a real model's sizes, for benchmarks/gpu_check.py;
+    a vocabulary larger than the tokenizer's is fine: the ids past it decode to nothing). `std`:
+    the weights' spread (0.25 makes sharp logits at tiny sizes; real sizes want the usual 0.02)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -45,13 +50,14 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, max_position
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   rms_norm_eps=1e-6, eos_token_id=tok.token_to_id("<|im_end|>"), tie_word_embeddings=False)
+    common.update(shape or {})
     cfg = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # sharper logits than the default init, so greedy choices are not near-ties
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.25)
+                p.normal_(0, std)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -108,6 +108,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    # Where the cache and each step's metadata live; a GPU backend sets its own.
+    device: torch.device = torch.device("cpu")
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -146,20 +148,24 @@ class AttentionBackend(ABC):
         return num_layers * n * self.kv_cache_dtype(model_dtype).itemsize
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 model_dtype: torch.dtype, zeroed: bool = True) -> list[torch.Tensor]:
-        """One cache tensor per layer. `zeroed=False` leaves the memory untouched: for a pool whose
-        blocks are always written whole before they are read (the host swap pool), so that pages
-        no block has used yet stay out of the resident set (1 GiB of swap space costs nothing until
-        requests are swapped out)."""
+                 model_dtype: torch.dtype, host: bool = False) -> list[torch.Tensor]:
+        """One zeroed cache tensor per layer on the backend's device. `host=True`: the host pool
+        for swapped-out blocks instead, left untouched (a swapped block is always written whole
+        before it is read, so pages no block has used stay out of the resident set: 1 GiB of swap
+        space costs nothing until requests are swapped out) and pinned when the cache is on a GPU
+        (copies to and from it then run at the bus's speed)."""
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        make = torch.zeros if zeroed else torch.empty
-        return [make(shape, dtype=self.kv_cache_dtype(model_dtype)) for _ in range(num_layers)]
+        dtype = self.kv_cache_dtype(model_dtype)
+        if host:
+            pin = self.device.type == "cuda"
+            return [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     def copy_blocks(self, src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor,
                     dst_ids: torch.Tensor) -> None:
-        """Copy whole blocks between two caches of this layout (swap out / in)."""
+        """Copy whole blocks between two caches of this layout (swap out / in), across devices."""
         for s, d in zip(src, dst):
-            d[:, :, dst_ids] = s[:, :, src_ids]
+            d[:, :, dst_ids.to(d.device)] = s[:, :, src_ids.to(s.device)].to(d.device)
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                        block_size: int) -> AttentionMetadata:
@@ -209,8 +215,8 @@ def _padded_layout(meta: AttentionMetadata, lens: list[int]) -> tuple[torch.Tens
     a real token), built once per step and shared by the layers."""
     key = ("bidirectional", meta.num_tokens)
     if key not in meta._cache:
-        width, b = max(lens), len(lens)
-        real = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [B, L]
+        width, b, device = max(lens), len(lens), meta.slot_mapping.device
+        real = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
         meta._cache[key] = (real.view(-1).nonzero().view(-1), real.view(b, 1, 1, width))
     return meta._cache[key]
 
@@ -427,7 +433,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     key = ("kv_slots", h, nb * bs)
     idx = meta._cache.get(key)
     if idx is None:
-        idx = (meta.slot_mapping.unsqueeze(0) + torch.arange(h).unsqueeze(1) * (nb * bs)).reshape(-1)
+        idx = (meta.slot_mapping.unsqueeze(0)
+               + torch.arange(h, device=meta.slot_mapping.device).unsqueeze(1) * (nb * bs)).reshape(-1)
         meta._cache[key] = idx
     flat[0].index_copy_(0, idx, k.transpose(0, 1).reshape(-1, d))
     flat[1].index_copy_(0, idx, v.transpose(0, 1).reshape(-1, d))

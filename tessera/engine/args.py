@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import Any, Mapping
 
 from tessera.config import (
-    ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
+    ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
     PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig,
 )
 from tessera.pooling_params import POOLING_TYPES
@@ -25,6 +25,12 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
+    g.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the model runs: cpu, or cuda (an NVIDIA GPU: bfloat16 weights, the triton attention "
+                        "backend); auto: cuda when PyTorch sees a GPU (default: %(default)s)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="share of the GPU's memory the engine may use, weights and activations included; the KV "
+                        "cache takes the rest of it (--device cuda; default: %(default)s)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
                    help="compute dtype; auto: bfloat16 where the CPU computes it natively, else measured "
                         "(default: %(default)s)")
@@ -86,7 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
                    help="continuous batching, or the naive static baseline (default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
-                   help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), reference (a plain loop, for checking); auto: paged where its kernel builds (default: %(default)s)")
+                   help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), "
+                        "reference (a plain loop, for checking), triton (the GPU's kernel reading the paged cache in "
+                        "place); auto: triton on a GPU, else paged where its kernel builds (default: %(default)s)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 4}' (prompt lookup), '{\"model\": \"qwen2.5-coder-0.5b\", "

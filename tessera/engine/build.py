@@ -97,10 +97,11 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    device = torch.device(config.device)
     if loaded is None:
-        loaded = load_model(resolve_model(config.model), config.dtype, quantization=config.quantization,
-                            dense_copy=config.dense_copy, weight_cache=config.weight_cache,
-                            int8_activations=config.int8_activations)
+        loaded = load_model(resolve_model(config.model), **_load_options(config, config.quantization))
+    if device.type != "cpu":
+        loaded.model.to(device)
     mc, dtype = loaded.config, loaded.dtype
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > mc.max_position_embeddings:
@@ -112,7 +113,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                     "--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager
                     else "--kv-offload-dir stores whole-context blocks")
     try:
-        backend = get_backend(config.attention_backend, config.kv_cache_dtype)
+        backend = get_backend(config.attention_backend, config.kv_cache_dtype, device)
         bytes_per_block = backend.bytes_per_block(groups.num_slots, mc.num_kv_heads, mc.head_dim,
                                                   config.block_size, dtype)
     except (ValueError, KernelUnavailable) as exc:
@@ -120,13 +121,18 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     if not mc.is_causal:
         return _build_encoder(config, loaded, max_model_len, groups, backend)
     spec = config.speculative_config
+    if spec is not None and spec.method != "ngram" and device.type != "cpu":
+        raise InvalidRequestError(f"--speculative-config: {spec.method} speculation runs on the CPU only; "
+                                  "on a GPU use ngram")
     draft = _load_draft(config, loaded) if spec is not None and spec.method == "draft_model" else None
     if draft is not None:  # its cache shares the target's block ids, so every block holds both
         dc = draft.config
         bytes_per_block += backend.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim,
                                                    config.block_size, draft.dtype)
     kv_memory = config.kv_cache_memory
-    if kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
+    if kv_memory is None and device.type == "cuda":
+        kv_memory = _gpu_kv_cache_memory(config, mc, dtype, device)
+    elif kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
         swap = config.swap_space if config.preemption_mode == "swap" else 0
         others = swap + activation_bytes(mc, config, dtype, loaded.quant.dense_copy)
         blocks_needed = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size)
@@ -165,7 +171,10 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         "max concurrency at max_model_len %d: %.1f", num_blocks, config.block_size,
         num_blocks * bytes_per_block / 2**20, kv_format, groups.describe(), tokens_per_gib,
         max_model_len, (num_blocks - (1 if groups.hybrid else 0)) / per_sequence)
-    _log_memory(config)
+    if device.type == "cuda":
+        _log_gpu_memory(config, device)
+    else:
+        _log_memory(config)
     return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
                        kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
                        inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=offload,
@@ -209,6 +218,42 @@ def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVC
                        kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
                        inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=None, proposer=None,
                        spec_policy=None, kv_capacity_tokens=kv_capacity_tokens, kv_tokens_per_gib=0.0)
+
+
+def _load_options(config: EngineConfig, quantization: str) -> dict:
+    """load_model's settings for this config's device. A GPU takes dense weights in the compute
+    dtype (bfloat16 for auto; the CPU's quantized layouts and their packed-weight cache are made
+    for its C kernels), moved there after loading."""
+    if config.device == "cpu":
+        return dict(dtype=config.dtype, quantization=quantization, dense_copy=config.dense_copy,
+                    weight_cache=config.weight_cache, int8_activations=config.int8_activations)
+    if quantization not in ("auto", "none"):
+        raise InvalidRequestError(f"--quantization {quantization} runs on the CPU's kernels; on a GPU weights "
+                                  "are dense (--quantization auto or none)")
+    return dict(dtype="bfloat16" if config.dtype == "auto" else config.dtype, quantization="none",
+                dense_copy=False, weight_cache=False, int8_activations=False)
+
+
+def _gpu_kv_cache_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """The KV cache on a GPU, as vLLM sizes it: --gpu-memory-utilization of the device's memory,
+    less what is in use once the weights are there (this process's and any other's) and the
+    largest step's activations (tessera/sizing.py's bound)."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_bytes(mc, config, dtype, True)
+    if budget <= 0:
+        raise InvalidRequestError(
+            f"--gpu-memory-utilization {config.gpu_memory_utilization:g} of {total / 2**30:.1f} GiB leaves no room for "
+            f"a KV cache: {(total - free) / 2**30:.1f} GiB is in use with the weights loaded; raise it")
+    return budget
+
+
+def _log_gpu_memory(config: EngineConfig, device: torch.device) -> None:
+    """What the GPU holds after start-up, beside the share the engine was given."""
+    free, total = torch.cuda.mem_get_info(device)
+    logger.info("GPU memory (%s): %.1f GiB of %.1f GiB in use (this engine: %.1f GiB allocated, %.1f GiB of it the "
+                "KV cache); --gpu-memory-utilization %g", torch.cuda.get_device_name(device), (total - free) / 2**30,
+                total / 2**30, torch.cuda.memory_allocated(device) / 2**30, config.kv_cache_memory / 2**30,
+                config.gpu_memory_utilization)
 
 
 def _log_memory(config: EngineConfig) -> None:
@@ -255,9 +300,8 @@ def _load_draft(config: EngineConfig, target):
 
     spec = config.speculative_config
     assert spec is not None and spec.model is not None
-    draft = load_model(resolve_model(spec.model), target.dtype, quantization=spec.quantization or config.quantization,
-                       dense_copy=config.dense_copy, weight_cache=config.weight_cache,
-                       int8_activations=config.int8_activations)
+    options = _load_options(config, spec.quantization or config.quantization)
+    draft = load_model(resolve_model(spec.model), **{**options, "dtype": target.dtype})
     probe = "def add(a, b):\n    return a + b  # Grüße, 你好 🙂"
     tok = target.tokenizer
     same = (draft.tokenizer.encode(probe, add_special_tokens=False) == tok.encode(probe, add_special_tokens=False)
@@ -364,5 +408,6 @@ def _cost_model_key(config: EngineConfig, loaded, backend: AttentionBackend, kv_
         "kv_cache": kv_format,
         "limits": [c.block_size, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len],
         "threads": torch.get_num_threads(), "cpu": cpu_model_name(), "source": source_digest(),
+        "device": torch.cuda.get_device_name(c.device) if c.device == "cuda" else "cpu",
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]

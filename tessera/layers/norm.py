@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
         """Normalize x, or (x + residual) returning (normalized, new residual) when residual is given
         (the kernel updates `residual` in place and returns it)."""
-        if (self.use_kernel and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
+        if (self.use_kernel and x.is_cpu and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
                 and (residual is None or (residual.is_contiguous() and residual.dtype == torch.bfloat16))):
             out = kernels.rms_norm_bf16(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)

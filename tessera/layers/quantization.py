@@ -234,7 +234,7 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     """
     assert activation is None or residual is None, "one post-op: an activation or a residual"
     rows = x.shape[0]
-    bf16 = x.dtype == torch.bfloat16 and x.dim() == 2
+    bf16 = x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu  # oneDNN's shapes and ops: CPU only
     padded = row_bucket(rows) if bf16 else rows
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))

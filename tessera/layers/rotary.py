@@ -65,8 +65,9 @@ class RotaryEmbedding(nn.Module):
     def _build(self, n: int) -> None:
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
-        self.cos = torch.cat([cos, cos], dim=-1).to(self.dtype)
-        self.sin = torch.cat([-sin, sin], dim=-1).to(self.dtype)
+        device = self.cos.device if hasattr(self, "cos") else torch.device("cpu")
+        self.cos = torch.cat([cos, cos], dim=-1).to(self.dtype).to(device)
+        self.sin = torch.cat([-sin, sin], dim=-1).to(self.dtype).to(device)
 
     def exact_cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [T, D/2] float32 of each pair's angle at `positions`, from float64 angles and
@@ -82,8 +83,14 @@ class RotaryEmbedding(nn.Module):
         return self._exact[0][positions], self._exact[1][positions]
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, D] (broadcast over heads)."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+        """[T] positions -> cos, sin of shape [T, 1, D] (broadcast over heads). The tables follow
+        the positions' device: on a GPU built whole (every position the model takes) when first
+        used there, so no step reads the positions back to the host to grow them."""
+        if self.cos.device != positions.device:
+            if positions.device.type != "cpu":
+                self._build(self.max_positions)
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        if positions.is_cpu and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             self._build(max(int(positions.max()) + 1, 2 * self.cos.shape[0]))
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 

@@ -428,7 +428,7 @@ def engine_settings(engine: AsyncLLMEngine) -> dict[str, Any]:
     config = engine.config
     spec = config.speculative_config
     kv = engine.kv_cache_info()
-    return {"model": config.model, "profile": config.profile, "quantization": config.quantization, "kv_cache_dtype": kv["dtype"], "kv_cache_tokens": kv["tokens"],
+    return {"model": config.model, "device": config.device, "profile": config.profile, "quantization": config.quantization, "kv_cache_dtype": kv["dtype"], "kv_cache_tokens": kv["tokens"],
             "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens, "target_itl_ms": config.target_itl_ms,
             "enable_prefix_caching": config.enable_prefix_caching, "preemption_mode": config.preemption_mode,

@@ -62,7 +62,9 @@ class ModelRunnerBase(ABC):
 
 
 class ModelRunner(ModelRunnerBase):
-    """The PyTorch runner: the model and its paged KV cache in host memory."""
+    """The PyTorch runner: the model and its paged KV cache on one device, the attention
+    backend's (host memory, or a GPU's with the triton backend: inputs are copied there once a
+    step and only the sampled ids come back)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
@@ -72,6 +74,7 @@ class ModelRunner(ModelRunnerBase):
         self.backend = backend
         self.block_size = config.block_size
         self.groups = groups
+        self.device = backend.device
         mc = model_config
         if not mc.is_causal:
             # An encoder keeps no KV (its attention is bidirectional over each whole input, see
@@ -84,11 +87,10 @@ class ModelRunner(ModelRunnerBase):
             self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, dtype)
             self.kv_caches = groups.layer_caches(self.kv_slots)
-            # Host copies for swapped-out requests (pinned memory would go here on a GPU); a swapped
-            # block is copied whole before it is read, so the pool is not zeroed.
+            # Host copies for swapped-out requests (untouched until used; pinned beside a GPU cache).
             self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size,
                                                mc.num_kv_heads, mc.head_dim, dtype,
-                                               zeroed=False) if num_host_blocks > 0 else []
+                                               host=True) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
         self.structured = structured
 
@@ -107,16 +109,16 @@ class ModelRunner(ModelRunnerBase):
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """The blocks' contents, all slots, one block after the other (for the disk tier)."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         parts = [c[:, :, idx].movedim(2, 0).reshape(len(block_ids), -1).view(torch.uint8) for c in self.kv_slots]
-        return torch.cat(parts, dim=1).numpy().tobytes()
+        return torch.cat(parts, dim=1).cpu().numpy().tobytes()
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Fill blocks from `read_blocks`-shaped payloads."""
         n = len(block_ids)
-        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1).to(self.device)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         at = 0
         for c in self.kv_slots:
             shape = c[:, :, 0].shape
@@ -171,14 +173,14 @@ class ModelRunner(ModelRunnerBase):
                 sample_chunks.append(s)
         masks = self._start_masks(sample_chunks, spec_chunks)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long),
-                            torch.tensor(positions, dtype=torch.long), self.kv_caches, meta)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device), self.kv_caches, meta)
         pooled = pool(hidden, pool_chunks) if pool_chunks else {}
         rows = sample_rows + spec_rows
         if not rows:
             return RunnerOutput({}, {}, num_prompt, pooled=pooled)
         if rows != list(range(hidden.shape[0])):  # a subset, or plain rows not all ahead of the runs
-            hidden = hidden.index_select(0, torch.tensor(rows))
+            hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
         logits = self.model.compute_logits(hidden)
         mask_time = None
         if masks is not None:
@@ -228,7 +230,7 @@ def pool(hidden: torch.Tensor, chunks: list[tuple[int, ScheduledChunk]]) -> dict
     of its tokens, its first ([CLS]) or its last, in float32; then cut to the dimensions asked
     and L2-normalised where the pooling says (sentence-transformers' Normalize module), as
     vLLM's pooler does. One index_add for every mean of the step, not one per request."""
-    hidden = hidden.float()
+    hidden = hidden.float().cpu()  # embeddings go back as lists: the few rows pooled, on the host
     starts = torch.tensor([row for row, _ in chunks])
     lens = torch.tensor([c.num_new_tokens for _, c in chunks])
     kinds = [c.pooling.pooling for _, c in chunks]

@@ -44,19 +44,20 @@ def _penalize(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
     pres = [r.params.presence_penalty for r in reqs]
     freq = [r.params.frequency_penalty for r in reqs]
     n, vocab = logits.shape
-    out_counts = torch.zeros((n, vocab), dtype=torch.float32)
-    seen = torch.zeros((n, vocab), dtype=torch.bool)
+    dev = logits.device
+    out_counts = torch.zeros((n, vocab), dtype=torch.float32, device=dev)
+    seen = torch.zeros((n, vocab), dtype=torch.bool, device=dev)
     for i, r in enumerate(reqs):
         if r.output_token_ids:
-            ids = torch.tensor(r.output_token_ids, dtype=torch.long)
-            out_counts[i].index_add_(0, ids, torch.ones(len(ids)))
+            ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+            out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
         if rep[i] != 1.0:
-            seen[i, torch.tensor(r.all_token_ids, dtype=torch.long)] = True
-    rep_t = torch.tensor(rep).unsqueeze(1)
+            seen[i, torch.tensor(r.all_token_ids, dtype=torch.long, device=dev)] = True
+    rep_t = torch.tensor(rep, device=dev).unsqueeze(1)
     penalized = torch.where(logits > 0, logits / rep_t, logits * rep_t)
     torch.where(seen, penalized, logits, out=logits)
-    logits -= torch.tensor(freq).unsqueeze(1) * out_counts
-    logits -= torch.tensor(pres).unsqueeze(1) * (out_counts > 0).float()
+    logits -= torch.tensor(freq, device=dev).unsqueeze(1) * out_counts
+    logits -= torch.tensor(pres, device=dev).unsqueeze(1) * (out_counts > 0).float()
 
 
 def _bias(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
@@ -64,8 +65,8 @@ def _bias(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
     for i, r in enumerate(reqs):
         bias = r.params.logit_bias
         if bias:
-            ids = torch.tensor(list(bias), dtype=torch.long)
-            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype))
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
 
 
 def _truncate(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
@@ -76,19 +77,19 @@ def _truncate(logits: torch.Tensor, reqs: Sequence[SampledRow]) -> None:
     vocab = logits.shape[1]
     if any(min_p):
         probs = logits.softmax(dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=logits.device).unsqueeze(1)
         logits.masked_fill_(probs < floor, float("-inf"))
     if not any(top_k) and all(p >= 1.0 for p in top_p):
         return
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if any(top_k):
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
-        drop |= torch.arange(vocab).unsqueeze(0) >= k
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device).unsqueeze(1)
+        drop |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= k
     if any(p < 1.0 for p in top_p):
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-        drop |= before >= torch.tensor(top_p).unsqueeze(1)
+        drop |= before >= torch.tensor(top_p, device=logits.device).unsqueeze(1)
     drop[:, 0] = False  # the best token always survives
     logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
@@ -132,7 +133,7 @@ class Sampler:
         greedy = [r.params.temperature == 0.0 for r in row_reqs]
         probs = None
         if not all(greedy):
-            temps = torch.tensor([r.params.temperature or 1.0 for r in row_reqs]).unsqueeze(1)
+            temps = torch.tensor([r.params.temperature or 1.0 for r in row_reqs], device=logits.device).unsqueeze(1)
             scaled = logits / temps
             _truncate(scaled, row_reqs)
             probs = scaled.softmax(dim=-1)
@@ -202,11 +203,11 @@ class Sampler:
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             return greedy_tokens.tolist(), None
-        temps = torch.tensor([r.params.temperature or 1.0 for r in reqs]).unsqueeze(1)
+        temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=logits.device).unsqueeze(1)
         logits /= temps
         _truncate(logits, reqs)
         probs = logits.softmax(dim=-1)
-        tokens = torch.where(torch.tensor(greedy), greedy_tokens, self._draw(probs, reqs))
+        tokens = torch.where(torch.tensor(greedy, device=logits.device), greedy_tokens, self._draw(probs, reqs))
         return tokens.tolist(), probs
 
     def _draw(self, probs: torch.Tensor, reqs: Sequence[SampledRow]) -> torch.Tensor:
@@ -221,6 +222,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 u[i, 0] = torch.rand(1, generator=r.generator)
+        u = u.to(probs.device)  # drawn on the host: the requests' generators are host ones
         # float32 sums: the CDF's rounding (~1e-7 of the mass) is far below any probability a
         # sample could notice, and a float64 copy of 32 x 49k probabilities cost ~3 ms a step.
         cdf = probs.cumsum(dim=-1)
@@ -240,11 +242,12 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             _penalize(logits, reqs)
-            temps = torch.tensor([r.params.temperature or 1.0 for r in reqs]).unsqueeze(1)
+            temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=logits.device).unsqueeze(1)
             greedy_tokens = logits.argmax(dim=-1)
             logits /= temps
             _truncate(logits, reqs)
-            tokens = torch.where(torch.tensor(greedy), greedy_tokens, self._draw(logits.softmax(dim=-1), reqs))
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), greedy_tokens,
+                                 self._draw(logits.softmax(dim=-1), reqs))
         token_list = tokens.tolist()
         logprobs = None
         if raw_logprobs is not None:
@@ -266,4 +269,5 @@ def _invert(probs: torch.Tensor, u: float) -> int:
     """The token whose CDF interval holds u (of the row's total mass), for one row."""
     cdf = probs.cumsum(dim=-1)
     target = min(u * float(cdf[-1]), float(cdf[-1]) * (1 - 1e-6))
-    return min(int(torch.searchsorted(cdf, torch.tensor([target]), right=True)), probs.shape[0] - 1)
+    return min(int(torch.searchsorted(cdf, torch.tensor([target], device=probs.device), right=True)),
+               probs.shape[0] - 1)

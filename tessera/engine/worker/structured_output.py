@@ -96,8 +96,11 @@ class MaskJob:
         if not rows:
             return fill_s
         t0 = time.perf_counter()
-        xgr.apply_token_bitmask_inplace(logits, bitmask[:logits.shape[0]], vocab_size=logits.shape[1],
-                                        indices=rows, backend="cpu")
+        mask = bitmask[:logits.shape[0]]
+        if logits.is_cuda:  # xgrammar's own GPU kernel (Triton), the mask copied over once a step
+            mask = mask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows,
+                                        backend="cpu" if logits.is_cpu else "auto")
         return fill_s + time.perf_counter() - t0
 
 
