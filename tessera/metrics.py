@@ -126,6 +126,9 @@ class PrometheusStatLogger:
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.num_requests_swapped = gauge("num_requests_swapped", "Number of requests swapped out to host memory.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # Created on the first stats from a GPU engine, so a CPU server exports no zero-valued GPU series.
+        self._gauge = gauge
+        self.gpu_memory: Optional[tuple[Gauge, Gauge]] = None
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
@@ -222,6 +225,15 @@ class PrometheusStatLogger:
             self.num_requests_waiting.set(scheduler_stats.num_waiting)
             self.num_requests_swapped.set(scheduler_stats.num_swapped)
             self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+            if scheduler_stats.gpu_memory_total_bytes:
+                if self.gpu_memory is None:
+                    self.gpu_memory = (
+                        self._gauge("gpu_memory_allocated_bytes", "GPU memory the engine's PyTorch allocator "
+                                    "holds (weights, KV cache, the step's activations; summed over a model's "
+                                    "replicas), in bytes."),
+                        self._gauge("gpu_memory_total_bytes", "The GPU's memory, in bytes."))
+                self.gpu_memory[0].set(scheduler_stats.gpu_memory_allocated_bytes)
+                self.gpu_memory[1].set(scheduler_stats.gpu_memory_total_bytes)
         if iteration_stats is None:
             return
         it = iteration_stats

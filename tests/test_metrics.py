@@ -453,3 +453,15 @@ def test_speculative_counts_by_position():
     per_pos = {dict(k[1])["position"]: v for k, v in got.items()
                if k[0] == "tessera:spec_decode_num_accepted_tokens_per_pos_total"}
     assert per_pos == {"0": 2, "1": 2, "2": 1, "3": 1}
+
+
+def test_gpu_memory_gauges_only_for_a_gpu_engine():
+    from tessera.engine.stats import SchedulerStats
+
+    prom = PrometheusStatLogger(MODEL)
+    prom.record(SchedulerStats(num_running=1), None)  # a CPU engine: no GPU series at all
+    assert not [k for k in scrape(prom) if "gpu_memory" in k[0]]
+    prom.record(SchedulerStats(gpu_memory_allocated_bytes=3 << 30, gpu_memory_total_bytes=141 << 30), None)
+    got, lbl = scrape(prom), (("model_name", MODEL),)
+    assert got[("tessera:gpu_memory_allocated_bytes", lbl)] == 3 << 30
+    assert got[("tessera:gpu_memory_total_bytes", lbl)] == 141 << 30

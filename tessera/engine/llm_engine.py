@@ -50,6 +50,7 @@ class LLMEngine:
         self._offload_seen = (0, 0)  # the tier's bytes read and written, as last reported
         self._aborted: list[str] = []  # parents aborted since the last step, to report
         self._step_touched: Optional[list[str]] = None  # requests the running step works on
+        self._gpu_total = torch.cuda.get_device_properties(0).total_memory if self.config.device == "cuda" else 0
 
     @property
     def kv_cache_format(self) -> str:
@@ -250,7 +251,11 @@ class LLMEngine:
 
     # -- what callers ask ------------------------------------------------------------
     def get_scheduler_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.config.device == "cuda":  # the allocator's own counters: no sync, no driver call
+            stats.gpu_memory_allocated_bytes = torch.cuda.memory_allocated()
+            stats.gpu_memory_total_bytes = self._gpu_total
+        return stats
 
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting()

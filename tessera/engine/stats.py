@@ -23,6 +23,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative prompt tokens found
     num_preemptions: int = 0  # cumulative
+    # On a GPU (0 elsewhere): bytes PyTorch has allocated there (weights, KV cache, activations
+    # of the step in flight), and the device's memory.
+    gpu_memory_allocated_bytes: int = 0
+    gpu_memory_total_bytes: int = 0
 
 
 @dataclass
