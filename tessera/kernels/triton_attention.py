@@ -4,9 +4,10 @@ against the paged KV cache read in place, one kernel launch per layer.
 One program takes one tile of a request's queries for one KV head: `BLOCK_Q` consecutive query
 tokens times the KV head's `group` query heads (GQA), so a decode row of a grouped model still
 fills the matrix unit's rows (Qwen2-1.5B: 6 query heads per KV head) and each key block is read
-once for all the heads that share it. The program walks the request's block table from the first
-block its queries may see (the sliding window's start) to the last one the causal mask allows,
-with an online softmax in float32 (FlashAttention's recurrence), so no context is gathered or
+once for all the heads that share it. The program walks the request's keys 16-128 at a time, each
+key finding its block through the block table (so any block size works), from the first key its
+queries may see (the sliding window's start) to the last one the causal mask allows, with an
+online softmax in float32 (FlashAttention's recurrence), so no context is gathered or
 padded and prefill chunks with prefix-cache hits need no special case.
 
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors in Triton's interpreter, so CI (no
