@@ -8,7 +8,13 @@ in the model's order, as a step reads the weights (from memory: a pass streams t
 Medians of 7 passes, milliseconds per pass (and per pass over each method's layers alone), and
 the stored bytes a pass reads, by method.
 
+`--prefill` instead times prefill-sized steps (64-512 rows) with the K-quant layers both ways
+large steps can go: the weight dequantized to bfloat16 for the call and multiplied by oneDNN, or
+requantized to int8 per row and multiplied as int8 x int8 (torch._int_mm); the better of two
+alternated medians of 3 passes each.
+
     python benchmarks/kquant.py --model qwen2.5-coder-1.5b --out benchmarks/results/kquant/qwen1.5b.json
+    python benchmarks/kquant.py --model qwen2.5-coder-1.5b --prefill --rows 64 128 256 512 --out benchmarks/results/kquant/prefill.json
 """
 from __future__ import annotations
 
@@ -25,9 +31,14 @@ from tessera.hostinfo import cpu_model_name
 
 
 def linears(model: torch.nn.Module) -> list:
+    """The layers a step multiplies: every Linear but an embedding table that is only looked up
+    (one tied to the LM head counts, as the head)."""
     from tessera.layers import Linear
+    from tessera.layers.linear import VocabEmbedding
 
-    return [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is not None]
+    head = getattr(model, "lm_head", None)
+    return [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is not None
+            and (m is head or not isinstance(m, VocabEmbedding))]
 
 
 def stored_bytes(layers) -> dict[str, int]:
@@ -37,7 +48,7 @@ def stored_bytes(layers) -> dict[str, int]:
     return dict(by)
 
 
-def time_pass(layers, rows: int) -> float:
+def time_pass(layers, rows: int, repeats: int = 7) -> float:
     xs = {}
     for m in layers:
         k = m.input_size
@@ -49,7 +60,30 @@ def time_pass(layers, rows: int) -> float:
             m.quant_method.apply(m, xs[m.input_size])
 
     with torch.inference_mode():
-        return median_ms(one_pass)
+        return median_ms(one_pass, repeats)
+
+
+def compare_prefill(layers, rows_list: list[int]) -> list[dict]:
+    """The K-quant layers' large steps, bfloat16 against int8 x int8, at each row count."""
+    from tessera.layers import quantization
+
+    kq = [m for m in layers if m.quant_method.name in ("q4_k", "q6_k")]
+    floor = quantization.INT8_MATMUL_MIN_ROWS
+    results = []
+    try:
+        for rows in rows_list:
+            r: dict = {"rows": rows}
+            for route in ("bf16", "int8", "bf16", "int8"):  # alternated; each pass a median of 3
+                quantization.INT8_MATMUL_MIN_ROWS = 1 if route == "int8" else 1 << 30
+                r.setdefault(f"{route}_ms", []).append(round(time_pass(kq, rows, repeats=3), 1))
+            r = {**r, **{k: min(v) for k, v in r.items() if k != "rows"}}
+            r["speedup"] = round(r["bf16_ms"] / r["int8_ms"], 3)
+            r["int8_tokens_per_s_linears"] = round(rows / r["int8_ms"] * 1000, 1)
+            results.append(r)
+            print(r, flush=True)
+    finally:
+        quantization.INT8_MATMUL_MIN_ROWS = floor
+    return results
 
 
 def main() -> None:
@@ -59,9 +93,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8])
+    ap.add_argument("--prefill", action="store_true", help="large steps: bfloat16 against int8 x int8")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     path = resolve_model(args.model)
+    if args.prefill:
+        loaded = load_model(path, "bfloat16", weight_cache=True)
+        results = compare_prefill(linears(loaded.model), args.rows)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"host": cpu_model_name(), "machine": platform.machine(),
+                                            "threads": torch.get_num_threads(), "model": args.model,
+                                            "prefill": results}, indent=1))
+        return
     settings = {}
     for int8 in (False, True):
         loaded = load_model(path, "bfloat16", int8_activations=int8, weight_cache=True)

@@ -576,9 +576,42 @@ def test_kquant_layers_slice_small_batches_and_dequantize_large_ones(qtype):
         # without a dense copy, two calls of the kernel (8 rows and 3); with one, 8 rows at most
         x = torch.randn(min(11, method.config.small_batch_max), 512).bfloat16()
         _assert_bf16_rounding_of(method.apply(layer, x), _kquant_reference(x, w))
-        big = torch.randn(method.config.small_batch_max + 1, 512).bfloat16()  # a dense product
-        torch.testing.assert_close(method.apply(layer, big).float(), (big.float() @ w.bfloat16().float().T),
-                                   atol=0.02 * w.abs().max().item(), rtol=0.02)
+        # past the kernels' rows: the dense copy's product, or without one an int8 x int8 product
+        big = torch.randn(method.config.small_batch_max + 1, 512).bfloat16()
+        exact = big.double() @ w.double().T
+        assert (method.apply(layer, big).double() - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_prefill_steps_multiply_in_int8(qtype):
+    """From INT8_MATMUL_MIN_ROWS rows (no dense copy) the weight's columns are multiplied by the
+    step's smoothing factors and requantized per row to int8, the activations divided by them and
+    quantized per token: the result is that integer product, scaled, rounded to bfloat16 once,
+    and within a few percent of the exact product (here with an outlier channel)."""
+    from tessera import kernels
+    from tessera.layers.quantization import INT8_MATMUL_MIN_ROWS, SMOOTHING_ALPHA
+
+    if not kernels.kquant_matmuls():
+        pytest.skip("no vector path for the K-quant kernels here")
+    src = _random_blocks(qtype, 45, 2, seed=14)
+    w = src.dequantize()
+    method, layer = _kquant_layer(src)
+    torch.manual_seed(14)
+    x = torch.randn(INT8_MATMUL_MIN_ROWS + 5, 512)
+    x[:, 7] *= 40  # an outlier channel, as LLM activations have
+    x = x.bfloat16()
+    columns = x.float().abs().amax(dim=0).clamp_min(1e-5) ** SMOOTHING_ALPHA
+    wq, rs = kernels.kquant_dequant_int8(method.name, layer.qweight, layer.scales, layer.d, 512, columns=columns)
+    smoothed = w * columns
+    torch.testing.assert_close(rs, smoothed.abs().amax(dim=1) / 127, rtol=1e-6, atol=0)
+    assert (wq.float() - smoothed / rs[:, None]).abs().max() <= 0.5 + 1e-3  # rounded to the nearest
+    got = method.apply(layer, x)
+    xs = x.float() * (1 / columns)
+    amax = xs.abs().amax(dim=1, keepdim=True)
+    xq = torch.round(xs * (torch.full_like(amax, 127.0) / amax))  # as the kernel rounds
+    _assert_bf16_rounding_of(got, (xq.double() @ wq.double().T) * (amax / 127).double() * rs.double())
+    exact = x.double() @ w.double().T
+    assert ((got.double() - exact).norm() / exact.norm()) < 0.02
 
 
 def test_kquants_are_chosen_for_whole_kquant_weights_in_bfloat16_only():
@@ -622,3 +655,18 @@ def test_kquant_kernels_on_older_instruction_sets(qtype, isa, tmp_path):
               21, 512, 0, scratch.data_ptr()) == 0
     want = _kquant_reference(x, src.dequantize())
     torch.testing.assert_close(out.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-6)
+
+
+def test_workspace_reuses_its_buffers_up_to_its_limit():
+    from tessera.layers.quantization import WORKSPACE_MAX_BYTES, Workspace
+
+    ws = Workspace()
+    a = ws.get("weight", (64, 256), torch.int8)
+    b = ws.get("weight", (32, 256), torch.bfloat16)  # the same bytes, another view
+    assert a.data_ptr() == b.data_ptr() and b.shape == (32, 256) and b.dtype == torch.bfloat16
+    assert ws.get("products", (4, 4), torch.int32).data_ptr() != a.data_ptr()  # buffers by name
+    grown = ws.get("weight", (128, 256), torch.bfloat16)
+    assert grown.numel() == 128 * 256 and ws.get("weight", (64, 256), torch.int8).data_ptr() == grown.data_ptr()
+    big = ws.get("weight", (WORKSPACE_MAX_BYTES + 1,), torch.int8)  # an LM head's: not kept
+    assert big.data_ptr() != ws.get("weight", (8,), torch.int8).data_ptr()
+    assert QuantConfig() == QuantConfig() and "workspace" not in repr(QuantConfig())

@@ -135,6 +135,13 @@ def load() -> ctypes.CDLL:
     for dq in (lib.q6k_dequant_bf16, lib.q4k_dequant_bf16):
         dq.argtypes = [p, p, p, p, i64, i64]
         dq.restype = None
+    for dq in (lib.q6k_dequant_int8, lib.q4k_dequant_int8):
+        dq.argtypes = [p, p, p, p, p, p, i64, i64]
+        dq.restype = None
+    lib.int8_quantize_rows.argtypes = [p, ctypes.c_int, p, p, p, i64, i64]
+    lib.int8_quantize_rows.restype = None
+    lib.int8_scale_products.argtypes = [p, p, p, p, ctypes.c_int, i64, i64]
+    lib.int8_scale_products.restype = None
     lib.kquant_scratch_bytes.argtypes = [i64, i64]
     lib.kquant_scratch_bytes.restype = i64
     lib.tessera_kquant_vector.argtypes = []
@@ -446,13 +453,58 @@ def q4k_gemm(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor, dm: 
 
 
 def kquant_dequant_bf16(kind: str, codes: torch.Tensor, scales: torch.Tensor, floats: torch.Tensor,
-                        in_features: int) -> torch.Tensor:
+                        in_features: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The dense bfloat16 weight [N, K] of a `kind` ("q6_k" or "q4_k") matrix as q6k_gemm /
-    q4k_gemm read it: the float32 values rounded once (see kquant_gemm.c)."""
+    q4k_gemm read it: the float32 values rounded once (see kquant_gemm.c); into `out` if given."""
     n = floats.shape[0]
-    out = torch.empty(n, in_features, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(n, in_features, dtype=torch.bfloat16)
+    assert out.shape == (n, in_features) and out.dtype == torch.bfloat16 and out.is_contiguous()
     fn = load().q6k_dequant_bf16 if kind == "q6_k" else load().q4k_dequant_bf16
     fn(codes.data_ptr(), scales.data_ptr(), floats.data_ptr(), out.data_ptr(), n, in_features)
+    return out
+
+
+def kquant_dequant_int8(kind: str, codes: torch.Tensor, scales: torch.Tensor, floats: torch.Tensor,
+                        in_features: int, out: Optional[torch.Tensor] = None,
+                        columns: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight of a `kind` ("q6_k" or "q4_k") matrix, its columns times `columns` [K] float32 if
+    given, requantized to int8 per row for int8 x int8 products: ([N, K] int8 (`out` if given),
+    [N] float32 row scales), w * columns ~ q * scale (see kquant_gemm.c)."""
+    n = floats.shape[0]
+    if out is None:
+        out = torch.empty(n, in_features, dtype=torch.int8)
+    assert out.shape == (n, in_features) and out.dtype == torch.int8 and out.is_contiguous()
+    row_scales = torch.empty(n, dtype=torch.float32)
+    fn = load().q6k_dequant_int8 if kind == "q6_k" else load().q4k_dequant_int8
+    col = None if columns is None else columns.float().contiguous()
+    fn(codes.data_ptr(), scales.data_ptr(), floats.data_ptr(), None if col is None else col.data_ptr(), out.data_ptr(),
+       row_scales.data_ptr(), n, in_features)
+    return out, row_scales
+
+
+def int8_matmul(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,
+                acc: Optional[torch.Tensor] = None, columns: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (bfloat16 or float32) @ (wq [N, K] int8 * row_scales [N]).T -> [M, N] in x's dtype:
+    x quantized to int8 per row, the product exact in int32 (torch._int_mm, oneDNN's VNNI
+    kernels; into `acc` [M, N] int32 if given), scaled once in float32 (kquant_gemm.c's
+    int8_quantize_rows, int8_scale_products). `columns` [K]: x's columns are divided by these
+    before rounding (the weight's were multiplied by them: kquant_dequant_int8)."""
+    lib = load()
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    x = x.contiguous()
+    m, k = x.shape
+    is_bf16 = int(x.dtype == torch.bfloat16)
+    xq = torch.empty(m, k, dtype=torch.int8)
+    token_scales = torch.empty(m, dtype=torch.float32)
+    col = None if columns is None else columns.float().contiguous()
+    lib.int8_quantize_rows(x.data_ptr(), is_bf16, None if col is None else col.data_ptr(), xq.data_ptr(),
+                           token_scales.data_ptr(), m, k)
+    acc = torch._int_mm(xq, wq.t(), out=acc) if acc is not None else torch._int_mm(xq, wq.t())
+    out = torch.empty(m, wq.shape[0], dtype=x.dtype)
+    lib.int8_scale_products(acc.data_ptr(), token_scales.data_ptr(), row_scales.data_ptr(), out.data_ptr(), is_bf16,
+                            m, wq.shape[0])
     return out
 
 

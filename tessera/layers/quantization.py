@@ -36,8 +36,9 @@ once per process (`int4pack_layout`) rather than assumed.
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, Sequence
 
 import torch
@@ -60,6 +61,22 @@ INT4_ROW_TILE = 64  # rows are padded to whole tiles of 64, which every int4pack
 # dequantized, that cost moves the crossover to ~32-64 rows.
 SMALL_BATCH_WITH_DENSE_COPY = 8
 SMALL_BATCH_DEQUANTIZING = 32
+# Steps of at least this many rows multiply Q6_K / Q4_K weights as int8 x int8 (_KQuantMethod's
+# _int8_matmul) instead of dequantizing them to bfloat16 for the call: every step past the
+# few-row kernels. benchmarks/kquant.py --prefill, qwen2.5-coder-1.5b's K-quant layers: int8 1.41x
+# at 33 rows, 1.20x at 48, 1.28x at 64, 1.54-1.66x at 128-512.
+INT8_MATMUL_MIN_ROWS = SMALL_BATCH_DEQUANTIZING + 1
+# The int8 products' smoothing (SmoothQuant's migration, made per step): activation column k is
+# divided by max_t |x[t, k]| ** alpha and the weight's column multiplied by it before both are
+# rounded, so outlier channels no longer set every token's scale (and, too high, one channel sets
+# every weight row's). qwen2.5-coder-1.5b's perplexity against the bfloat16 product of the same
+# weights, 512-token passes: alpha 0 (per-token scales alone) +3.97 %, 0.5 +0.75 %, 0.6 +0.08 %,
+# 0.7 +0.6 to +1.4 % (between two builds rounding x / col and x * (1 / col)), 0.85 +2.40 %,
+# 1.0 +6.52 %; 256-token passes: 0.5 +1.13 %, 0.6 +0.21 %.
+SMOOTHING_ALPHA = 0.6
+# The largest scratch buffer a model keeps for large steps (Workspace): a decoder layer's weight
+# or product; an LM head's are allocated per call.
+WORKSPACE_MAX_BYTES = 96 << 20
 LOAD_CHUNK_ROWS = 4096  # rows dequantized at a time while loading
 # Symmetric int8 groups for weights that come without groups of their own (float tensors, 4-bit
 # GGUF types forced to int8).
@@ -142,6 +159,28 @@ def int4pack_layout() -> Optional[Int4PackLayout]:
     return Int4PackLayout(tile, tuple(slot))
 
 
+class Workspace:
+    """Scratch memory a model's large-step products reuse: a weight dequantized (or requantized
+    to int8) for one call, an int32 product. Allocations of 1 MiB and more are each their own
+    mmap (hostinfo.map_large_allocations), so a fresh one is page-faulted in on every call: the
+    1.5B model's K-quant layers spent ~1.2 s of a 512-token prefill step dequantizing into fresh
+    bfloat16 buffers, mostly in page faults. Buffers of up to WORKSPACE_MAX_BYTES are kept and
+    grown; larger requests (an LM head) get fresh memory. One per QuantConfig, so one per model:
+    its forward runs on one thread at a time."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if n > WORKSPACE_MAX_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[name] = torch.empty(n, dtype=torch.uint8)
+        return buf[:n].view(dtype).view(shape)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """How a model's Linear layers store weights; one object handed to every layer."""
@@ -152,6 +191,7 @@ class QuantConfig:
     # Q6_K and Q4_K tensors kept at the file's width and multiplied by int8-quantized activations
     # (_KQuantMethod) under `auto` in bfloat16; False keeps them int8 / int4 with bfloat16 activations.
     int8_activations: bool = True
+    workspace: Workspace = field(default_factory=Workspace, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZATION_MODES:
@@ -511,6 +551,14 @@ class _KQuantMethod(_WeightOnlyMethod):
         if self.config.dtype == torch.bfloat16:  # as storage_for picks these: in C, not a dozen torch passes
             in_features = layer.scales.shape[1] * 16  # both kinds keep 16 scale bytes per 256 values
             return kernels.kquant_dequant_bf16(self.name, layer.qweight, layer.scales, layer.d, in_features)
+
+    def _dequantize_for_call(self, layer: nn.Module) -> Tensor:
+        """The bfloat16 weight for one large product, in the model's workspace (not kept)."""
+        if self.config.dtype != torch.bfloat16:
+            return self.dequantize(layer)
+        n, k = layer.d.shape[0], layer.scales.shape[1] * 16
+        out = self.config.workspace.get("weight", (n, k), torch.bfloat16)
+        return kernels.kquant_dequant_bf16(self.name, layer.qweight, layer.scales, layer.d, k, out)
         return self._weights(layer, slice(None)).to(self.config.dtype)
 
     def embedding(self, layer, ids):
@@ -521,6 +569,29 @@ class _KQuantMethod(_WeightOnlyMethod):
         step = kernels.KQUANT_MAX_ROWS
         parts = [self.kernel(x[i:i + step], layer.qweight, layer.scales, layer.d) for i in range(0, x.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def apply(self, layer, x):
+        if x.shape[0] <= self.config.small_batch_max:
+            return self._small(layer, x)
+        dense = getattr(layer, "dense_weight", None)
+        if dense is not None:
+            return dense_linear(x, dense)
+        if x.shape[0] >= INT8_MATMUL_MIN_ROWS:
+            return self._int8_matmul(layer, x)
+        return dense_linear(x, self._dequantize_for_call(layer))
+
+    def _int8_matmul(self, layer: nn.Module, x: Tensor) -> Tensor:
+        """A prefill-sized step as int8 x int8 -> int32 (kernels.int8_matmul: torch._int_mm, oneDNN's
+        VNNI kernels): the activations quantized per token, the weight requantized per row from
+        the file's blocks for the call (in C, as `dequantize` does for bfloat16), both smoothed by
+        the step's column maxima (SMOOTHING_ALPHA), then one float32 multiply by the two scales. benchmarks/kquant.py measures it against the bfloat16 product of the dequantized
+        weight; benchmarks/perplexity.py what the roundings cost."""
+        n, k = layer.d.shape[0], layer.scales.shape[1] * 16
+        ws = self.config.workspace
+        columns = x.abs().amax(dim=0).float().clamp_min_(1e-5).pow_(SMOOTHING_ALPHA)
+        wq, row_scales = kernels.kquant_dequant_int8(self.name, layer.qweight, layer.scales, layer.d, k,
+                                                     ws.get("weight", (n, k), torch.int8), columns)
+        return kernels.int8_matmul(x, wq, row_scales, ws.get("products", (x.shape[0], n), torch.int32), columns)
 
     def describe(self, layer):
         return f"{self.name} (int8 activations)"
