@@ -16,7 +16,8 @@ is tests/test_quantization.py's job).
 int8 activations (Q6_K and Q4_K tensors through kquant_gemm.c against int8 groups and int4 tiles
 times bfloat16 activations: the same weight values, except that int4 tiles hold Q4_K's scales and
 zeros in bfloat16), and scores the text `--chunk` tokens a pass over the KV
-cache: the row counts of decode and verification steps, the ones that take the few-row kernels.
+cache: `--chunk 8`, the row counts of decode and verification steps, the ones that take the
+few-row kernels; `--chunk 512`, prompt chunks, which multiply K-quant weights as int8 x int8.
 """
 from __future__ import annotations
 

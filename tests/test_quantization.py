@@ -655,6 +655,23 @@ def test_kquant_kernels_on_older_instruction_sets(qtype, isa, tmp_path):
               21, 512, 0, scratch.data_ptr()) == 0
     want = _kquant_reference(x, src.dequantize())
     torch.testing.assert_close(out.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-6)
+    # the block decoder's plain branch: bfloat16 and int8 weights equal to the host build's
+    from tessera import kernels
+
+    name = "q6k" if qtype == Q.Q6_K else "q4k"
+    bf16 = torch.empty(21, 512, dtype=torch.bfloat16)
+    getattr(lib, f"{name}_dequant_bf16").argtypes = [p, p, p, p, i64, i64]
+    getattr(lib, f"{name}_dequant_bf16")(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.d.data_ptr(),
+                                         bf16.data_ptr(), 21, 512)
+    assert torch.equal(bf16, src.dequantize().bfloat16())
+    columns = torch.rand(512) + 0.5
+    wq, rs = torch.empty(21, 512, dtype=torch.int8), torch.empty(21)
+    getattr(lib, f"{name}_dequant_int8").argtypes = [p, p, p, p, p, p, i64, i64]
+    getattr(lib, f"{name}_dequant_int8")(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.d.data_ptr(),
+                                         columns.data_ptr(), wq.data_ptr(), rs.data_ptr(), 21, 512)
+    host_wq, host_rs = kernels.kquant_dequant_int8(f"{name[:2]}_{name[2]}", layer.qweight, layer.scales, layer.d, 512,
+                                                   columns=columns)
+    assert torch.equal(wq, host_wq) and torch.equal(rs, host_rs)
 
 
 def test_workspace_reuses_its_buffers_up_to_its_limit():
