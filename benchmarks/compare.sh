@@ -11,7 +11,9 @@
 # `tessera@PROFILE` runs Tessera with `--profile PROFILE` and its preset's own sequence cap
 # (results labelled tessera-PROFILE); `tessera@fixed` is the fixed-budget scheduler of the
 # fixed token budget (`--target-itl-ms 0 --max-num-batched-tokens 512`), the baseline for the
-# latency-targeted one. Plain `tessera` uses the default profile with 32 sequences like the peers.
+# latency-targeted one; `tessera@ngram` the default profile with n-gram speculation (4 tokens,
+# looked up by their last 1-4 tokens in the context). Plain `tessera` uses the default profile with 32 sequences
+# like the peers.
 # `tessera=REV` runs the same settings on the Tessera source of git revision REV (a detached
 # worktree under $REV_TREES, imported ahead of the installed package; results labelled
 # tessera-REV), so a change is measured against its parent in the same run.
@@ -59,7 +61,7 @@ while [[ $# -gt 0 ]]; do
     --servers) SERVERS=$2; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
     --no-capacity) CAPACITY=0; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -107,6 +109,7 @@ rev_tree() {  # rev_tree REV: a worktree of that revision's source (made once)
 tessera_profile_args() {  # the flags of a tessera@PROFILE variant
   case "$1" in
     fixed) echo "--max-num-seqs 32 --target-itl-ms 0 --max-num-batched-tokens 512" ;;
+    ngram) echo '--max-num-seqs 32 --speculative-config {"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4}' ;;
     *) echo "--profile $1" ;;
   esac
 }

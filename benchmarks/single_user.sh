@@ -6,7 +6,8 @@
 #
 # Starts `tessera serve` with --kv-cache-memory $KV (default 512MiB), streams NUM_PROMPTS requests
 # of the random workload one at a time (prompts of ~300 tokens, outputs of 128-256), then reads the
-# server's VmHWM (peak RSS). Writes $RESULTS/single_user_<model>.json (bench results + memory).
+# server's VmHWM (peak RSS) summed over its processes (benchmarks/memory.py sets that beside
+# llama.cpp's). Writes $RESULTS/single_user_<model>.json (bench results + memory).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$REPO/.venv/bin/python}
@@ -36,7 +37,9 @@ echo "server ready in ${startup}s"
 "$PY" -m tessera bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label tessera \
   --concurrency 1 --num-prompts "$NUM_PROMPTS" $WORKLOAD_ARGS --no-progress \
   --output "$RESULTS/single_user_${MODEL}_bench.json"
-hwm_kib=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
+# Summed over the server's processes: the engine core runs in a child process of the front-end.
+hwm_kib=$("$PY" -c "import sys; from tessera.hostinfo import process_tree
+print(sum(int(l.split()[1]) for p in process_tree($pid) for l in open(f'/proc/{p}/status') if l.startswith('VmHWM')))")
 gguf=$("$PY" -c "from tessera.models.registry import resolve_model; import os; print(os.path.getsize(resolve_model('$MODEL')))")
 kv_bytes=$("$PY" -c "from tessera.engine.args import parse_size; print(parse_size('$KV'))")
 "$PY" - "$RESULTS/single_user_${MODEL}_bench.json" "$RESULTS/single_user_$MODEL.json" <<PY

@@ -27,6 +27,8 @@ SKIP_TUNE=${SKIP_TUNE:-0}
 ORDER=${ORDER:-"default tuned"}
 SUFFIX=${SUFFIX:-}
 CAP_PROBES=${CAP_PROBES:-5}
+START_RATE=${START_RATE:-0.1}   # req/s of the first probe, tuner and capacity runs alike
+TUNE_PROBES=${TUNE_PROBES:-4}   # most probes a tuner trial
 PORT=${PORT:-8731}  # one pipeline per workload may run at once: give each its own PORT
 common_workload() {  # the same requests for the tuner and the capacity runs
   case "$1" in
@@ -42,7 +44,7 @@ capacity() {  # label, workload, server flags...
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
   "$PY" -m tessera bench capacity --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" \
       --dataset "$wl" $(common_workload "$wl") --slo-ttft "$SLO_TTFT" --slo-itl "$SLO_ITL" \
-      --start-rate 0.1 --growth 1.5 --max-probes "$CAP_PROBES" --min-rate 0.03 --probe-duration "$PROBE" --min-requests 6 \
+      --start-rate "$START_RATE" --growth 1.5 --max-probes "$CAP_PROBES" --min-rate 0.03 --probe-duration "$PROBE" --min-requests 6 \
       --no-progress --output "$OUT/$wl/capacity_$label.json" | tail -3
   kill -TERM "$pid"; wait "$pid" || true
 }
@@ -50,7 +52,7 @@ for wl in $WORKLOADS; do
   mkdir -p "$OUT/$wl"
   lscpu | grep "Model name" > "$OUT/$wl/host.txt"; uptime >> "$OUT/$wl/host.txt"
   [ "$SKIP_TUNE" = 1 ] || /usr/bin/time -f "tune wall %e s" "$PY" -m tessera tune "$MODEL" --workload "$wl" --slo "$SLO" \
-      --time-budget "$BUDGET" --output-dir "$OUT/$wl" --no-baseline --start-rate 0.1 --min-rate 0.03 --max-probes 4 \
+      --time-budget "$BUDGET" --output-dir "$OUT/$wl" --no-baseline --start-rate "$START_RATE" --min-rate 0.03 --max-probes "$TUNE_PROBES" \
       --probe-duration "$PROBE" --min-requests 6 $(common_workload "$wl") 2>&1 | tee "$OUT/$wl/tune.log"
   for which in $ORDER; do
     case "$which" in

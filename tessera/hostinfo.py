@@ -115,6 +115,23 @@ def tree_resident_bytes(pid: int) -> int:
     return sum(resident_bytes(p) for p in process_tree(pid))
 
 
+def tree_proportional_bytes(pid: int) -> int:
+    """Proportional set size (Pss) of a process and its descendants: pages shared between them (a
+    model file mapped by both the front-end and the engine) count once in the sum, unlike VmRSS."""
+    from pathlib import Path
+
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            pass
+    return total
+
+
 def resident_bytes(pid: Optional[int] = None) -> int:
     """Resident memory (VmRSS) of a process, this one by default, in bytes; 0 where /proc is absent."""
     from pathlib import Path

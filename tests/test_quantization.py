@@ -204,8 +204,8 @@ def test_perplexity_close_to_dequantized_model(model_path, ppl_ids, name, quanti
 
     path = model_path(name)
     ref = load_model(path, "float32", quantization="none")
-    ids = ref.tokenizer.encode(ppl_ids)[:2048]
-    assert len(ids) >= 2000
+    ids = ref.tokenizer.encode(ppl_ids)[:1024]  # enough text for 1-3 % limits; float32 passes are the cost
+    assert len(ids) == 1024
     ppl_ref = perplexity(ref, ids)
     del ref
     quant = load_model(path, "float32", quantization=quantization)

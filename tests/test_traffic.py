@@ -303,6 +303,9 @@ def test_replay_cli_against_the_server(tiny_server, tmp_path):
     assert doc["kind"] == "tessera-bench-replay" and summary["completed"] == 6
     assert [r["prompt_tokens"] for r in doc["runs"][0]["requests"]] == [20] * 6
     assert doc["config"]["exact_lengths"] and (tmp_path / "replay_throughput.png").exists()
+    md = tmp_path / "summary.md"  # a replay is a row of `bench report`'s table, beside serve runs
+    assert main(["report", str(out), "--output", str(md), "--plot", str(tmp_path / "cmp.png")]) == 0
+    assert "| replay of t.jsonl | replay 2x |" in md.read_text() and (tmp_path / "cmp.png").exists()
     bad = write_trace(tmp_path / "future.jsonl", GOOD, head={"format": "tessera-traffic", "version": 9})
     assert main(["replay", str(bad), "--base-url", url, "--model", "tiny"]) == 2
 

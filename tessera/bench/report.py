@@ -14,7 +14,8 @@ from tessera.errors import TesseraError
 
 
 def load_results(paths: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(serve documents, capacity documents) read from the given files."""
+    """(serve documents, capacity documents) read from the given files; a replay's document is a
+    serve document (the same runs and summaries) whose workload is its trace."""
     serve, capacity = [], []
     for path in paths:
         try:
@@ -23,7 +24,7 @@ def load_results(paths: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str
             raise TesseraError(f"cannot read results {path}: {exc}") from None
         doc["_path"] = str(path)
         kind = doc.get("kind")
-        if kind == "tessera-bench-serve":
+        if kind in ("tessera-bench-serve", "tessera-bench-replay"):
             serve.append(doc)
         elif kind == "tessera-bench-capacity":
             capacity.append(doc)
@@ -44,6 +45,12 @@ def _label(doc: dict[str, Any]) -> str:
     return doc.get("label") or doc["config"].get("model", "?")
 
 
+def _workload(doc: dict[str, Any]) -> str:
+    if doc.get("kind") == "tessera-bench-replay":
+        return "replay of " + ", ".join(Path(t).name for t in doc["config"].get("trace", []))
+    return doc["config"].get("dataset", "?")
+
+
 def _load_key(run: dict[str, Any]) -> tuple[str, float]:
     return run["load"]["mode"], float(run["load"]["value"])
 
@@ -53,11 +60,11 @@ def serve_table(docs: list[dict[str, Any]]) -> str:
             "| ITL p95 (ms) | TPOT p50 (ms) | e2e p95 (s) | goodput | failed |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     rows = [(doc, run) for doc in docs for run in doc["runs"]]
-    rows.sort(key=lambda dr: (_label(dr[0]), dr[0]["config"].get("dataset", ""), _load_key(dr[1])))
+    rows.sort(key=lambda dr: (_label(dr[0]), _workload(dr[0]), _load_key(dr[1])))
     for doc, run in rows:
         s = run["summary"]
         lines.append(
-            f"| {_label(doc)} | {doc['config'].get('dataset', '?')} | {run['load']['name']} "
+            f"| {_label(doc)} | {_workload(doc)} | {run['load']['name']} "
             f"| {s['output_tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | {_s(s['ttft_s']['p50'])} "
             f"| {_s(s['ttft_s']['p95'])} | {_ms(s['itl_s']['p50'])} | {_ms(s['itl_s']['p95'])} "
             f"| {_ms(s['tpot_s']['p50'])} | {_s(s['e2e_s']['p95'])} | {s['goodput']:.0%} | {s['failed']} |")
@@ -100,8 +107,8 @@ def render(serve: list[dict[str, Any]], capacity: list[dict[str, Any]]) -> str:
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="markdown tables and a comparison plot from saved bench results",
-                       description="Read JSON files written by `tessera bench serve/capacity --output` and "
-                                   "print markdown tables (one row per server and load level).")
+                       description="Read JSON files written by `tessera bench serve/capacity/replay --output` and "
+                                   "print markdown tables (one row per server and load level; replays are rows too).")
     p.add_argument("files", nargs="+", type=Path, help="result JSON files")
     p.add_argument("--output", type=Path, help="write the markdown here instead of printing it")
     p.add_argument("--plot", type=Path, help="write a comparison PNG of the serve results here")
@@ -123,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
 
         series: dict[str, list[dict[str, Any]]] = {}
         for doc in serve:
-            key = f"{_label(doc)} ({doc['config'].get('dataset', '?')})"
+            key = f"{_label(doc)} ({_workload(doc)})"
             series.setdefault(key, []).extend(doc["runs"])
         for runs in series.values():
             runs.sort(key=_load_key)
