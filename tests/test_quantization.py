@@ -584,12 +584,12 @@ def test_kquant_layers_slice_small_batches_and_dequantize_large_ones(qtype):
 
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_kquant_prefill_steps_multiply_in_int8(qtype):
-    """From INT8_MATMUL_MIN_ROWS rows (no dense copy) the weight's columns are multiplied by the
+    """Past the few-row kernels (no dense copy) the weight's columns are multiplied by the
     step's smoothing factors and requantized per row to int8, the activations divided by them and
     quantized per token: the result is that integer product, scaled, rounded to bfloat16 once,
     and within a few percent of the exact product (here with an outlier channel)."""
     from tessera import kernels
-    from tessera.layers.quantization import INT8_MATMUL_MIN_ROWS, SMOOTHING_ALPHA
+    from tessera.layers.quantization import SMOOTHING_ALPHA
 
     if not kernels.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
@@ -597,7 +597,7 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype):
     w = src.dequantize()
     method, layer = _kquant_layer(src)
     torch.manual_seed(14)
-    x = torch.randn(INT8_MATMUL_MIN_ROWS + 5, 512)
+    x = torch.randn(method.config.small_batch_max + 6, 512)
     x[:, 7] *= 40  # an outlier channel, as LLM activations have
     x = x.bfloat16()
     columns = x.float().abs().amax(dim=0).clamp_min(1e-5) ** SMOOTHING_ALPHA

@@ -61,11 +61,6 @@ INT4_ROW_TILE = 64  # rows are padded to whole tiles of 64, which every int4pack
 # dequantized, that cost moves the crossover to ~32-64 rows.
 SMALL_BATCH_WITH_DENSE_COPY = 8
 SMALL_BATCH_DEQUANTIZING = 32
-# Steps of at least this many rows multiply Q6_K / Q4_K weights as int8 x int8 (_KQuantMethod's
-# _int8_matmul) instead of dequantizing them to bfloat16 for the call: every step past the
-# few-row kernels. benchmarks/kquant.py --prefill, qwen2.5-coder-1.5b's K-quant layers: int8 1.41x
-# at 33 rows, 1.20x at 48, 1.28x at 64, 1.54-1.66x at 128-512.
-INT8_MATMUL_MIN_ROWS = SMALL_BATCH_DEQUANTIZING + 1
 # The int8 products' smoothing (SmoothQuant's migration, made per step): activation column k is
 # divided by max_t |x[t, k]| ** alpha and the weight's column multiplied by it before both are
 # rounded, so outlier channels no longer set every token's scale (and, too high, one channel sets
@@ -551,14 +546,6 @@ class _KQuantMethod(_WeightOnlyMethod):
         if self.config.dtype == torch.bfloat16:  # as storage_for picks these: in C, not a dozen torch passes
             in_features = layer.scales.shape[1] * 16  # both kinds keep 16 scale bytes per 256 values
             return kernels.kquant_dequant_bf16(self.name, layer.qweight, layer.scales, layer.d, in_features)
-
-    def _dequantize_for_call(self, layer: nn.Module) -> Tensor:
-        """The bfloat16 weight for one large product, in the model's workspace (not kept)."""
-        if self.config.dtype != torch.bfloat16:
-            return self.dequantize(layer)
-        n, k = layer.d.shape[0], layer.scales.shape[1] * 16
-        out = self.config.workspace.get("weight", (n, k), torch.bfloat16)
-        return kernels.kquant_dequant_bf16(self.name, layer.qweight, layer.scales, layer.d, k, out)
         return self._weights(layer, slice(None)).to(self.config.dtype)
 
     def embedding(self, layer, ids):
@@ -576,16 +563,17 @@ class _KQuantMethod(_WeightOnlyMethod):
         dense = getattr(layer, "dense_weight", None)
         if dense is not None:
             return dense_linear(x, dense)
-        if x.shape[0] >= INT8_MATMUL_MIN_ROWS:
-            return self._int8_matmul(layer, x)
-        return dense_linear(x, self._dequantize_for_call(layer))
+        return self._int8_matmul(layer, x)
 
     def _int8_matmul(self, layer: nn.Module, x: Tensor) -> Tensor:
         """A prefill-sized step as int8 x int8 -> int32 (kernels.int8_matmul: torch._int_mm, oneDNN's
         VNNI kernels): the activations quantized per token, the weight requantized per row from
         the file's blocks for the call (in C, as `dequantize` does for bfloat16), both smoothed by
-        the step's column maxima (SMOOTHING_ALPHA), then one float32 multiply by the two scales. benchmarks/kquant.py measures it against the bfloat16 product of the dequantized
-        weight; benchmarks/perplexity.py what the roundings cost."""
+        the step's column maxima (SMOOTHING_ALPHA), then one float32 multiply by the two scales.
+        Every step past the few-row kernels (without a dense copy) takes it: against the bfloat16
+        product of the weight dequantized for the call, qwen2.5-coder-1.5b's K-quant layers ran
+        1.16x at 33 rows and 1.19-1.38x at 64-512 (benchmarks/kquant.py --prefill);
+        benchmarks/perplexity.py measures what the roundings cost."""
         n, k = layer.d.shape[0], layer.scales.shape[1] * 16
         ws = self.config.workspace
         columns = x.abs().amax(dim=0).float().clamp_min_(1e-5).pow_(SMOOTHING_ALPHA)
