@@ -24,7 +24,6 @@ from pathlib import Path
 from tessera.bench.client import wait_for_health
 from tessera.hostinfo import cpu_model_name, process_tree, tree_proportional_bytes, tree_resident_bytes
 
-REPO = Path(__file__).resolve().parents[1]
 LLAMA_SERVER = Path(os.environ.get("PEERS_DIR", "/work/peers")) / "llama.cpp/build/bin/llama-server"
 
 
@@ -37,10 +36,10 @@ def kv_bytes_per_token(model: str) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
 
 
-def server_command(server: str, model: str, gguf: str, port: int, kv_tokens: int, slots: int,
-                   threads: int) -> list[str]:
+def server_command(server: str, model: str, gguf: str, port: int, kv_tokens: int, kv_token_bytes: int,
+                   slots: int, threads: int) -> list[str]:
     if server == "tessera":
-        kv_mib = kv_tokens * kv_bytes_per_token(model) / 2**20
+        kv_mib = kv_tokens * kv_token_bytes / 2**20
         return [sys.executable, "-m", "tessera", "serve", model, "--port", str(port), "--no-ui",
                 "--disable-log-stats", "--log-level", "warning", "--num-threads", str(threads),
                 "--max-num-seqs", str(slots), "--max-model-len", str(kv_tokens // slots),
@@ -53,13 +52,13 @@ def server_command(server: str, model: str, gguf: str, port: int, kv_tokens: int
     raise SystemExit(f"unknown server {server} (tessera, llamacpp)")
 
 
-def measure(server: str, args: argparse.Namespace, gguf: str) -> dict:
+def measure(server: str, args: argparse.Namespace, gguf: str, kv_token_bytes: int) -> dict:
     port = args.port
     log = args.out.with_name(f"{args.out.stem}_{server}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen(server_command(server, args.model, gguf, port, args.kv_tokens, args.slots,
-                                               args.threads), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(server_command(server, args.model, gguf, port, args.kv_tokens, kv_token_bytes,
+                                               args.slots, args.threads), stdout=f, stderr=subprocess.STDOUT)
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, str(log))
         idle = {"rss": tree_resident_bytes(proc.pid), "pss": tree_proportional_bytes(proc.pid)}
@@ -109,7 +108,7 @@ def main() -> None:
                "kv_bytes_per_token": kv_bytes_per_token(args.model), "slots": args.slots,
                "date": time.strftime("%Y-%m-%d %H:%M"), "servers": {}}
     for server in args.servers.split(","):
-        results["servers"][server] = measure(server, args, gguf)
+        results["servers"][server] = measure(server, args, gguf, results["kv_bytes_per_token"])
         print(server, {k: (f"{v / 2**20:.0f} MiB" if "rss" in k or "pss" in k else v)
                        for k, v in results["servers"][server].items()}, flush=True)
     servers = results["servers"]
