@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from tessera.errors import ConfigError
+from tessera.hostinfo import cuda_available
 from tessera.pooling_params import POOLING_TYPES, PoolerConfig
 
 
@@ -298,11 +299,11 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be a fraction in (0, 1], not {util!r}")
-        import torch  # here: reading a config needs no torch, resolving its device does
-
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif self.device == "cuda" and not torch.cuda.is_available():
+            self.device = "cuda" if cuda_available() else "cpu"
+        elif self.device == "cuda" and not cuda_available():
+            import torch  # only to name the build in the error
+
             raise ConfigError("--device cuda: no CUDA GPU is visible to PyTorch here (torch "
                               f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use --device cpu")
         target = self.target_itl_ms

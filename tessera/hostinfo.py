@@ -1,6 +1,9 @@
 """Facts about the host that sizing and kernel choices depend on (memory, CPU features)."""
 from __future__ import annotations
 
+import glob
+import os
+import sys
 from functools import lru_cache
 from typing import Optional
 
@@ -28,6 +31,25 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def cuda_available() -> bool:
+    """Whether PyTorch sees a CUDA GPU, asked without importing torch where no NVIDIA driver
+    exists: a config is resolved in the API process too, and importing torch there only to learn
+    "no GPU" costs it ~140 MiB of resident memory for the server's life. With a driver present
+    (or torch already imported) torch itself answers."""
+    torch = sys.modules.get("torch")
+    if torch is None and not nvidia_driver_present():
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def nvidia_driver_present() -> bool:
+    """An NVIDIA kernel driver is loaded (Linux, containers given GPUs) or WSL's GPU bridge is."""
+    return (os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
+            or os.path.exists("/dev/dxg"))
 
 
 @lru_cache(maxsize=1)

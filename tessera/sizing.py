@@ -36,6 +36,10 @@ RUNTIME_BYTES = 263 << 20
 # 300 MiB, within 14 MiB). Each process holds one: the engine and the server's front-end.
 TOKENIZER_BASE_BYTES = 40 << 20
 TOKENIZER_BYTES_PER_JSON_BYTE = 7.8
+# The server's front-end process beside an engine process, without its tokenizer: the
+# interpreter, FastAPI/uvicorn, zmq and numpy, no torch (133 MiB resident with smollm2-135m's
+# tokenizer, 210 MiB with qwen2.5-coder-1.5b's, after a few streamed requests: 66-67 MiB besides).
+FRONTEND_RUNTIME_BYTES = 67 << 20
 
 
 def tokenizer_bytes(json_bytes: int) -> int:
@@ -181,8 +185,7 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     """Predict resident memory for serving `engine.model` with these settings; `memory` (bytes,
     default: available now) is what the default KV cache may use. `engine_process`: the server
     runs the engine in a process of its own (`tessera serve`'s default), whose front-end is one
-    more interpreter with torch, the server and a second copy of the tokenizer (the runtime term
-    again)."""
+    more interpreter (without torch), the server and a second copy of the tokenizer."""
     from tessera.attention import get_backend
     from tessera.attention.kv_groups import KVCacheGroups
     from tessera.hostinfo import available_memory
@@ -231,7 +234,7 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
         kv_cache_tokens=int(max(0, usable) * max_model_len // per_sequence) if per_sequence else 0,
         swap_bytes=swap,
         activation_bytes=acts, runtime_bytes=runtime, tokenizer_bytes=tokenizer,
-        frontend_bytes=runtime if engine_process else 0,
+        frontend_bytes=FRONTEND_RUNTIME_BYTES + tokenizer if engine_process else 0,
         max_model_len=max_model_len,
         max_num_seqs=int(engine.max_num_seqs), margin=margin)
 

@@ -27,3 +27,16 @@ def test_tree_figures_take_in_a_child_and_pss_never_exceeds_rss():
     finally:
         child.kill()
         child.wait()
+
+
+def test_cuda_probe_agrees_with_torch_and_skips_it_without_a_driver(monkeypatch):
+    import torch
+
+    from tessera import hostinfo
+
+    assert hostinfo.cuda_available() == torch.cuda.is_available()
+    # no driver and torch not imported yet (the API process): "no" without importing torch
+    monkeypatch.setattr(hostinfo, "nvidia_driver_present", lambda: False)
+    monkeypatch.delitem(sys.modules, "torch")
+    assert hostinfo.cuda_available() is False
+    assert "torch" not in sys.modules

@@ -25,22 +25,38 @@ def tiny(tmp_path_factory) -> Path:
     return path
 
 
-def _in_server(core: dict) -> None:
+def _maps_torch(pid: int) -> bool:
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _in_server(core: dict, api_pid: int) -> None:
     assert core == {"engine_process": False, "pid": None}
 
 
-def _in_process(core: dict) -> None:
+def _without_torch(api_pid: int) -> None:
+    """Engines elsewhere: the API process tokenizes, routes and streams, and never loads torch
+    (~140 MiB resident for the server's life)."""
+    if Path(f"/proc/{api_pid}/maps").exists():
+        assert not _maps_torch(api_pid)
+
+
+def _in_process(core: dict, api_pid: int) -> None:
     assert core["engine_process"] and core["alive"] and core["pid"] is not None and core["restarts"] == 0
+    _without_torch(api_pid)
+    if Path(f"/proc/{core['pid']}/maps").exists():
+        assert _maps_torch(core["pid"])  # the check above can fail
 
 
-def _replicas(core: dict) -> None:
+def _replicas(core: dict, api_pid: int) -> None:
     assert [(r["replica"], r["healthy"], r["engine_process"]) for r in core["replicas"]] == [(0, True, True),
                                                                                             (1, True, True)]
+    _without_torch(api_pid)
 
 
-def _pd(core: dict) -> None:
+def _pd(core: dict, api_pid: int) -> None:
     assert [r["role"] for r in core["replicas"]] == ["prefill", "decode"]
     assert (core["pd"]["prefill"], core["pd"]["decode"]) == (1, 1)
+    _without_torch(api_pid)
 
 
 @pytest.mark.parametrize("flags, check", [
@@ -50,7 +66,7 @@ def _pd(core: dict) -> None:
     (["--pd", "prefill=1,decode=1"], _pd),
 ], ids=["in-server", "engine-process", "replicas", "pd"])
 def test_each_topology_serves_and_stops_cleanly(tiny: Path, tmp_path: Path, flags: list[str],
-                                                check: Callable[[dict], None]):
+                                                check: Callable[[dict, int], None]):
     with running_server(tmp_path / "server.log", "--kv-cache-memory", "16MiB", "--dtype", "float32",
                         "--num-threads", "1", "--no-ui", *flags, model=str(tiny)) as server:
         r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
@@ -58,7 +74,10 @@ def test_each_topology_serves_and_stops_cleanly(tiny: Path, tmp_path: Path, flag
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "tiny-llama" and r.json()["usage"]["prompt_tokens"] > 0
         stats = server.stats()
-        check(stats["engine_core"])
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+        assert r.status_code == 200 and "[DONE]" in r.text, r.text
+        check(stats["engine_core"], server.proc.pid)
         assert [m["id"] for m in stats["models"]] == ["tiny-llama"] and stats["models"][0]["status"] == "ready"
         assert "tiny-llama: queue of up to" in server.log()
     assert server.proc.returncode == 0, server.log()[-3000:]

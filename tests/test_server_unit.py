@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.core.scheduler import LoadSnapshot
+from tessera.engine.stats import LoadSnapshot
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tessera.config import EngineConfig
-from tessera.sizing import RUNTIME_BYTES, default_kv_cache_memory, estimate, tokenizer_bytes
+from tessera.sizing import FRONTEND_RUNTIME_BYTES, RUNTIME_BYTES, default_kv_cache_memory, estimate, tokenizer_bytes
 
 from tiny_model import make_tiny_model
 
@@ -83,11 +83,12 @@ def test_size_command(folder, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["total_bytes"] == sum(data[k] for k in ("runtime_bytes", "frontend_bytes", "weights_bytes",
                                                         "kv_cache_bytes", "swap_bytes", "activation_bytes"))
-    assert data["frontend_bytes"] == data["runtime_bytes"]  # serve's default: the engine in its own process
+    # serve's default: the engine in its own process, beside a front-end without torch
+    assert data["frontend_bytes"] == FRONTEND_RUNTIME_BYTES + data["tokenizer_bytes"] < data["runtime_bytes"]
     # each process holds a tokenizer, sized by its tokenizer.json
     assert data["tokenizer_bytes"] == tokenizer_bytes((folder / "tokenizer.json").stat().st_size) > 40 << 20
     assert data["runtime_bytes"] == RUNTIME_BYTES + data["tokenizer_bytes"]
     assert main(["size", str(folder), "--dtype", "float32", "--json", "--no-engine-process"]) == 0
     one = json.loads(capsys.readouterr().out)
-    assert one["frontend_bytes"] == 0 and one["total_bytes"] == data["total_bytes"] - data["runtime_bytes"]
+    assert one["frontend_bytes"] == 0 and one["total_bytes"] == data["total_bytes"] - data["frontend_bytes"]
     assert main(["size", str(folder), "--margin", "1.5"]) != 0

@@ -115,7 +115,7 @@ def load_tokenizer(name: Optional[str], required: bool = False):
     if not name:
         return None
     from tessera.models import registry
-    from tessera.models.loader import load_model_info
+    from tessera.models.info import load_model_info
 
     try:
         if registry.is_registry_name(name) and not (required or registry.is_installed(registry.get_entry(name))):

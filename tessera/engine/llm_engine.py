@@ -20,14 +20,13 @@ import torch
 from tessera.config import EngineConfig
 from tessera.engine.build import EngineParts, build_engine
 from tessera.engine.core.request import Request, RequestStatus
-from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.core.scheduler_output import SchedulerOutput
 from tessera.engine.errors import StepFailedError
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.output_processor import OutputProcessor
 from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.spec_decode import propose_all
-from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 

@@ -12,6 +12,18 @@ from tessera.engine.outputs import RequestMetrics
 from tessera.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The scheduler's queue in plain numbers, for forecasting a newcomer's wait off the engine thread."""
+
+    queued_prefill_tokens: int = 0  # prompt tokens still to compute, waiting and running
+    num_waiting: int = 0
+    num_decoding: int = 0
+    mean_context: int = 0  # of the decoding requests
+    free_seq_slots: int = 0
+    remaining_output_tokens: tuple[int, ...] = ()  # of running requests, ascending (max_tokens bounds)
+
+
 @dataclass
 class SchedulerStats:
     num_running: int = 0

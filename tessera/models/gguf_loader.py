@@ -9,6 +9,10 @@ constants and every dequantization kernel still come from the `gguf` package.
 Tensors come out under Hugging Face parameter names with Hugging Face value
 conventions (llama.cpp's Q/K row permutation undone, Gemma's `1 + w` norms
 stored as `w`), so one model module serves both GGUF files and HF folders.
+
+Reading the header and the config needs neither torch nor the layers: a process that only
+tokenizes for an engine elsewhere (the API server's) reads them and stays free of torch's
+memory. The weight readers import them where they are called.
 """
 from __future__ import annotations
 
@@ -20,16 +24,19 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import dequantize
 
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
-from tessera.layers.weights import FLOAT_TYPES, GGUFWeight
+
+if TYPE_CHECKING:
+    import torch
+
+    from tessera.layers.weights import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +113,8 @@ class GGUFFile:
 
     def raw_weight(self, name: str) -> GGUFWeight:
         """A quantized matrix's blocks, undecoded: [rows, bytes per row] over the mapped file."""
+        from tessera.layers.weights import GGUFWeight
+
         info = self.tensors[name]
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
         return GGUFWeight(raw.reshape(info.shape[0], -1), info.ggml_type, (info.shape[0], info.shape[1]))
@@ -433,6 +442,10 @@ def iter_gguf_weights(
     Q/K rows are un-permuted on the raw blocks (blocks never cross rows). Float
     tensors are read on a thread pool (numpy releases the GIL while converting).
     """
+    import torch
+
+    from tessera.layers.weights import FLOAT_TYPES
+
     arch = config.architecture
     jobs = []
     for name in gf.tensors:

@@ -7,7 +7,6 @@ its Tokenizer.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -21,12 +20,12 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.attention import get_backend
-from tessera.errors import ModelFormatError, ModelNotFoundError, TesseraError
+from tessera.errors import ModelFormatError, TesseraError
 from tessera.hostinfo import available_memory, map_large_allocations, release_free_memory
 from tessera.layers.quantization import QUANTIZATION_MODES, QuantConfig, QuantizationMode, resolve_dense_copy
 from tessera.models.dtype import linear_param_count, resolve_dtype
+from tessera.models.info import load_model_info
 from tessera.models.weights import describe_quantization
-from tessera.pooling_params import read_sentence_transformers
 from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -104,33 +103,6 @@ def load_model(
     return LoadedModel(model.eval(), config, tokenizer, quant.dtype, path, quant)
 
 
-def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokenizer]:
-    """The model's configuration and tokenizer without its weights: what a process that only
-    tokenizes and detokenizes for an engine elsewhere needs (seconds, a few MiB)."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        from tessera.models.safetensors_loader import config_from_hf, read_hf_config
-
-        config = config_from_hf(read_hf_config(path), name=path.name)
-        pooler = read_sentence_transformers(path)
-        if pooler is not None:
-            config.pooler = dataclasses.replace(pooler, matryoshka=config.matryoshka)
-        tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
-    elif path.is_file():
-        from tessera.models.gguf_loader import config_from_gguf, read_gguf
-
-        gf = read_gguf(path)
-        try:
-            config = config_from_gguf(gf, name=path.stem)
-            tokenizer = Tokenizer.from_gguf(path, gguf=gf)
-        finally:
-            gf.close()
-    else:
-        raise ModelNotFoundError(f"model path not found: {path}")
-    _merge_eos(config, tokenizer)
-    return config, tokenizer
-
-
 def _build(config: ModelConfig, dtype: Union[str, torch.dtype], quantization: QuantizationMode,
            dense_copy: Optional[bool], int8_activations: bool = True) -> tuple[nn.Module, QuantConfig]:
     """The model with empty layers; dense-copy policy decided from its size before any weight loads."""
@@ -161,15 +133,6 @@ def _load_weights(model: nn.Module, path: Path, quant: QuantConfig, use_cache: b
     # and the pages are the page cache's, shared with other servers of the model.
     if cached.is_file() and weight_cache.restore(model, cached, quant):
         logger.info("weights mapped from %s, just written", cached)
-
-
-def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:
-    """One list of end-of-generation ids, shared by the config and the tokenizer."""
-    ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + list(config.eos_token_ids)))
-    config.eos_token_ids = ids
-    tokenizer.eos_token_ids = ids
-    if config.bos_token_id is None:
-        config.bos_token_id = tokenizer.bos_token_id
 
 
 @torch.inference_mode()

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
                 "bert": "bert"}

@@ -509,7 +509,7 @@ def _config_and_template(served: ServedModel) -> tuple[Optional[ModelConfig], Op
     path = _local_path(served)
     if path is None:
         return None, None
-    from tessera.models.loader import load_model_info
+    from tessera.models.info import load_model_info
 
     config, tokenizer = load_model_info(path)
     return config, tokenizer.chat_template

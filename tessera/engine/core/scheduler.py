@@ -27,7 +27,7 @@ from tessera.engine.core.cost_model import StepCostPredictor, StepShape
 from tessera.engine.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from tessera.engine.core.request import Request, RequestStatus
 from tessera.engine.core.scheduler_output import SamplingInputs, ScheduledChunk, SchedulerOutput
-from tessera.engine.stats import SchedulerStats
+from tessera.engine.stats import LoadSnapshot, SchedulerStats
 
 
 class Scheduler:
@@ -378,18 +378,6 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(req, reason)
         return appended
-
-
-@dataclass(frozen=True)
-class LoadSnapshot:
-    """The scheduler's queue in plain numbers, for forecasting a newcomer's wait off the engine thread."""
-
-    queued_prefill_tokens: int = 0  # prompt tokens still to compute, waiting and running
-    num_waiting: int = 0
-    num_decoding: int = 0
-    mean_context: int = 0  # of the decoding requests
-    free_seq_slots: int = 0
-    remaining_output_tokens: tuple[int, ...] = ()  # of running requests, ascending (max_tokens bounds)
 
 
 @dataclass

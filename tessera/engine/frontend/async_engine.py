@@ -15,15 +15,13 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from tessera.config import EngineConfig
-from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.errors import (
     EngineCoreDiedError, EngineDeadError, EngineStepError, PredictedWaitError, QueueFullError, StepFailedError,
 )
 from tessera.engine.frontend.core_client import ProcessEngineCore
 from tessera.engine.input_processor import PreparedRequest
-from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
@@ -108,6 +106,9 @@ def make_engine_core(config: EngineConfig, wakeup: Optional[threading.Event] = N
         return RayEngineCore(config, ray, name=name or config.model, log_level=log_level, wakeup=wakeup)
     if engine_process:
         return ProcessEngineCore(config, log_level=log_level, wakeup=wakeup)
+    # Imported here: a front end whose engine runs elsewhere never loads the model code (nor torch).
+    from tessera.engine.llm_engine import LLMEngine
+
     return LLMEngine(config)
 
 

@@ -28,13 +28,12 @@ from typing import Optional, Union
 import zmq
 
 from tessera.config import EngineConfig
-from tessera.engine.core.scheduler import LoadSnapshot
 from tessera.engine.errors import EngineCoreDiedError, EngineCoreStepError, StepFailedError
 from tessera.engine.frontend import wire
 from tessera.engine.frontend.core_process import run_engine_core
 from tessera.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
 from tessera.errors import TesseraError
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -53,7 +52,7 @@ class ProcessEngineCore:
 
     def __init__(self, config: EngineConfig, *, log_level: str = "info",
                  wakeup: Optional[threading.Event] = None) -> None:
-        from tessera.models.loader import load_model_info
+        from tessera.models.info import load_model_info
         from tessera.models.registry import resolve_model
 
         self.requested_config = config

@@ -1,0 +1,53 @@
+"""What a model is, without its weights: its ModelConfig and Tokenizer from a path.
+
+Kept apart from tessera.models.loader, which builds the network: the API process of a
+server whose engine runs in another process reads only this, and so never imports torch
+(~140 MiB resident for the server's life).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Union
+
+from tessera.config import ModelConfig
+from tessera.errors import ModelNotFoundError
+from tessera.pooling_params import read_sentence_transformers
+from tessera.tokenizer import Tokenizer
+
+
+def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokenizer]:
+    """The model's configuration and tokenizer without its weights: what a process that only
+    tokenizes and detokenizes for an engine elsewhere needs (seconds, a few MiB)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        from tessera.models.safetensors_loader import config_from_hf, read_hf_config
+
+        config = config_from_hf(read_hf_config(path), name=path.name)
+        pooler = read_sentence_transformers(path)
+        if pooler is not None:
+            config.pooler = dataclasses.replace(pooler, matryoshka=config.matryoshka)
+        tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
+    elif path.is_file():
+        from tessera.models.gguf_loader import config_from_gguf, read_gguf
+
+        gf = read_gguf(path)
+        try:
+            config = config_from_gguf(gf, name=path.stem)
+            tokenizer = Tokenizer.from_gguf(path, gguf=gf)
+        finally:
+            gf.close()
+    else:
+        raise ModelNotFoundError(f"model path not found: {path}")
+    _merge_eos(config, tokenizer)
+    return config, tokenizer
+
+
+def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """One list of end-of-generation ids, shared by the config and the tokenizer."""
+    ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + list(config.eos_token_ids)))
+    config.eos_token_ids = ids
+    tokenizer.eos_token_ids = ids
+    if config.bos_token_id is None:
+        config.bos_token_id = tokenizer.bos_token_id
