@@ -29,28 +29,36 @@ def test_build_without_compiler_says_why(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 7, 40])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_kernel_matches_torch(rows, with_residual):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_kernel_matches_torch(rows, with_residual, dtype):
     gen = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, 576, generator=gen) * 3).bfloat16()
-    res = torch.randn(rows, 576, generator=gen).bfloat16()
-    w = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    res = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
     want_res = x + res if with_residual else x
     want = F.rms_norm(want_res, (576,), w, 1e-5)
     got_res = res.clone()
-    got = kernels.rms_norm_bf16(x, w, 1e-5, got_res if with_residual else None)
+    got = kernels.rms_norm(x, w, 1e-5, got_res if with_residual else None)
     if with_residual:
         assert torch.equal(got_res, want_res)
-    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
-    assert (got != want).float().mean() < 1e-3  # equal but for rare summation-order ties
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        assert (got != want).float().mean() < 1e-3  # equal but for rare summation-order ties
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_rms_norm_layer_uses_kernel_for_bf16_only():
+def test_rms_norm_layer_uses_kernel_for_bf16_and_f32():
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        norm = RMSNorm(64, 1e-6, dtype)
+        norm.weight_loader(torch.ones(64))
+        assert norm.use_kernel
+        x, r = torch.randn(3, 64).to(dtype), torch.randn(3, 64).to(dtype)
+        out, new_r = norm(x, r.clone())
+        torch.testing.assert_close(out, F.rms_norm(x + r, (64,), norm.weight, 1e-6), atol=tol, rtol=tol)
+        torch.testing.assert_close(new_r, x + r)
+    assert not RMSNorm(64, 1e-6, torch.float16).use_kernel
     norm = RMSNorm(64, 1e-6, torch.bfloat16)
     norm.weight_loader(torch.ones(64))
-    assert norm.use_kernel
-    x, r = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
-    out, new_r = norm(x, r.clone())
-    torch.testing.assert_close(out, F.rms_norm(x + r, (64,), norm.weight, 1e-6), atol=1e-2, rtol=1e-2)
-    assert not RMSNorm(64, 1e-6, torch.float32).use_kernel
     strided = torch.randn(64, 3).bfloat16().t()  # not contiguous: PyTorch path
     torch.testing.assert_close(norm(strided), F.rms_norm(strided, (64,), norm.weight, 1e-6))

@@ -107,9 +107,9 @@ def load() -> ctypes.CDLL:
     a8.argtypes = [p, i64, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64,
                    p, ctypes.c_int, p, p, p, i64, p, p, p]
     a8.restype = None
-    g = lib.rms_norm_bf16
-    g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
-    g.restype = None
+    for g in (lib.rms_norm_bf16, lib.rms_norm_f32):
+        g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+        g.restype = None
     h = lib.int8_gemv
     h.argtypes = [p, p, p, p, p, i64, i64, i64, i64, ctypes.c_int, p]
     h.restype = ctypes.c_int
@@ -334,13 +334,17 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 MAX_NORM_HIDDEN = 8192
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """RMSNorm of bfloat16 rows [T, H]; with `residual`, first residual += x in place and
-    normalise that. Contiguous bfloat16 inputs, H <= 8192 (callers check `norm_supported`)."""
+NORM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of bfloat16 or float32 rows [T, H]; with `residual`, first residual += x in place
+    and normalise that. Contiguous inputs of one dtype in NORM_DTYPES, H <= MAX_NORM_HIDDEN."""
     lib = load()
     out = torch.empty_like(x)
-    lib.rms_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+    fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
+    fn(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                       out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
 

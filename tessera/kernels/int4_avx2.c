@@ -4,7 +4,8 @@
  * Why: on those hosts the compute dtype is float32 (no native bfloat16) and PyTorch's
  * _weight_int4pack_mm_for_cpu runs at ~1 GFLOP/s there: one SmolLM2-135M decode step took
  * 112 ms of its 135 ms in it, eight rows 850 ms (benchmarks/step_profile.py on an AMD EPYC with
- * AVX2 only). This kernel dequantizes each group of 32 columns of a 32-row tile once into an
+ * AVX2 only). One or two rows take few_rows_tile (the scale factored out of each group); from
+ * three rows on, this kernel dequantizes each group of 32 columns of a 32-row tile once into an
  * L1-resident float block (w = (q - 8) * s + z, what Int4Method.dequantize computes), then
  * multiplies it by every activation row, two rows at a time so eight independent FMA chains
  * hide the FMA latency. Tiles are split across torch's OpenMP threads.
@@ -20,6 +21,7 @@
 #endif
 
 #define INT4_F32_MAX_ROWS 64
+#define INT4_F32_FEW_ROWS 2 /* up to here rows go through few_rows_tile (3-4 rows in pairs: 0.93x) */
 
 /* 1 when this build has the AVX2 + FMA float32 path of int4_gemm_f32, else 0. */
 int tessera_avx2_fma(void) {
@@ -30,6 +32,77 @@ int tessera_avx2_fma(void) {
 #endif
 }
 
+#ifdef HAVE_AVX2_FMA
+/* One or two rows (decode steps of a few sequences): the scale and zero are factored out of each
+ * group,
+ *   sum_k ((q - 8) s + z) x_k = s * sum_k q x_k + (z - 8 s) * sum_k x_k,
+ * so a code is converted once and multiplied by each row, with no dequantized block written to
+ * L1 and read back (the path below spends over half its time there at these row counts: two rows
+ * took 2.2x one row's time through it). One row keeps eight FMA chains busy by splitting even
+ * and odd columns; two rows have four chains each. `R` is a constant at each call, so the loops
+ * over rows and chains unroll into registers. */
+static inline __attribute__((always_inline)) void few_rows_tile(const float *x, int64_t K, const uint8_t *packed,
+                                                                const float *sz, float *out, int64_t t,
+                                                                int64_t N_pad, int64_t N_out, int64_t G,
+                                                                const int R) {
+    const int J = R == 1 ? 2 : 1; /* column chains per row */
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m256 acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *col = packed + g * 32 * 16;
+        __m256 d[2][8];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 4 * J; v++) d[r][v] = _mm256_setzero_ps();
+        for (int kk = 0; kk < 32; kk += J) {
+            for (int j = 0; j < J; j++) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(col + (kk + j) * 16));
+                const __m128i lo = _mm_and_si128(bytes, low4);                    /* rows 0..15 */
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4); /* rows 16..31 */
+                const __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+                for (int r = 0; r < R; r++) {
+                    const __m256 xv = _mm256_broadcast_ss(x + r * K + g * 32 + kk + j);
+                    for (int v = 0; v < 4; v++) d[r][4 * j + v] = _mm256_fmadd_ps(q[v], xv, d[r][4 * j + v]);
+                }
+            }
+        }
+        const float *pairs = sz + (g * N_pad + t * 32) * 2;
+        __m256 sc[4], bias[4];
+        for (int v = 0; v < 4; v++) {
+            /* (scale, zero) pairs of rows 8v..8v+7, deinterleaved */
+            const __m256 p0 = _mm256_loadu_ps(pairs + 16 * v), p1 = _mm256_loadu_ps(pairs + 16 * v + 8);
+            const __m256 lo = _mm256_permute2f128_ps(p0, p1, 0x20), hi = _mm256_permute2f128_ps(p0, p1, 0x31);
+            sc[v] = _mm256_shuffle_ps(lo, hi, 0x88);
+            bias[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc[v], _mm256_shuffle_ps(lo, hi, 0xDD)); /* z - 8 s */
+        }
+        for (int r = 0; r < R; r++) {
+            const float *xg = x + r * K + g * 32;
+            const __m256 xs8 = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
+                                             _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
+            __m128 xs4 = _mm_add_ps(_mm256_castps256_ps128(xs8), _mm256_extractf128_ps(xs8, 1));
+            xs4 = _mm_add_ps(xs4, _mm_movehl_ps(xs4, xs4));
+            xs4 = _mm_add_ss(xs4, _mm_movehdup_ps(xs4));
+            const __m256 xsum = _mm256_set1_ps(_mm_cvtss_f32(xs4));
+            for (int v = 0; v < 4; v++) {
+                const __m256 dot = J == 2 ? _mm256_add_ps(d[r][v], d[r][4 + v]) : d[r][v];
+                acc[r][v] = _mm256_fmadd_ps(sc[v], dot, _mm256_fmadd_ps(bias[v], xsum, acc[r][v]));
+            }
+        }
+    }
+    const int64_t row0 = t * 32;
+    const int64_t n = N_out - row0 < 32 ? N_out - row0 : 32;
+    for (int r = 0; r < R; r++) {
+        float res[32] __attribute__((aligned(32)));
+        for (int v = 0; v < 4; v++) _mm256_store_ps(res + 8 * v, acc[r][v]);
+        for (int64_t i = 0; i < n; i++) out[r * N_out + row0 + i] = res[i];
+    }
+}
+#endif
+
 /* x: [M][K] float32 (K a multiple of 32, M <= INT4_F32_MAX_ROWS); packed: [N_pad/32][K][16] uint8;
  * sz: [K/32][N_pad][2] float32; out: [M][N_out] float32. Returns 0, or -1 when this build has no
  * AVX2 + FMA path or the shape is out of range (callers then use PyTorch's kernel). */
@@ -39,6 +112,16 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float 
     if (M < 1 || M > INT4_F32_MAX_ROWS || K % 32 != 0 || N_pad % 32 != 0) return -1;
     const int64_t G = K / 32;
     const int64_t tiles = N_pad / 32;
+    if (M <= INT4_F32_FEW_ROWS) {
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *tile = packed + t * K * 16;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) few_rows_tile(x + m * K, K, tile, sz, out + m * N_out, t, N_pad, N_out, G, 2);
+            if (m < M) few_rows_tile(x + m * K, K, tile, sz, out + m * N_out, t, N_pad, N_out, G, 1);
+        }
+        return 0;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *tile = packed + t * K * 16;

@@ -10,7 +10,7 @@
  * int8_gemv streams each weight row once, widening 16 codes at a time to float32, applying the
  * group's scale (and zero) once per code, and multiplying by up to 8 activation rows (float32
  * accumulation, one rounding of the result). Rows are split across torch's OpenMP threads. AVX2
- * hosts take 8 codes at a time.
+ * hosts take 8 codes at a time (16 for one row, the scale applied once per group).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,6 +44,30 @@ static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, cons
     }
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
 #elif defined(__AVX2__) && defined(__FMA__)
+    if (M == 1) {
+        /* One row (a decode step's LM head): the group's scale (and zero) factored out,
+         * acc += s * sum(c x) + z * sum(x), over two chains of code products, so the row is not
+         * bound by one FMA chain's latency (SmolLM2's 49k x 576 LM head: 4.2 -> 2.3 ms on an
+         * AVX2-only AMD EPYC). More rows share each widened code below. */
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), xs = _mm256_setzero_ps();
+            for (int64_t j = 0; j < G; j += 16) {
+                const int64_t k = g * G + j;
+                const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
+                const __m256 c1 =
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k + 8))));
+                const __m256 x0 = _mm256_loadu_ps(xf + k), x1 = _mm256_loadu_ps(xf + k + 8);
+                d0 = _mm256_fmadd_ps(c0, x0, d0);
+                d1 = _mm256_fmadd_ps(c1, x1, d1);
+                if (has_zero) xs = _mm256_add_ps(xs, _mm256_add_ps(x0, x1));
+            }
+            if (has_zero) acc = _mm256_fmadd_ps(_mm256_set1_ps(zr[g]), xs, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(sr[g]), _mm256_add_ps(d0, d1), acc);
+        }
+        sums[0] = hsum_ps256(acc);
+        return;
+    }
     __m256 acc[MAX_ROWS];
     for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {

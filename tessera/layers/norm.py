@@ -1,9 +1,10 @@
 """RMSNorm, with the residual add folded into the same call as vLLM's layers do.
 
-For bfloat16 rows a C kernel (tessera/kernels/rms_norm.c) does the add and the norm
-in one pass: PyTorch runs them as ~8 operators, 16 us for one decode row and ~1 ms
-for a 300-token prefill here, against 3.4 us and 62 us. Same result (float32 math,
-one rounding). Other dtypes and shapes take PyTorch's rms_norm.
+For bfloat16 and float32 rows a C kernel (tessera/kernels/rms_norm.c) does the add
+and the norm in one pass: PyTorch runs them as ~8 operators, 16 us for one bfloat16
+decode row and ~1 ms for a 300-token prefill here, against 3.4 us and 62 us (float32:
+~44 us a row on an AVX2-only host). Same result (float32 math, one rounding). Other
+shapes take PyTorch's rms_norm.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.prefix = prefix
         self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"), persistent=False)
-        self.use_kernel = (dtype == torch.bfloat16 and hidden_size <= kernels.MAX_NORM_HIDDEN
+        self.use_kernel = (dtype in kernels.NORM_DTYPES and hidden_size <= kernels.MAX_NORM_HIDDEN
                            and kernels.available() is None)
 
     def weight_loader(self, w: Tensor) -> None:
@@ -39,9 +40,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
         """Normalize x, or (x + residual) returning (normalized, new residual) when residual is given
         (the kernel updates `residual` in place and returns it)."""
-        if (self.use_kernel and x.is_cpu and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
-                and (residual is None or (residual.is_contiguous() and residual.dtype == torch.bfloat16))):
-            out = kernels.rms_norm_bf16(x, self.weight, self.eps, residual)
+        if (self.use_kernel and x.is_cpu and x.dim() == 2 and x.dtype == self.weight.dtype and x.is_contiguous()
+                and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):
+            out = kernels.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
