@@ -34,8 +34,9 @@ def _case(dtype, hq=6, hkv=2, d=64, bs=16, lens=(1, 17, 40, 300), seed=0, tokens
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("name", ["paged", "sdpa"])
-def test_decode_matches_reference(name, dtype, atol, window):
-    cache, tables, q, k, v = _case(dtype)
+@pytest.mark.parametrize("d", [64, 32, 48, 128])  # the float32 AVX2 loops: 64-value chunks, 32, generic
+def test_decode_matches_reference(name, dtype, atol, window, d):
+    cache, tables, q, k, v = _case(dtype, d=d)
     lens = [1, 17, 40, 300]
     outs = []
     for backend in (get_backend(name), ReferenceBackend()):

@@ -18,6 +18,10 @@
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_FMA 1
+#endif
 
 #include "bf16.h"
 #include "softmax.h"
@@ -32,6 +36,25 @@ static inline void load_row(const void *base, int64_t index, int d, int is_bf16,
         memcpy(dst, (const float *)base + index * d, sizeof(float) * d);
     }
 }
+
+#ifdef HAVE_AVX2_FMA
+/* float32 values (hosts without native bfloat16): out[0 .. 8 nv) = sum_t p_t * v_t[c .. c + 8 nv)
+ * for one query head, the sums kept in registers over all tokens (the generic loop loads and
+ * stores them for every token). `nv` is a constant at each call, so `a` stays in registers. */
+static inline __attribute__((always_inline)) void values_f32(const float *vb, const int64_t *table,
+                                                             int64_t block_size, int64_t D, int64_t c,
+                                                             const float *p, int64_t start, int64_t len,
+                                                             float *out, const int nv) {
+    __m256 a[8];
+    for (int j = 0; j < nv; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t t = start; t < len; t++) {
+        const float *vr = vb + (table[t / block_size] * block_size + t % block_size) * D + c;
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        for (int j = 0; j < nv; j++) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), a[j]);
+    }
+    for (int j = 0; j < nv; j++) _mm256_storeu_ps(out + 8 * j, a[j]);
+}
+#endif
 
 /*
  * q:            [B] rows of q_stride elements, each starting with [Hq][D], in the cache's dtype
@@ -89,6 +112,28 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                     __m512 a = _mm512_setzero_ps();
                     for (int64_t j = 0; j < nv; j++) a = _mm512_dpbf16_ps(a, kv[j], qv[g][j]);
                     const float v = _mm512_reduce_add_ps(a) * scale;
+                    scores[g * max_len + t] = v;
+                    if (v > maxs[g]) maxs[g] = v;
+                }
+            }
+        } else
+#endif
+#ifdef HAVE_AVX2_FMA
+        if (!is_bf16 && D % 16 == 0) {
+            /* float32 keys (hosts without native bfloat16): each key row is dotted in place with
+             * the G query rows, two FMA chains each, no widened or transposed copy (the block
+             * transpose below moved every key element one at a time: ~3x the work here). */
+            const float *kbase = (const float *)cache + h * plane * D;
+            for (int64_t t = start; t < len; t++) {
+                const float *kr = kbase + (table[t / block_size] * block_size + t % block_size) * D;
+                for (int64_t g = 0; g < G; g++) {
+                    const float *qg = qh + g * D;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                    for (int64_t i = 0; i < D; i += 16) {
+                        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kr + i), _mm256_loadu_ps(qg + i), a0);
+                        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kr + i + 8), _mm256_loadu_ps(qg + i + 8), a1);
+                    }
+                    const float v = hsum_ps256(_mm256_add_ps(a0, a1)) * scale;
                     scores[g * max_len + t] = v;
                     if (v > maxs[g]) maxs[g] = v;
                 }
@@ -160,6 +205,18 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                     }
                 }
             }
+        }
+#endif
+#ifdef HAVE_AVX2_FMA
+        if (!is_bf16 && D % 32 == 0) {
+            const float *vb = (const float *)cache + vbase * D;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < D; c += D % 64 == 0 ? 64 : 32) {
+                    if (D % 64 == 0) values_f32(vb, table, block_size, D, c, scores + g * max_len, start, len,
+                                                acc + g * D + c, 8);
+                    else values_f32(vb, table, block_size, D, c, scores + g * max_len, start, len, acc + g * D + c, 4);
+                }
+            t_done = len;
         }
 #endif
         for (int64_t t = t_done; t < len; t++) {
