@@ -252,8 +252,10 @@ def row_bucket(rows: int) -> int:
 
 # Activations a dense bfloat16 product can apply on its output (oneDNN's post-ops); GELU exact or tanh.
 Activation = Literal["gelu", "gelu_tanh"]
-# oneDNN's fused linear (the op PyTorch's own compiler emits for CPU linear + bias [+ GELU]).
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN's fused linear (the op PyTorch's own compiler emits for CPU linear + bias [+ GELU]), where its
+# bfloat16 kernels exist: without AVX-512 (AVX2-only hosts) it cannot make the primitive at all.
+_ONEDNN_LINEAR = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                  and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
