@@ -94,7 +94,9 @@ def test_routes_by_name_and_alias_and_reports_who_answered():
 
 
 def test_saturated_model_falls_back_instead_of_429():
-    big = fake_engine(step_s=0.03, max_num_seqs=1, queue=2)  # one at a time, two waiting at most
+    # one at a time, two waiting at most; steps slow enough that all 16 requests arrive within one
+    # request's time even on a loaded 2-core host (at 0.03 s some drained before the last came)
+    big = fake_engine(step_s=0.2, max_num_seqs=1, queue=2)
     small = fake_engine(step_s=0.001, max_num_seqs=8)
     router, degraded = two_model_server(big, small, (FallbackCondition("queue_full"),))
     app = create_app(router=router)
