@@ -15,6 +15,8 @@
  * 32t + 16 + c in its high nibble. sz is [K/32][N_pad][2] float32 (scale, zero) pairs.
  */
 #include <stdint.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2_FMA 1
@@ -83,10 +85,7 @@ static inline __attribute__((always_inline)) void few_rows_tile(const float *x, 
             const float *xg = x + r * K + g * 32;
             const __m256 xs8 = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
                                              _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
-            __m128 xs4 = _mm_add_ps(_mm256_castps256_ps128(xs8), _mm256_extractf128_ps(xs8, 1));
-            xs4 = _mm_add_ps(xs4, _mm_movehl_ps(xs4, xs4));
-            xs4 = _mm_add_ss(xs4, _mm_movehdup_ps(xs4));
-            const __m256 xsum = _mm256_set1_ps(_mm_cvtss_f32(xs4));
+            const __m256 xsum = _mm256_set1_ps(hsum_ps256(xs8));
             for (int v = 0; v < 4; v++) {
                 const __m256 dot = J == 2 ? _mm256_add_ps(d[r][v], d[r][4 + v]) : d[r][v];
                 acc[r][v] = _mm256_fmadd_ps(sc[v], dot, _mm256_fmadd_ps(bias[v], xsum, acc[r][v]));
