@@ -200,6 +200,12 @@ class AttentionBackend(ABC):
                  enable_gqa=True)
         return o.transpose(1, 2).reshape(b * width, hq * d).index_select(0, rows)
 
+    def decode_in_c(self, num_heads: int, kv_cache: torch.Tensor) -> bool:
+        """Whether a decode step may write and read this cache from C (tessera/kernels/decode_step.c)
+        instead of through `forward`: only where that is what `forward` would do, a bfloat16 cache
+        in the [2, Hkv, blocks, block_size, D] layout of the paged decode kernel."""
+        return False
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int],

@@ -30,6 +30,9 @@ class PagedBackend(SdpaBackend):
             raise kernels.KernelUnavailable(why)
         super().__init__(kv_cache_dtype)
 
+    def decode_in_c(self, num_heads, kv_cache):
+        return kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 5 and kernels.supports(num_heads, kv_cache)
+
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None):
         if not kernels.supports(q.shape[1], kv_cache):
             return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias)

@@ -27,7 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c", "kquant_gemm.c")
+SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c", "kquant_gemm.c",
+           "decode_step.c")
 HEADERS = ("bf16.h", "softmax.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
@@ -146,6 +147,11 @@ def load() -> ctypes.CDLL:
     lib.kquant_scratch_bytes.restype = i64
     lib.tessera_kquant_vector.argtypes = []
     lib.tessera_kquant_vector.restype = ctypes.c_int
+    ds = lib.decode_step_bf16
+    ds.argtypes = [p, i64, p, p, i64, p, p, p, i64, p, p, p, i64, p]
+    ds.restype = ctypes.c_int
+    lib.decode_step_workspace_bytes.argtypes = [p, i64, p, i64, i64]
+    lib.decode_step_workspace_bytes.restype = i64
     return lib
 
 
@@ -510,6 +516,53 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,
     lib.int8_scale_products(acc.data_ptr(), token_scales.data_ptr(), row_scales.data_ptr(), out.data_ptr(), is_bf16,
                             m, wq.shape[0])
     return out
+
+
+LINEAR_INT4, LINEAR_INT8 = 1, 2  # decode_step.c's linear_t kinds
+
+
+class LinearOperand(ctypes.Structure):
+    """A projection's weight as decode_step.c reads it (its linear_t); built by
+    QuantMethod.kernel_operand, which knows the storage."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_pad", ctypes.c_int64),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64), ("int8_gemm", ctypes.c_int64)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer for decode_step_bf16 (decode_step.c's layer_t)."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearOperand),
+                ("o", LinearOperand), ("gate_up", LinearOperand), ("down", LinearOperand),
+                ("kv_cache", ctypes.c_void_p)]
+
+
+class DecodeDims(ctypes.Structure):
+    """The decoder's shapes and the cache's (decode_step.c's dims_t)."""
+
+    _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_double),
+                ("scale", ctypes.c_double)]
+
+
+def decode_step_workspace_bytes(layers: "ctypes.Array[DecodeLayer]", dims: DecodeDims, rows: int, max_len: int) -> int:
+    return load().decode_step_workspace_bytes(ctypes.addressof(layers), len(layers), ctypes.byref(dims), rows, max_len)
+
+
+def decode_step_bf16(layers: "ctypes.Array[DecodeLayer]", dims: DecodeDims, final_norm: torch.Tensor,
+                     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int, slots: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                     workspace: torch.Tensor) -> bool:
+    """Run every layer of a llama-family decode step over x [M, H] bfloat16 in place (embeddings in,
+    the final norm's output out); see decode_step.c. cos/sin [M, D] bfloat16, slots [M] and seq_lens
+    [M] int64, block_tables [M, max_blocks] int64, all contiguous; `workspace` at least
+    decode_step_workspace_bytes. False when a kernel refused its arguments."""
+    return load().decode_step_bf16(
+        ctypes.addressof(layers), len(layers), ctypes.byref(dims), final_norm.data_ptr(), x.shape[0], x.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), half, slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        max_len, workspace.data_ptr()) == 0
 
 
 def main(argv: list[str]) -> int:

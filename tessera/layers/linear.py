@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from tessera import kernels
 from tessera.errors import ModelFormatError
 from tessera.layers.quantization import Activation, QuantConfig, QuantMethod
 from tessera.layers.weights import AnyWeight, as_source
@@ -86,6 +87,16 @@ class Linear(nn.Module):
         if self.bias is None and activation is None and residual is None:
             return self.quant_method.apply(self, x)
         return self.quant_method.apply_with_bias(self, x, self.bias, activation, residual)
+
+    def kernel_operand(self) -> Optional[kernels.LinearOperand]:
+        """This layer's weight and bias as the C decode step reads them, or None (see
+        QuantMethod.kernel_operand)."""
+        op = self.quant_method.kernel_operand(self) if self.quant_method is not None else None
+        if op is not None and self.bias is not None:
+            if self.bias.dtype != torch.bfloat16 or not self.bias.is_contiguous():
+                return None
+            op.bias = self.bias.data_ptr()
+        return op
 
     def extra_repr(self) -> str:
         how = self.quant_method.describe(self) if self.quant_method else "unloaded"

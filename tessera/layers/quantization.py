@@ -329,6 +329,11 @@ class QuantMethod(ABC):
     def describe(self, layer: nn.Module) -> str:
         return self.name
 
+    def kernel_operand(self, layer: nn.Module) -> Optional[kernels.LinearOperand]:
+        """The weight as the C decode step reads it (tessera/kernels/decode_step.c), or None where
+        no C kernel reads this storage here; the bias is the caller's to add."""
+        return None
+
 
 def _stack(sources: list[AnyWeight], dtype: torch.dtype) -> Tensor:
     """Sources stacked by rows in `dtype`, converted a chunk of rows at a time."""
@@ -500,6 +505,16 @@ class Int8Method(_WeightOnlyMethod):
             else:
                 parts.append(kernels.int8_gemv(rows, layer.qweight, layer.scales, layer.zeros))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def kernel_operand(self, layer):
+        if not layer.use_kernels or self.config.dtype != torch.bfloat16:
+            return None
+        n, k = layer.qweight.shape
+        return kernels.LinearOperand(kind=kernels.LINEAR_INT8, weight=layer.qweight.data_ptr(),
+                                     scales=layer.scales.data_ptr(),
+                                     zeros=None if layer.zeros is None else layer.zeros.data_ptr(),
+                                     n_pad=n, n=n, k=k, group=k // layer.scales.shape[1],
+                                     int8_gemm=int(layer.use_gemm_kernel))
 
     def describe(self, layer):
         return "int8" + ("" if layer.int8_exact else " (requantized)")
@@ -771,6 +786,13 @@ class Int4Method(_WeightOnlyMethod):
                 layer.use_gemv_kernel = False
         out = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP, layer.scales_zeros)
         return out if out.shape[1] == layer.out_rows else out[:, :layer.out_rows]
+
+    def kernel_operand(self, layer):
+        if not layer.use_gemm_kernel:  # the AVX-512 layout and bfloat16 scales that int4_gemv.c reads
+            return None
+        sz = layer.scales_zeros
+        return kernels.LinearOperand(kind=kernels.LINEAR_INT4, weight=layer.qweight.data_ptr(), scales=sz.data_ptr(),
+                                     n_pad=sz.shape[1], n=layer.out_rows, k=sz.shape[0] * INT4_GROUP)
 
     def describe(self, layer):
         return "int4" + ("" if layer.int4_exact else " (requantized)")

@@ -17,6 +17,7 @@ from tessera.attention.base import AttentionMetadata, KeyBias
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from tessera.layers.weights import AnyWeight
+from tessera.models.fused_decode import FusedDecode
 from tessera.models.weights import load_named_weights, as_float_tensor
 
 
@@ -84,6 +85,8 @@ class LlamaForCausalLM(nn.Module):
         # from the packed-weight cache (models/weight_cache.py) has the same modules.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, self.dtype, None)
+        # The C decode step's plan (None: not planned yet; False: this model or host has none).
+        self._fused: Optional[FusedDecode | bool] = None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
@@ -95,11 +98,20 @@ class LlamaForCausalLM(nn.Module):
         if freqs is not None:
             self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
                                               self.dtype, as_float_tensor(freqs))
+        self._fused = None  # the weights moved: plan again
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:
         """Final hidden states of the packed batch; `layers` runs only those decoder layers
-        (self-speculative drafting), each still with its own cache."""
+        (self-speculative drafting), each still with its own cache. Decode steps the C decode
+        step takes (models/fused_decode.py) run there, the rest through the modules."""
+        if layers is None and self._fused is not False:
+            if self._fused is None:  # planned on the first step: the weights are loaded by then
+                self._fused = FusedDecode.build(self) or False
+            if self._fused and self._fused.applies(input_ids, kv_caches, attn_meta):
+                hidden = self._fused.run(input_ids, positions, kv_caches, attn_meta)
+                if hidden is not None:
+                    return hidden
         cos, sin = self.rotary_emb(positions)
         half = self.rotary_emb.half
         x = self.model.embed_tokens.embed(input_ids)

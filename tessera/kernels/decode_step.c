@@ -1,0 +1,213 @@
+/* A llama-family decoder's whole decode step in one call: every layer's norms, projections, RoPE,
+ * KV-cache writes, paged attention and gated MLP for a few decode rows, bfloat16.
+ *
+ * At one decode row SmolLM2-135M's 30 layers are ~600 PyTorch operators and ctypes calls; their
+ * dispatch (a few microseconds each) cost more than the arithmetic, which needs ~3 ms of weight
+ * reads. Here the step is the same kernels (int4_gemv.c, int8_gemv.c, rms_norm.c,
+ * paged_attention.c) called from C, with the small element-wise work (bias, RoPE, KV writes,
+ * SiLU x up) done in loops between them. The arithmetic and its roundings follow the module
+ * path (models/llama.py): each tensor the module path stores in bfloat16 is rounded to
+ * bfloat16 here at the same point, so both give the same tokens up to the order of float32
+ * sums inside the kernels.
+ *
+ * The caller (models/fused_decode.py) checks what this handles: int4pack (AVX-512 layout) or
+ * int8-group projections, a bias on the QKV projection only, a bfloat16 paged cache
+ * [2][Hkv][num_blocks][block_size][D], neox RoPE tables, no sliding window.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+int int4_gemv_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t N_pad,
+                   int64_t N_out, int64_t K, float *scratch);
+int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
+                   int64_t N_pad, int64_t N_out, int64_t K, float *scratch);
+int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M, int64_t N,
+              int64_t K, int64_t G, int is_bf16, float *scratch);
+int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
+                   int64_t M, int64_t N, int64_t K, int64_t G);
+void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                   int64_t hidden, float eps);
+void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
+                            const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                            float scale, int64_t window, float *scratch, int64_t max_len);
+
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2 };
+#define INT4_ROWS_PER_CALL 64 /* int4_gemm_bf16's row limit (quantization.py's INT4_GEMM_MAX_ROWS) */
+#define INT8_ROWS_PER_CALL 8  /* int8_gemv / int8_gemm_bf16's row limit */
+
+/* One projection's weight as its QuantMethod stores it (all fields 8 bytes: ctypes mirrors it). */
+typedef struct {
+    int64_t kind;          /* LINEAR_INT4 or LINEAR_INT8 */
+    const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8 */
+    const void *scales;    /* int4: [K/32][N_pad][2] bf16 (scale, zero); int8: [N][K/G] float32 */
+    const float *zeros;    /* int8: [N][K/G] float32 or NULL */
+    const uint16_t *bias;  /* [N] bf16 or NULL */
+    int64_t n_pad, n, k;   /* int4: rows padded to the tile, real rows, columns */
+    int64_t group;         /* int8: values per scale */
+    int64_t int8_gemm;     /* int8: int8_gemm_bf16 may take steps of 3+ rows */
+} linear_t;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* [H] bf16 */
+    linear_t qkv, o, gate_up, down;
+    uint16_t *kv_cache; /* [2][Hkv][num_blocks][block_size][D] bf16 */
+} layer_t;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t num_blocks, block_size, max_blocks;
+    double eps, scale;
+} dims_t;
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Floats of scratch the projections of `l` need for M rows (their kernels' own scratch). */
+static int64_t linear_scratch(const linear_t *l, int64_t M) {
+    const int64_t k = l->k;
+    return max64(k + k / 32, max64(M * (k / 32), (M < INT8_ROWS_PER_CALL ? M : INT8_ROWS_PER_CALL) * k));
+}
+
+/* The most any projection of the step needs. */
+static int64_t step_linear_scratch(const layer_t *layers, int64_t L, int64_t M) {
+    int64_t lin = 0;
+    for (int64_t i = 0; i < L; i++) {
+        lin = max64(lin, linear_scratch(&layers[i].qkv, M));
+        lin = max64(lin, linear_scratch(&layers[i].o, M));
+        lin = max64(lin, linear_scratch(&layers[i].gate_up, M));
+        lin = max64(lin, linear_scratch(&layers[i].down, M));
+    }
+    return lin;
+}
+
+static int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
+
+/* Bytes of workspace decode_step_bf16 needs for M rows and contexts of at most max_len tokens. */
+int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims_t *d, int64_t M, int64_t max_len) {
+    const int64_t qkv_n = (d->num_heads + 2 * d->num_kv_heads) * d->head_dim;
+    const int64_t lin = step_linear_scratch(layers, L, M);
+    int64_t bytes = 0;
+    bytes += align64(2 * M * d->hidden) * 2;                  /* residual, h */
+    bytes += align64(2 * M * qkv_n);                          /* qkv */
+    bytes += align64(2 * M * d->num_heads * d->head_dim);    /* attention output */
+    bytes += align64(2 * M * 2 * d->intermediate);            /* gate_up */
+    bytes += align64(2 * M * d->intermediate);                /* act */
+    bytes += align64(4 * lin);                                /* kernels' scratch */
+    bytes += align64(4 * M * d->num_heads * max_len);         /* attention scores */
+    return bytes;
+}
+
+/* out [M, n] = x [M, k] W^T (+ bias), through the kernel the module path picks for this row count. */
+static int linear(const linear_t *l, const uint16_t *x, int64_t M, uint16_t *out, float *scratch) {
+    if (l->kind == LINEAR_INT4) {
+        if (M == 1) {
+            if (int4_gemv_bf16(x, l->weight, l->scales, out, l->n_pad, l->n, l->k, scratch) != 0) return -1;
+        } else {
+            for (int64_t i = 0; i < M; i += INT4_ROWS_PER_CALL) {
+                const int64_t m = M - i < INT4_ROWS_PER_CALL ? M - i : INT4_ROWS_PER_CALL;
+                if (int4_gemm_bf16(x + i * l->k, l->weight, l->scales, out + i * l->n, m, l->n_pad, l->n, l->k,
+                                   scratch) != 0)
+                    return -1;
+            }
+        }
+    } else if (l->kind == LINEAR_INT8) {
+        for (int64_t i = 0; i < M; i += INT8_ROWS_PER_CALL) {
+            const int64_t m = M - i < INT8_ROWS_PER_CALL ? M - i : INT8_ROWS_PER_CALL;
+            const int rc = (l->int8_gemm && m >= 3)
+                ? int8_gemm_bf16(x + i * l->k, l->weight, l->scales, l->zeros, out + i * l->n, m, l->n, l->k, l->group)
+                : int8_gemv(x + i * l->k, l->weight, l->scales, l->zeros, out + i * l->n, m, l->n, l->k, l->group, 1,
+                            scratch);
+            if (rc != 0) return -1;
+        }
+    } else {
+        return -1;
+    }
+    if (l->bias) { /* y + b as PyTorch adds two bfloat16 tensors: in float32, rounded once */
+        for (int64_t r = 0; r < M; r++) {
+            uint16_t *y = out + r * l->n;
+#pragma omp simd
+            for (int64_t j = 0; j < l->n; j++) y[j] = f32_to_bf16(bf16_to_f32(y[j]) + bf16_to_f32(l->bias[j]));
+        }
+    }
+    return 0;
+}
+
+/* x*cos + roll(x, half)*sin over one head (layers/rotary.py's apply_rope): x*cos rounded to
+ * bfloat16 first, then the fused multiply-add rounded once, as addcmul does. */
+static void rope_head(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t D, int64_t half) {
+    float v[1024];
+    for (int64_t i = 0; i < D; i++) v[i] = bf16_to_f32(x[i]);
+    for (int64_t i = 0; i < D; i++) {
+        const float a = bf16_to_f32(f32_to_bf16(v[i] * bf16_to_f32(cos[i])));
+        x[i] = f32_to_bf16(a + v[(i + half) % D] * bf16_to_f32(sin[i]));
+    }
+}
+
+/*
+ * x:            [M, H] bf16: the rows' embeddings in, the final norm's output out
+ * cos, sin:     [M, D] bf16 RoPE rows of the rows' positions (RotaryEmbedding's tables)
+ * slots:        [M] int64 cache slot of each row's new token
+ * block_tables: [M, max_blocks] int64; seq_lens: [M] int64 (context including the new token)
+ * workspace:    decode_step_workspace_bytes(...) bytes
+ * Returns 0, or -1 when a kernel refused its arguments (nothing is then left half-written that
+ * the module path would not overwrite: the caller reruns the step there).
+ */
+int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const uint16_t *final_norm, int64_t M,
+                     uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
+                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace) {
+    const int64_t H = d->hidden, D = d->head_dim, nq = d->num_heads, nkv = d->num_kv_heads, I = d->intermediate;
+    const int64_t qkv_n = (nq + 2 * nkv) * D;
+    const int64_t plane = d->num_blocks * d->block_size;
+    const float eps = (float)d->eps;
+    if (D > 1024) return -1;
+    char *p = (char *)workspace;
+    uint16_t *residual = (uint16_t *)p; p += align64(2 * M * H);
+    uint16_t *h = (uint16_t *)p; p += align64(2 * M * H);
+    uint16_t *qkv = (uint16_t *)p; p += align64(2 * M * qkv_n);
+    uint16_t *attn = (uint16_t *)p; p += align64(2 * M * nq * D);
+    uint16_t *gu = (uint16_t *)p; p += align64(2 * M * 2 * I);
+    uint16_t *act = (uint16_t *)p; p += align64(2 * M * I);
+    const int64_t lin = step_linear_scratch(layers, L, M);
+    float *scratch = (float *)p; p += align64(4 * lin);
+    float *scores = (float *)p;
+
+    for (int64_t li = 0; li < L; li++) {
+        const layer_t *ly = &layers[li];
+        if (li == 0) { /* the embeddings are the first residual */
+            memcpy(residual, x, sizeof(uint16_t) * M * H);
+            rms_norm_bf16(x, 0, ly->input_norm, h, M, H, eps);
+        } else {
+            rms_norm_bf16(x, residual, ly->input_norm, h, M, H, eps);
+        }
+        if (linear(&ly->qkv, h, M, qkv, scratch) != 0) return -1;
+        for (int64_t r = 0; r < M; r++) {
+            uint16_t *row = qkv + r * qkv_n;
+            for (int64_t j = 0; j < nq + nkv; j++) rope_head(row + j * D, cos + r * D, sin + r * D, D, half);
+            for (int64_t j = 0; j < nkv; j++) { /* keys, then values, at the row's slot of each head */
+                memcpy(ly->kv_cache + ((j * plane) + slots[r]) * D, row + (nq + j) * D, sizeof(uint16_t) * D);
+                memcpy(ly->kv_cache + ((nkv + j) * plane + slots[r]) * D, row + (nq + nkv + j) * D,
+                       sizeof(uint16_t) * D);
+            }
+        }
+        paged_decode_attention(qkv, qkv_n, ly->kv_cache, 1, block_tables, seq_lens, attn, M, nq, nkv, D,
+                               d->num_blocks, d->block_size, d->max_blocks, (float)d->scale, 0, scores, max_len);
+        if (linear(&ly->o, attn, M, x, scratch) != 0) return -1;
+        rms_norm_bf16(x, residual, ly->post_norm, h, M, H, eps);
+        if (linear(&ly->gate_up, h, M, gu, scratch) != 0) return -1;
+        for (int64_t r = 0; r < M; r++) { /* bf16(bf16(silu(gate)) * up), as F.silu then a multiply */
+            const uint16_t *g = gu + r * 2 * I, *u = g + I;
+            uint16_t *a = act + r * I;
+            for (int64_t i = 0; i < I; i++) {
+                const float gv = bf16_to_f32(g[i]);
+                const float s = bf16_to_f32(f32_to_bf16(gv / (1.f + expf(-gv))));
+                a[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+            }
+        }
+        if (linear(&ly->down, act, M, x, scratch) != 0) return -1;
+    }
+    rms_norm_bf16(x, residual, final_norm, x, M, H, eps);
+    return 0;
+}

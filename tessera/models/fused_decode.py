@@ -1,0 +1,109 @@
+"""A llama-family decode step in one C call (tessera/kernels/decode_step.c).
+
+Why: at one to a few decode rows, the module path's ~20 operators and kernel calls per layer
+cost more in dispatch than their arithmetic (SmolLM2-135M: ~600 calls a token, of a few
+microseconds each, against ~3 ms of weight reads). The C step runs the same kernels in the
+same order with the same bfloat16 roundings, so it is a faster route to the same result,
+taken only where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host, int4 or
+int8-group projections, the paged backend's bfloat16 cache, decode-only steps. Everything
+else (prefill, mixed steps, other weight formats, int8 caches) runs the modules.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import Tensor
+
+from tessera import kernels
+from tessera.attention.base import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tessera.models.llama import LlamaForCausalLM
+
+# Rows per step taken in C: int4_gemm_bf16's limit, past which the module path's dense matmuls win.
+MAX_ROWS = 64
+
+
+class FusedDecode:
+    """The weights' addresses, laid out once as decode_step.c reads them; `run` per step."""
+
+    def __init__(self, model: "LlamaForCausalLM", layers: "ctypes.Array[kernels.DecodeLayer]",
+                 dims: kernels.DecodeDims) -> None:
+        self.model = model
+        self.layers = layers
+        self.dims = dims
+        self._caches: Optional[tuple[int, ...]] = None  # the cache addresses `layers` holds
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def build(cls, model: "LlamaForCausalLM") -> Optional["FusedDecode"]:
+        """The plan for `model`, or None where some part has no C kernel here."""
+        c = model.config
+        if model.dtype != torch.bfloat16 or not kernels.bf16_matmuls():
+            return None
+        if c.hidden_size > kernels.MAX_NORM_HIDDEN or c.head_dim > kernels.MAX_HEAD_DIM or c.head_dim % 32:
+            return None
+        rows = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.attn.sliding_window is not None or mlp.activation != "silu":
+                return None
+            if any(lin.bias is not None for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                return None
+            ops = [lin.kernel_operand() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(op is None for op in ops) or any(w.dtype != torch.bfloat16 for w in norms):
+                return None
+            rows.append(kernels.DecodeLayer(norms[0].data_ptr(), norms[1].data_ptr(), *ops, None))
+        if model.model.norm.weight.dtype != torch.bfloat16:
+            return None
+        dims = kernels.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                  head_dim=c.head_dim, intermediate=c.intermediate_size,
+                                  eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.attn.scale)
+        return cls(model, (kernels.DecodeLayer * len(rows))(*rows), dims)
+
+    def applies(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C step takes: decode rows only, few enough, every layer
+        reading the same tables, a cache the backend lets C write and read."""
+        return (meta.num_decodes == meta.num_reqs and 0 < meta.num_reqs <= MAX_ROWS and meta.layers is None
+                and input_ids.is_cpu and meta.backend.decode_in_c(self.dims.num_heads, kv_caches[0]))
+
+    def _bind_caches(self, kv_caches: list[Tensor]) -> None:
+        ptrs = tuple(c.data_ptr() for c in kv_caches)
+        if ptrs == self._caches:
+            return
+        shapes = {tuple(c.shape) for c in kv_caches}
+        if len(shapes) != 1 or len(kv_caches) != len(self.layers):
+            raise ValueError("every layer's KV cache must have the same shape")
+        _, _, num_blocks, block_size, _ = kv_caches[0].shape
+        self.dims.num_blocks, self.dims.block_size = num_blocks, block_size
+        for layer, p in zip(self.layers, ptrs):
+            layer.kv_cache = p
+        self._caches = ptrs
+
+    def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+            meta: AttentionMetadata) -> Optional[Tensor]:
+        """The final hidden states [M, H] of a decode step, or None if a kernel refused (the caller
+        then runs the modules, which rewrite every cache slot this step wrote)."""
+        model = self.model
+        self._bind_caches(kv_caches)
+        m = input_ids.shape[0]
+        x = model.model.embed_tokens.embed(input_ids).contiguous()
+        cos, sin = model.rotary_emb(positions)
+        cos, sin = cos.view(m, -1).contiguous(), sin.view(m, -1).contiguous()
+        cached = meta._cache.get("paged_decode_c")
+        if cached is None:
+            tables = meta.block_tables[:m].contiguous()
+            cached = (torch.tensor(meta.seq_lens, dtype=torch.long), tables, max(meta.seq_lens))
+            meta._cache["paged_decode_c"] = cached
+        seq_lens, tables, max_len = cached
+        self.dims.max_blocks = tables.shape[1]
+        need = kernels.decode_step_workspace_bytes(self.layers, self.dims, m, max_len)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(max(need, 2 * self._workspace.numel()), dtype=torch.uint8)
+        ok = kernels.decode_step_bf16(self.layers, self.dims, model.model.norm.weight, x, cos, sin,
+                                      model.rotary_emb.half, meta.slot_mapping.contiguous(), tables, seq_lens,
+                                      max_len, self._workspace)
+        return x if ok else None

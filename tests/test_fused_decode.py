@@ -1,0 +1,125 @@
+"""The C decode step (models/fused_decode.py, kernels/decode_step.c) against the module path."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams, kernels
+from tessera.attention.paged import PagedBackend
+from tessera.attention.sdpa import SdpaBackend
+from tessera.models.fused_decode import FusedDecode
+
+from tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not kernels.bf16_matmuls(), reason="the C decode step needs AVX512-BF16")
+
+# head_dim 32 (the kernels' smallest vector of pairs), three query heads per KV head.
+SHAPE = dict(hidden_size=192, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: a bias on the QKV projection
+def folder(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("fused") / request.param, arch=request.param, shape=SHAPE,
+                           std=0.05)
+
+
+def _model(folder, quantization):
+    llm = LLM(str(folder), dtype="bfloat16", quantization=quantization, max_model_len=256)
+    return llm, llm.engine.runner.model
+
+
+def _prefill_then_decode(model, backend, lens: list[int], use_c: bool, seed: int = 0):
+    """Prefill requests of `lens` tokens through the modules, then one decode row each; returns the
+    decode step's hidden states, the caches, and whether the C step ran."""
+    c = model.config
+    caches = backend.allocate(c.num_layers, 64, BLOCK, c.num_kv_heads, c.head_dim, torch.bfloat16)
+    rng = random.Random(seed)
+    tables, nxt = [], 1
+    for n in lens:
+        need = -(-(n + 1) // BLOCK)
+        tables.append(list(range(nxt, nxt + need)))
+        nxt += need
+    ids = [rng.randrange(3, 300) for n in lens for _ in range(n)]
+    pos = [p for n in lens for p in range(n)]
+    meta = backend.build_metadata(list(lens), list(lens), tables, BLOCK)
+    model._fused = False
+    model(torch.tensor(ids), torch.tensor(pos), caches, meta)
+    model._fused = None if use_c else False
+    ran = []
+    if use_c:
+        real_run = FusedDecode.run
+
+        def spy(self, *args):
+            out = real_run(self, *args)
+            ran.append(out is not None)
+            return out
+        FusedDecode.run = spy
+    try:
+        meta = backend.build_metadata([1] * len(lens), [n + 1 for n in lens], tables, BLOCK)
+        dec_ids = torch.tensor([rng.randrange(3, 300) for _ in lens])
+        hidden = model(dec_ids, torch.tensor(lens), caches, meta)
+    finally:
+        if use_c:
+            FusedDecode.run = real_run
+    return hidden, caches, ran == [True]
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("lens", [[5], [17, 1, 40], [33] * 9])  # 1 row (gemv), 3 rows, 9 (past int8's 8)
+def test_c_decode_step_matches_the_modules(folder, quantization, lens):
+    _, model = _model(folder, quantization)
+    backend = PagedBackend()
+    ref, ref_caches, _ = _prefill_then_decode(model, backend, lens, use_c=False)
+    got, caches, ran = _prefill_then_decode(model, backend, lens, use_c=True)
+    assert ran, "the C decode step did not take the step"
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    # Same roundings; only float32 sum order differs between the kernels (bfloat16 outputs).
+    torch.testing.assert_close(got.float(), ref.float(), rtol=0.05, atol=0.05)
+    cos = torch.nn.functional.cosine_similarity(got.float(), ref.float(), dim=-1)
+    assert cos.min() > 0.999
+    for a, b in zip(caches, ref_caches):  # the new keys and values went to the same slots
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+
+
+def test_steps_it_does_not_take_run_the_modules(folder):
+    _, model = _model(folder, "int4")
+    plan = FusedDecode.build(model)
+    assert plan is not None
+    c = model.config
+    sdpa = SdpaBackend()
+    caches = sdpa.allocate(c.num_layers, 8, BLOCK, c.num_kv_heads, c.head_dim, torch.bfloat16)
+    decode = sdpa.build_metadata([1, 1], [3, 4], [[1], [2]], BLOCK)
+    assert not plan.applies(torch.tensor([5, 6]), caches, decode)  # another backend's cache
+    paged = PagedBackend()
+    caches = paged.allocate(c.num_layers, 8, BLOCK, c.num_kv_heads, c.head_dim, torch.bfloat16)
+    assert plan.applies(torch.tensor([5, 6]), caches, paged.build_metadata([1, 1], [3, 4], [[1], [2]], BLOCK))
+    mixed = paged.build_metadata([1, 3], [3, 4], [[1], [2]], BLOCK)
+    assert not plan.applies(torch.tensor([5, 6, 7, 8]), caches, mixed)  # a prefill row in the step
+    int8 = PagedBackend("int8").allocate(c.num_layers, 8, BLOCK, c.num_kv_heads, c.head_dim, torch.bfloat16)
+    assert not plan.applies(torch.tensor([5, 6]), int8, paged.build_metadata([1, 1], [3, 4], [[1], [2]], BLOCK))
+
+
+def test_no_plan_for_float32_or_dense_weights(folder):
+    assert FusedDecode.build(_model(folder, "none")[1]) is None
+    llm = LLM(str(folder), dtype="float32", quantization="int4", max_model_len=256)
+    assert FusedDecode.build(llm.engine.runner.model) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_generation_is_unchanged(arch, tmp_path):
+    """Whole requests through the engine: the same tokens with the C step on as with it off (sharp
+    logits, as in the other greedy tests, so that bfloat16 sum order does not decide near-ties)."""
+    folder = make_tiny_model(tmp_path / arch, arch=arch, shape=SHAPE, std=0.25)
+    llm, model = _model(folder, "int4")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with_c = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert model._fused, "the engine's decode steps did not plan a C step"
+    model._fused = False  # a fresh engine on the same weights: no prefix-cache hits from the first run
+    again = LLM(str(folder), loaded=llm.engine.loaded, dtype="bfloat16", quantization="int4", max_model_len=256)
+    without = [o.outputs[0].token_ids for o in again.generate(prompts, greedy)]
+    assert with_c == without
