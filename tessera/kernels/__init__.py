@@ -117,9 +117,6 @@ def load() -> ctypes.CDLL:
     h8 = lib.int8_gemm_bf16
     h8.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
     h8.restype = ctypes.c_int
-    f4 = lib.int4_gemv_bf16
-    f4.argtypes = [p, p, p, p, i64, i64, i64, p]
-    f4.restype = ctypes.c_int
     m4 = lib.int4_gemm_bf16
     m4.argtypes = [p, p, p, p, i64, i64, i64, i64, p]
     m4.restype = ctypes.c_int
@@ -165,7 +162,7 @@ def available() -> Optional[str]:
 
 
 def bf16_matmuls() -> bool:
-    """Whether the few-row AVX512-BF16 matrix kernels (int8_gemm_bf16, int4_gemv_bf16,
+    """Whether the few-row AVX512-BF16 matrix kernels (int8_gemm_bf16,
     int4_gemm_bf16) run here; the others have portable paths and only need `available()`."""
     return available() is None and bool(load().tessera_avx512_bf16())
 
@@ -389,19 +386,6 @@ def int8_gemm_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                           weight.shape[0], k, k // scale.shape[1]) != 0:
         raise KernelUnavailable(f"int8_gemm_bf16 needs AVX-512 BF16, at most {INT8_GEMM_MAX_ROWS} rows and K "
                                 f"a multiple of 32 (got {m} x {k})")
-    return out
-
-
-def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
-    """One bfloat16 row [1, K] times an int4pack weight (see int4_gemv.c) -> [1, out_rows] bfloat16."""
-    lib = load()
-    k = x.shape[1]
-    x = x.contiguous()
-    out = torch.empty(1, out_rows, dtype=torch.bfloat16)
-    scratch = torch.empty(k + k // 32, dtype=torch.float32)
-    if lib.int4_gemv_bf16(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(),
-                          scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
-        raise KernelUnavailable("int4_gemv_bf16 needs AVX-512 BF16 on the build machine")
     return out
 
 

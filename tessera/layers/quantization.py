@@ -11,7 +11,7 @@ a dense matmul for prefill-sized ones. The dense matmul reads either a dense
 copy kept beside the quantized weight (`dense_copy`, for small models where
 the memory is cheap) or a copy dequantized for that call (large models, where
 keeping two copies would double the weights' memory). For int4 in bfloat16,
-Tessera's own few-row kernel (tessera/kernels/int4_gemv.c) takes 2-64 rows:
+Tessera's own few-row kernel (tessera/kernels/int4_gemv.c) takes 1-64 rows:
 it computes from the codes, so it reads a quarter of the bytes and, on a
 model's weights streamed from memory, beats the dense matmul by 1.7-4x at
 2-16 rows and 1.3x at 32-64 (PyTorch's int4 kernel by 1.6-1.8x at 32-64).
@@ -76,8 +76,6 @@ LOAD_CHUNK_ROWS = 4096  # rows dequantized at a time while loading
 # Symmetric int8 groups for weights that come without groups of their own (float tensors, 4-bit
 # GGUF types forced to int8).
 INT8_REQUANT_GROUP = 32
-# The int4 C kernel (one row) streams at ~28 GB/s against PyTorch's ~23 on big matrices, ties on small.
-INT4_GEMV_MIN_WEIGHTS = 1 << 20
 # The few-row int4 C kernel (int4_gemm_bf16) against the dense bf16 copy, over a whole model's
 # weights as a step reads them (from memory, not cache): 1.7-4x faster at 2-16 rows, 1.3x at
 # 32-64, break-even at 128 (benchmarks/kernels.py, results/int4_gemm.json). Above 64, the dense copy.
@@ -712,7 +710,6 @@ class Int4Method(_WeightOnlyMethod):
         layer.out_rows = n
         layer.int4_exact = exact
         native = self.config.dtype == torch.bfloat16 and self.layout.kernel_layout and kernels.bf16_matmuls()
-        layer.use_gemv_kernel = native and n * k >= INT4_GEMV_MIN_WEIGHTS
         layer.use_gemm_kernel = native
         layer.use_f32_kernel = self.config.dtype == torch.float32 and self.layout.avx2_layout \
             and kernels.avx2_matmuls()
@@ -771,7 +768,7 @@ class Int4Method(_WeightOnlyMethod):
                 return kernels.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
             except kernels.KernelUnavailable:  # built without AVX2 + FMA: PyTorch's kernels from now on
                 layer.use_f32_kernel = False
-        if 1 < rows <= INT4_GEMM_MAX_ROWS and layer.use_gemm_kernel:
+        if 0 < rows <= INT4_GEMM_MAX_ROWS and layer.use_gemm_kernel:
             try:
                 return kernels.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
             except kernels.KernelUnavailable:  # built without AVX512-BF16: PyTorch's kernels from now on
@@ -779,16 +776,11 @@ class Int4Method(_WeightOnlyMethod):
         return super().apply(layer, x)
 
     def _small(self, layer, x):
-        if layer.use_gemv_kernel and x.shape[0] == 1:
-            try:
-                return kernels.int4_gemv_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
-            except kernels.KernelUnavailable:  # built without AVX512-BF16: PyTorch's kernel from now on
-                layer.use_gemv_kernel = False
         out = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP, layer.scales_zeros)
         return out if out.shape[1] == layer.out_rows else out[:, :layer.out_rows]
 
     def kernel_operand(self, layer):
-        if not layer.use_gemm_kernel:  # the AVX-512 layout and bfloat16 scales that int4_gemv.c reads
+        if not layer.use_gemm_kernel:  # the AVX-512 layout and bfloat16 scales that int4_gemm_bf16 reads
             return None
         sz = layer.scales_zeros
         return kernels.LinearOperand(kind=kernels.LINEAR_INT4, weight=layer.qweight.data_ptr(), scales=sz.data_ptr(),
