@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
     options = {k: v for k, v in (("quantization", args.quantization), ("dense_weight_copy", args.dense_weight_copy),
                                  ("attention_backend", args.attention_backend)) if v is not None}
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch), enable_prefix_caching=False, **options)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch), enable_prefix_caching=False,
+              enforce_eager=args.enforce_eager, **options)
     engine = llm.engine
     model = engine.runner.model
     bw, rate = copy_bandwidth(), matmul_rate()
@@ -153,6 +154,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--prefill", type=int, default=256, help="also time one fresh prompt of this many tokens (0: no)")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="decode steps through the modules, not one C call")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=18)
     p.add_argument("--out", type=Path, default=None)

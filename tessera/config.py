@@ -227,6 +227,9 @@ class EngineConfig:
     # Q6_K and Q4_K tensors at the file's width times int8-quantized activations
     # (layers/quantization.py _KQuantMethod), bfloat16 only; off keeps them int8 / int4.
     int8_activations: bool = True
+    # Every step through the model's modules (vLLM's flag): no one-call C decode step
+    # (models/fused_decode.py); for measuring it against the modules, or ruling it out.
+    enforce_eager: bool = False
     block_size: int = 16
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "int8"] = "auto"
     kv_cache_memory: Optional[int] = None  # bytes; None = derived from RAM and model size

@@ -123,3 +123,16 @@ def test_greedy_generation_is_unchanged(arch, tmp_path):
     again = LLM(str(folder), loaded=llm.engine.loaded, dtype="bfloat16", quantization="int4", max_model_len=256)
     without = [o.outputs[0].token_ids for o in again.generate(prompts, greedy)]
     assert with_c == without
+
+
+def test_enforce_eager_runs_the_modules(folder):
+    from tessera.engine.args import add_engine_args, config_from_args
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args(["--enforce-eager"]), str(folder)).enforce_eager
+    assert not config_from_args(parser.parse_args([]), str(folder)).enforce_eager
+    llm = LLM(str(folder), dtype="bfloat16", quantization="int4", max_model_len=256, enforce_eager=True)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert llm.engine.runner.model._fused is False

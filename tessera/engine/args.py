@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Q6_K and Q4_K tensors keep the file's blocks and decode-sized products multiply "
                         "int8-quantized activations (bfloat16 compute; fewer bytes per step than int8 groups or int4 "
                         "tiles); --no-int8-activations stores them int8/int4 times bfloat16 activations (default: on)")
+    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                   help="run every step through the model's modules, without the one-call C decode step of "
+                        "llama-family models (slower; for comparison or to rule it out)")
     g.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=d.weight_cache,
                    help="keep the weights as the kernels use them in $TESSERA_HOME/packed and map that file on "
                         "later starts: seconds instead of tens of seconds, pages shared by every server of the "

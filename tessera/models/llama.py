@@ -128,5 +128,9 @@ class LlamaForCausalLM(nn.Module):
             x = layer.mlp(h)
         return self.model.norm(x, residual)[0]
 
+    def set_fused_decode(self, enabled: bool) -> None:
+        """Whether decode steps may run as one C call (on by default; `--enforce-eager` turns it off)."""
+        self._fused = None if enabled else False
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()

@@ -72,6 +72,8 @@ class ModelRunner(ModelRunnerBase):
         self.model = model
         self.config = config
         self.backend = backend
+        if config.enforce_eager and hasattr(model, "set_fused_decode"):  # models with a C decode step
+            model.set_fused_decode(False)
         self.block_size = config.block_size
         self.groups = groups
         self.device = backend.device
