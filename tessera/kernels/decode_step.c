@@ -64,10 +64,11 @@ typedef struct {
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Floats of scratch the projections of `l` need for M rows (their kernels' own scratch). */
+/* Floats of scratch the projections of `l` need for M rows (their kernels' own scratch):
+ * int4_gemm_bf16 takes a sum per row and group of 32, int8_gemv its rows widened to float32. */
 static int64_t linear_scratch(const linear_t *l, int64_t M) {
-    const int64_t k = l->k;
-    return max64(k + k / 32, max64(M * (k / 32), (M < INT8_ROWS_PER_CALL ? M : INT8_ROWS_PER_CALL) * k));
+    if (l->kind == LINEAR_INT4) return M * (l->k / 32);
+    return (M < INT8_ROWS_PER_CALL ? M : INT8_ROWS_PER_CALL) * l->k;
 }
 
 /* The most any projection of the step needs. */
