@@ -7,6 +7,10 @@ floors measured on this machine in the same run:
   counted, so a floor no kernel can beat);
 - compute floor: FLOPs of the step (2 x params x tokens) / measured bf16 matmul rate.
 A torch.profiler table of one decode step says which operators take the time.
+With `--mixed K ...`, the largest batch's decodes are also timed next to one prompt chunk of K
+tokens (the engine then runs with no latency target and a budget that holds the chunk, so the
+step carries all K): what a prompt chunk adds to a step, against the decode-only steps timed
+between them, which the scheduler's chunk sizing trades against.
 
     python benchmarks/step_profile.py --model smollm2-135m --quantization auto --batch 1 32 \\
         --out benchmarks/results/step_profile_auto.json
@@ -72,7 +76,11 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
     options = {k: v for k, v in (("quantization", args.quantization), ("dense_weight_copy", args.dense_weight_copy),
                                  ("attention_backend", args.attention_backend)) if v is not None}
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch), enable_prefix_caching=False,
+    max_seqs = max(args.batch)
+    if args.mixed:  # steps carry the whole chunk: no latency target, a budget that holds it, a slot for it
+        options.update(target_itl_ms=0, max_num_batched_tokens=max(args.mixed) + max(args.batch))
+        max_seqs += 1
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max_seqs, enable_prefix_caching=False,
               enforce_eager=args.enforce_eager, **options)
     engine = llm.engine
     model = engine.runner.model
@@ -140,7 +148,53 @@ def run(args: argparse.Namespace) -> dict:
               f"{floor_bw * 1e3:.2f} ms, compute {floor_compute * 1e3:.2f} ms", flush=True)
         if args.profile:
             print(entry["profile"])
+    if args.mixed:
+        result["mixed"] = mixed_steps(engine, max(args.batch), args.mixed, prompt)
     return result
+
+
+def mixed_steps(engine, rows: int, chunks: list[int], prompt: str, repeats: int = 3) -> dict:
+    """Median time of a step of `rows` decodes plus one K-token prompt, for each K, with the
+    decode-only steps of the same rows timed in between (same context lengths, same run)."""
+    from tessera import SamplingParams
+
+    ids = engine.tokenizer.encode(prompt * 16)
+    out = {"rows": rows, "chunks": {}}
+    for k in chunks:
+        if k > len(ids):
+            ids = ids * (k // len(ids) + 1)
+        for i in range(rows):
+            engine.add_request(f"m{k}-{i}", f"{i}: {prompt}", SamplingParams(max_tokens=1024, ignore_eos=True, temperature=0))
+        while True:  # every row decoding
+            _, stats = engine.step_with_stats()
+            if stats.num_prompt_tokens == 0 and stats.num_generation_tokens == rows:
+                break
+        mixed, decode = [], []
+        for r in range(repeats):
+            engine.add_request(f"m{k}-p{r}", ids[:k], SamplingParams(max_tokens=1))
+            t0 = time.perf_counter()
+            _, stats = engine.step_with_stats()
+            dt = time.perf_counter() - t0
+            if stats.num_prompt_tokens == k:
+                mixed.append(dt)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                _, stats = engine.step_with_stats()
+                dt = time.perf_counter() - t0
+                if stats.num_prompt_tokens == 0 and stats.num_generation_tokens == rows:
+                    decode.append(dt)
+        for rid in engine.in_flight():
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        if not mixed or not decode:
+            print(f"mixed {rows} + {k}: no step of that shape ran", flush=True)
+            continue
+        m, d = statistics.median(mixed) * 1e3, statistics.median(decode) * 1e3
+        out["chunks"][str(k)] = {"mixed_step_ms": m, "decode_step_ms": d, "added_ms_per_prompt_token": (m - d) / k}
+        print(f"{rows} decodes + {k} prompt tokens: {m:.1f} ms against {d:.1f} ms decode-only "
+              f"(+{(m - d) / k:.3f} ms a prompt token)", flush=True)
+    return out
 
 
 def main() -> None:
@@ -155,6 +209,8 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=256, help="also time one fresh prompt of this many tokens (0: no)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="decode steps through the modules, not one C call")
+    p.add_argument("--mixed", type=int, nargs="*", default=[],
+                   help="also time the largest batch's decodes next to one prompt chunk of each of these sizes")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=18)
     p.add_argument("--out", type=Path, default=None)

@@ -94,7 +94,7 @@ class Profile:
     max_num_seqs: int
     max_num_batched_tokens: int
     target_itl_ms: float  # 0 = no target: the token budget alone sizes prefill chunks
-    min_prefill_chunk: int  # prompt tokens a step always carries, past the target if need be
+    min_prefill_chunk: int  # least chunk worth the target; less room and prompts take the budget
     enable_prefix_caching: bool
     preemption_mode: str
     max_num_queued_requests: int
@@ -245,8 +245,9 @@ class EngineConfig:
     max_num_seqs: Optional[int] = None
     # Step time aimed at while decodes run; prefill chunks are sized to it. 0 = no target.
     target_itl_ms: Optional[float] = None
-    # Prompt tokens a step under the target always carries (its first prefill), so prompts keep
-    # moving when the decodes alone take longer than the target.
+    # The least prompt chunk worth sizing a step to the target for: where the target leaves room
+    # for fewer tokens, the step's prompts take the whole budget instead (a few late steps rather
+    # than prompts crawling, or every step a mixed one past the target).
     min_prefill_chunk: Optional[int] = None
     enable_prefix_caching: Optional[bool] = None
     preemption_mode: Optional[Literal["recompute", "swap"]] = None

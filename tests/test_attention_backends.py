@@ -62,6 +62,26 @@ def test_paged_decode_with_prefill_rows_matches_reference(lens):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("qlens, seq", [
+    ([7, 30, 19], [7, 30, 19]),  # a burst of fresh prompts: one causal call each
+    ([1, 1, 12, 25], [40, 9, 12, 25]),  # the same beside decodes
+    ([1, 12, 4], [40, 12, 20]),  # a fresh prompt beside a chunk over cached context: the padded call
+], ids=["fresh", "fresh-with-decodes", "fresh-and-continued"])
+@pytest.mark.parametrize("name", ["paged", "sdpa"])
+def test_prompts_in_one_step_match_reference(name, dtype, atol, qlens, seq):
+    cache, tables, _, _, _ = _case(dtype, lens=tuple(seq))
+    gen = torch.Generator().manual_seed(2)
+    t = sum(qlens)
+    q, k, v = (torch.randn(t, h, 64, generator=gen).to(dtype) for h in (6, 2, 2))
+    outs = []
+    for backend in (get_backend(name), ReferenceBackend()):
+        c = cache.clone()
+        meta = backend.build_metadata(qlens, seq, tables, 16)
+        outs.append(backend.forward(q, k, v, c, meta, 0.125, None).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=atol, rtol=0)
+
+
 def test_backend_registry_and_auto():
     assert set(BACKENDS) == {"paged", "sdpa", "reference", "triton"}
     assert get_backend("auto").name == "paged"

@@ -7,29 +7,34 @@ from tessera.engine.core import cost_model as cm
 from tessera.engine.core.cost_model import CalibrationPoint, StepCostModel, StepShape, calibrate, default_knots
 
 
-def synthetic_step_time(shape: StepShape) -> float:
+def synthetic_step_time(shape: StepShape, multi_ms: float = 0.0) -> float:
     """A machine whose steps cost 5 ms + 0.5 ms per token up to 32 tokens, 0.8 ms beyond,
-    0.2 ms per sampled row and 1 ms per 1000 attended pairs."""
+    0.2 ms per sampled row and 1 ms per 1000 attended pairs, and `multi_ms` more when a chunk
+    has several tokens (the modules' path, where one-token rows run as one C call)."""
     t = shape.num_tokens
     layers = 0.5 * min(t, 32) + 0.8 * max(0, t - 32)
-    return (5 + layers + 0.2 * shape.num_sampled + shape.num_attended / 1000) / 1000
+    return (5 + layers + 0.2 * shape.num_sampled + shape.num_attended / 1000
+            + multi_ms * min(1, shape.num_multi)) / 1000
 
 
-def test_calibration_recovers_a_known_machine(monkeypatch):
+@pytest.mark.parametrize("multi_ms", [0.0, 30.0])
+def test_calibration_recovers_a_known_machine(monkeypatch, multi_ms):
     now = [0.0]  # a fake clock that each synthetic step advances by the machine's step time
 
     def run_step(chunks):
         shape = StepShape()
         for start, n, samples in chunks:
             shape = shape.plus(StepShape.chunk(start, n, samples))
-        now[0] += synthetic_step_time(shape)
+        now[0] += synthetic_step_time(shape, multi_ms)
         return True
 
     monkeypatch.setattr(cm.time, "perf_counter", lambda: now[0])
     model = calibrate(run_step, max_tokens=256, max_rows=32, max_context=2048, budget_s=100)
-    for shape in (StepShape(1, 1, 300), StepShape(16, 16, 16 * 500), StepShape(100, 4, 3000), StepShape(256, 0, 33000)):
-        assert model.predict(shape) == pytest.approx(synthetic_step_time(shape), rel=0.05), shape
+    for shape in (StepShape(1, 1, 300), StepShape(16, 16, 16 * 500), StepShape(32, 32, 32 * 900),
+                  StepShape(100, 4, 3000, 1), StepShape(256, 0, 33000, 1), StepShape(96, 32, 4000, 1)):
+        assert model.predict(shape) == pytest.approx(synthetic_step_time(shape, multi_ms), rel=0.05), shape
     assert model.knots == default_knots(256)
+    assert model.per_multi_step == pytest.approx(multi_ms / 1000, abs=0.005)
 
 
 def test_fit_is_monotone_and_extrapolates_past_the_measured_steps():
@@ -53,7 +58,7 @@ def test_online_correction_learns_a_slower_machine():
 
 
 def test_cache_round_trip_and_pruning(tmp_path, monkeypatch):
-    points = [CalibrationPoint(StepShape(t, t % 3, 7 * t), 0.001 * (4 + t)) for t in (1, 2, 4, 8)]
+    points = [CalibrationPoint(StepShape(t, t % 3, 7 * t, t % 2), 0.001 * (4 + t)) for t in (1, 2, 4, 8)]
     model = StepCostModel.fit(default_knots(8), points, 1.5)
     path = tmp_path / "a.json"
     cm.save_cached(path, model)

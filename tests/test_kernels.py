@@ -48,6 +48,27 @@ def test_rms_norm_kernel_matches_torch(rows, with_residual, dtype):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (33, 1536), (5, 40)])  # 40: a tail past the 16 lanes
+def test_silu_mul_kernel_matches_torch(rows, inter):
+    """The MLP activation in one pass equals F.silu(gate) * up with its bfloat16 roundings (the
+    AVX-512 lanes and the scalar tail alike), and the layer takes it for bfloat16 rows."""
+    from tessera.layers.mlp import GatedMLP
+    from tessera.layers.quantization import QuantConfig
+
+    gen = torch.Generator().manual_seed(rows)
+    gu = (torch.randn(rows, 2 * inter, generator=gen) * 4).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.equal(kernels.silu_mul(gu), F.silu(gate) * up)
+    mlp = GatedMLP(64, inter, QuantConfig(mode="none"), "silu", "mlp")
+    torch.manual_seed(rows)  # plain bfloat16 linears in place of the quantized ones: only the activation is under test
+    mlp.gate_up_proj = torch.nn.Linear(64, 2 * inter, bias=False).bfloat16()
+    mlp.down_proj = torch.nn.Linear(inter, 64, bias=False).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    want = mlp.down_proj(F.silu(mlp.gate_up_proj(x).chunk(2, -1)[0]) * mlp.gate_up_proj(x).chunk(2, -1)[1])
+    assert torch.equal(mlp(x), want)
+    assert mlp._c_silu == kernels.bf16_matmuls()
+
+
 def test_rms_norm_layer_uses_kernel_for_bf16_and_f32():
     for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
         norm = RMSNorm(64, 1e-6, dtype)

@@ -1,6 +1,7 @@
 """Property tests: the scheduler and block pool keep their invariants under any workload."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -54,10 +55,10 @@ workload = st.fixed_dictionaries({
     "policy": st.sampled_from(["continuous", "static"]),
     "caching": st.booleans(),
     "n_reqs": st.integers(1, 12),
-    # A fake step-cost model (fixed, per token, per sampled row, per 1k attended pairs, in ms) and
-    # a target in ms, or None for the plain token budget.
+    # A fake step-cost model (fixed, per token, per sampled row, per 1k attended pairs, per step
+    # with a multi-token chunk, in ms) and a target in ms, or None for the plain token budget.
     "latency": st.one_of(st.none(), st.tuples(st.floats(0, 20), st.floats(0, 5), st.floats(0, 5),
-                                              st.floats(0, 50), st.floats(1, 80))),
+                                              st.floats(0, 50), st.floats(0, 20), st.floats(1, 80))),
     "min_chunk": st.integers(1, 8),
     "spec": st.integers(0, 4),  # tokens proposed to decoding requests (speculative decoding)
     # Sliding-window layers beside full ones (kv_groups.py): None, or (window, sliding groups).
@@ -73,10 +74,12 @@ class FakeCostModel:
     per_token: float
     per_sampled: float
     per_1k_attended: float
+    per_multi: float = 0.0
 
     def predict(self, shape: StepShape) -> float:
         ms = (self.fixed + self.per_token * shape.num_tokens + self.per_sampled * shape.num_sampled
-              + self.per_1k_attended * shape.num_attended / 1000) if shape.num_tokens else 0.0
+              + self.per_1k_attended * shape.num_attended / 1000
+              + self.per_multi * min(1, shape.num_multi)) if shape.num_tokens else 0.0
         return ms / 1000
 
 
@@ -168,14 +171,29 @@ def test_scheduler_invariants(w: dict) -> None:
 
 
 def check_latency_target(out, cost: FakeCostModel, target_s: float, min_chunk: int) -> None:
-    """With decodes in the step, prefill may push the predicted time past the target only by
-    the minimum chunk (--min-prefill-chunk) of one prompt that keeps prompts moving."""
+    """With decodes in the step, prefill may push the predicted time past the target only where
+    the target gave way: the decodes left no room for --min-prefill-chunk prompt tokens (checked
+    here), or more requests waited for prompt work than decoded
+    (test_a_burst_of_prompts_takes_the_budget)."""
     decodes = [s for s in out.scheduled if s.is_decode]  # with or without a run of proposals to verify
     prefills = [s for s in out.scheduled if s not in decodes]
     if not out.scheduled:
         return
     assert out.predicted_s == pytest.approx(cost.predict(out.shape))
     if not decodes or not prefills:
+        assert out.prefill_unbounded is None
+        return
+    if out.prefill_unbounded == "past_target":  # no room for min_chunk tokens next to the decodes
+        decode_shape = StepShape()
+        for d in decodes:
+            shape = StepShape.chunk(d.start, d.num_new_tokens, True)
+            if d.num_spec_tokens:
+                shape = dataclasses.replace(shape, num_sampled=d.num_new_tokens)
+            decode_shape = decode_shape.plus(shape)
+        p = prefills[0]
+        assert cost.predict(decode_shape.plus(StepShape.chunk(p.start, min_chunk, True))) > target_s - 1e-9
+        return
+    if out.prefill_unbounded == "queue":
         return
     if len(prefills) == 1 and prefills[0].num_new_tokens <= min_chunk:
         return  # the minimum chunk of one prompt, whatever the decodes cost
@@ -209,9 +227,10 @@ def test_prefill_chunk_shrinks_to_the_latency_target() -> None:
     assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"p": 281}
 
 
-def _decoding_over_target(min_chunk: int) -> Scheduler:
-    """A scheduler whose one running decode alone (40 ms) is past its 30 ms target."""
-    cost = FakeCostModel(fixed=40, per_token=1, per_sampled=0, per_1k_attended=0)
+def _decoding_near_target(min_chunk: int, fixed_ms: float) -> Scheduler:
+    """A scheduler with one running decode costing `fixed_ms` + 1 ms against a 30 ms target
+    (1 ms a token, budget 512)."""
+    cost = FakeCostModel(fixed=fixed_ms, per_token=1, per_sampled=0, per_1k_attended=0)
     kv = KVCacheManager(64, 16, False)
     sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=30, min_prefill_chunk=min_chunk), kv,
                       1024, cost)
@@ -220,38 +239,79 @@ def _decoding_over_target(min_chunk: int) -> Scheduler:
     return sched
 
 
-def test_a_prompt_progresses_behind_decodes_over_the_target() -> None:
-    sched = _decoding_over_target(min_chunk=1)
-    p = Request("p", [2] * 3, SamplingParams(max_tokens=1), 1, [0])
-    q = Request("q", [3] * 3, SamplingParams(max_tokens=1), 1, [0])
-    sched.add_request(p)
-    sched.add_request(q)
-    for _ in range(3):  # one token of the oldest prompt per step; the next one waits its turn
-        out = sched.schedule()
-        assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 1}
-        sched.update_after_step(out, {s.request_id: [5] for s in out.scheduled if s.samples})
-    assert p.is_finished and not q.is_finished
-
-
-def test_min_prefill_chunk_keeps_prompts_flowing_past_the_target() -> None:
-    sched = _decoding_over_target(min_chunk=24)
+def test_decodes_past_the_target_give_a_prompt_the_whole_budget() -> None:
+    """The decode alone (41 ms) is past the 30 ms target: the step is late whatever it carries,
+    so the prompt is not cut into small chunks that would make every step a mixed one."""
+    sched = _decoding_near_target(min_chunk=24, fixed_ms=40)
     sched.add_request(Request("p", [2] * 40, SamplingParams(max_tokens=1), 1, [0]))
     out = sched.schedule()
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 40}
+    assert out.prefill_unbounded == "past_target"
+
+
+def test_a_step_switching_to_the_modules_counts_in_the_room_left() -> None:
+    """A decode of 16 ms under a 30 ms target, but a step with a prompt chunk pays 20 ms more
+    (it runs the modules instead of the C decode step): no prompt token fits, so the prompt
+    takes the budget instead of a chunk past the target on every step."""
+    cost = FakeCostModel(fixed=15, per_token=1, per_sampled=0, per_1k_attended=0, per_multi=20)
+    kv = KVCacheManager(64, 16, False)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=512, target_itl_ms=30, min_prefill_chunk=24), kv, 1024,
+                      cost)
+    sched.add_request(Request("d", [1] * 4, SamplingParams(max_tokens=100), 100, [0]))
+    sched.update_after_step(sched.schedule(), {"d": [5]})
+    sched.add_request(Request("p", [2] * 300, SamplingParams(max_tokens=1), 1, [0]))
+    out = sched.schedule()
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 300}
+    assert out.prefill_unbounded == "past_target"
+
+
+@pytest.mark.parametrize("min_chunk, chunk, reason", [(4, 4, None), (5, 40, "past_target")])
+def test_min_prefill_chunk_is_the_least_room_worth_a_target(min_chunk: int, chunk: int, reason) -> None:
+    """The decode (26 ms) leaves room for 4 prompt tokens under the 30 ms target: a chunk of 4
+    where that is at least min_prefill_chunk, else the prompt takes the budget rather than
+    crawling a few tokens a step."""
+    sched = _decoding_near_target(min_chunk=min_chunk, fixed_ms=25)
+    sched.add_request(Request("p", [2] * 40, SamplingParams(max_tokens=1), 1, [0]))
+    out = sched.schedule()
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": chunk}
+    assert out.prefill_unbounded == reason
+
+
+def test_a_burst_of_prompts_takes_the_budget() -> None:
+    """One request decoding, three waiting for their first token: the queue is the larger
+    latency, so the waiting prompts take the budget instead of the target's few tokens."""
+    sched = _decoding_near_target(min_chunk=4, fixed_ms=5)
+    for name in "pqr":
+        sched.add_request(Request(name, [2] * 100, SamplingParams(max_tokens=1), 1, [0]))
+    out = sched.schedule()
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 100, "q": 100, "r": 100}
+    assert out.prefill_unbounded == "queue"
+    # One waiting against one decoding: the target sizes the chunk again (30 - 6 ms = 24 tokens).
+    sched = _decoding_near_target(min_chunk=4, fixed_ms=5)
+    sched.add_request(Request("p", [2] * 100, SamplingParams(max_tokens=1), 1, [0]))
+    out = sched.schedule()
     assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
+    assert out.prefill_unbounded is None
 
 
-def test_wait_forecast_counts_the_min_prefill_chunk_past_the_target() -> None:
-    """The forecast behind decodes already over the target assumes what the scheduler does
-    (min_prefill_chunk tokens a step), not one token a step: the latter refused short prompts
-    with 429 on a slow host as if they needed a step per token."""
-    sched = _decoding_over_target(min_chunk=24)
+def test_wait_forecast_follows_the_chunks_the_scheduler_grants() -> None:
+    """The forecast assumes what the scheduler does: behind decodes past the target, the whole
+    prompt in one step (not one token a step, which refused short prompts with 429 on a slow
+    host as if they needed a step per token); under it, the chunk the target leaves."""
+    sched = _decoding_near_target(min_chunk=24, fixed_ms=40)
     snap = sched.load_snapshot()
-    step_s = sched.cost_model.predict(StepShape(1, 1, 5).plus(StepShape.chunk(0, 24, False)))
-    assert sched.predict_wait(snap, 24) == pytest.approx(step_s)  # one step, not 24
-    assert sched.predict_wait(snap, 48) == pytest.approx(2 * step_s)
-    sched.add_request(Request("p", [2] * 24, SamplingParams(max_tokens=1), 1, [0]))
+    decode = StepShape(1, 1, 5)
+    for n in (24, 48):
+        assert sched.predict_wait(snap, n) == pytest.approx(sched.cost_model.predict(
+            decode.plus(StepShape.chunk(0, n, False))))  # one step
+    sched.add_request(Request("p", [2] * 48, SamplingParams(max_tokens=1), 1, [0]))
     out = sched.schedule()  # and the scheduler indeed computes that prompt in one step
-    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 24}
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled} == {"d": 1, "p": 48}
+
+    sched = _decoding_near_target(min_chunk=4, fixed_ms=5)  # room for 24 tokens a step
+    snap = sched.load_snapshot()
+    step_s = sched.cost_model.predict(decode.plus(StepShape.chunk(0, 24, False)))
+    assert sched.predict_wait(snap, 48) == pytest.approx(2 * step_s)
 
 
 @pytest.mark.parametrize("sliding, prompt_len, num_blocks, most_running", [(False, 40, 18, 1), (True, 100, 94, 2)],

@@ -5,9 +5,9 @@
   rows: for a single query row this is >10x faster on CPU than SDPA's flash
   kernel in bfloat16.
 - Prefill chunks go through one `scaled_dot_product_attention` call, padded
-  to the longest chunk with a causal mask; a single fresh prompt takes the
-  plain causal path with no gather at all.
-No Python loop per request or per token; loops run over KV heads only.
+  to the longest chunk with a causal mask; prompts with no cached context take
+  the plain causal path instead, one call each, with no gather at all.
+No Python loop per token; loops run over KV heads, or fresh prompts.
 """
 from __future__ import annotations
 
@@ -141,22 +141,28 @@ class SdpaBackend(AttentionBackend):
         hq, d = q.shape[1], q.shape[2]
         start = meta.query_start_loc[nd]
         prefill_lens = meta.seq_lens[nd:]
-        single_fresh = meta.num_reqs - nd == 1 and prefill_lens[0] == meta.num_tokens - start
-        if single_fresh and sliding_window is None:
-            # One prompt with no cached context: its own k/v are the whole context. A quantized
+        qsl = meta.query_start_loc
+        fresh = all(meta.seq_lens[i] == qsl[i + 1] - qsl[i] for i in range(nd, meta.num_reqs))
+        if fresh and sliding_window is None:
+            # Prompts with no cached context: each one's own k/v are its whole context, so each
+            # takes SDPA's causal path, which skips the blocks above the diagonal (one padded call
+            # with a mask computes every block of the longest prompt for every prompt: a burst of 4
+            # prompts of 150-300 tokens took 9.2 ms a layer that way, ~4.6 ms this way). A quantized
             # cache is read back instead, so that every query sees the keys and values every later
             # one will (chunking, prefix hits and recomputation then give the same result).
-            if is_quantized(kv_cache):
-                keys, vals = gather_context(kv_cache, meta.block_tables[nd:], prefill_lens[0], bs, meta, q.dtype)
-                keys = add_key_bias(keys, key_bias)
-                k_all, v_all = keys[:, :, :prefill_lens[0]], vals[:, :, :prefill_lens[0]]  # [Hkv, 1, L, D]
-                k_all, v_all = k_all.transpose(0, 1), v_all.transpose(0, 1)
-            else:
-                k_all = k[start:].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                v_all = v[start:].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(q[start:].transpose(0, 1).unsqueeze(0), k_all, v_all,
-                                               is_causal=True, scale=scale, enable_gqa=True)
-            out[start:] = o.squeeze(0).transpose(0, 1)
+            for i in range(nd, meta.num_reqs):
+                a, b = qsl[i], qsl[i + 1]
+                if is_quantized(kv_cache):
+                    keys, vals = gather_context(kv_cache, meta.block_tables[i:i + 1], b - a, bs, meta, q.dtype)
+                    keys = add_key_bias(keys, key_bias)
+                    k_all = keys[:, :, :b - a].transpose(0, 1)  # [1, Hkv, L, D]
+                    v_all = vals[:, :, :b - a].transpose(0, 1)
+                else:
+                    k_all = k[a:b].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                    v_all = v[a:b].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), k_all, v_all,
+                                                   is_causal=True, scale=scale, enable_gqa=True)
+                out[a:b] = o.squeeze(0).transpose(0, 1)
             return
         keys, vals = gather_context(kv_cache, meta.block_tables[nd:], max(prefill_lens), bs, meta, q.dtype)
         keys = add_key_bias(keys, key_bias)

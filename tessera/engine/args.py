@@ -81,11 +81,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step (default: profile)")
     g.add_argument("--target-itl-ms", type=float, default=None,
                    help="step time aimed at while requests are decoding: prefill chunks are sized by the "
-                        "measured step-cost model to stay under it; 0 = no target, the token budget alone "
-                        "(default: profile)")
+                        "measured step-cost model to stay under it, or take the whole budget where it cannot "
+                        "be held or more requests wait for their prompt than decode; 0 = no target, the "
+                        "token budget alone (default: profile)")
     g.add_argument("--min-prefill-chunk", type=int, default=None,
-                   help="prompt tokens a step always carries under the latency target, past it if the "
-                        "decodes alone take longer, so prompts never crawl (default: profile)")
+                   help="the least prompt chunk worth sizing a step to the latency target for; where the "
+                        "decodes leave room for fewer tokens, the step's prompts take the whole token budget "
+                        "instead of crawling (default: profile)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse KV blocks of shared prompt heads (default: profile)")
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,

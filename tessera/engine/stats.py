@@ -19,6 +19,7 @@ class LoadSnapshot:
     queued_prefill_tokens: int = 0  # prompt tokens still to compute, waiting and running
     num_waiting: int = 0
     num_decoding: int = 0
+    num_prefilling: int = 0  # running requests with prompt tokens still to compute
     mean_context: int = 0  # of the decoding requests
     free_seq_slots: int = 0
     remaining_output_tokens: tuple[int, ...] = ()  # of running requests, ascending (max_tokens bounds)

@@ -136,6 +136,8 @@ def load() -> ctypes.CDLL:
     for dq in (lib.q6k_dequant_int8, lib.q4k_dequant_int8):
         dq.argtypes = [p, p, p, p, p, p, i64, i64]
         dq.restype = None
+    lib.silu_mul_bf16.argtypes = [p, p, i64, i64]
+    lib.silu_mul_bf16.restype = None
     lib.int8_quantize_rows.argtypes = [p, ctypes.c_int, p, p, p, i64, i64]
     lib.int8_quantize_rows.restype = None
     lib.int8_scale_products.argtypes = [p, p, p, p, ctypes.c_int, i64, i64]
@@ -349,6 +351,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
     fn(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                       out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for bfloat16 rows [T, 2I] of [gate | up] -> [T, I], in one pass (roundings
+    as F.silu then a multiply: bfloat16 after each)."""
+    assert gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
+    gate_up = gate_up.contiguous()
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, i), dtype=torch.bfloat16)
+    load().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, i)
     return out
 
 

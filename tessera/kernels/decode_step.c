@@ -167,6 +167,14 @@ static void silu_mul(const uint16_t *g, uint16_t *a, int64_t I) {
     }
 }
 
+/* silu_mul over M rows of [gate | up] [M][2I] into [M][I]: the MLP activation of the modules'
+ * path (prefill-sized steps), where F.silu and the multiply are two passes over the rows and
+ * two dispatches, with the C step's roundings (bfloat16 after the SiLU and after the product). */
+void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) silu_mul(gu + r * 2 * I, out + r * I, I);
+}
+
 /*
  * x:            [M, H] bf16: the rows' embeddings in, the final norm's output out
  * cos, sin:     [M, D] bf16 RoPE rows of the rows' positions (RotaryEmbedding's tables)

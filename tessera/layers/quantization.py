@@ -256,6 +256,15 @@ _ONEDNN_LINEAR = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkl
                   and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """x [T, K] followed by zero rows up to `rows`: only the new rows are zeroed (F.pad fills the
+    whole output first, then copies: a prefill step's 120 pads took 47 ms of a 1 s SmolLM2 step)."""
+    out = torch.empty((rows, x.shape[1]), dtype=x.dtype)
+    out[:x.shape[0]] = x
+    out[x.shape[0]:].zero_()
+    return out
+
+
 def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                  activation: Optional[Activation] = None, residual: Optional[Tensor] = None) -> Tensor:
     """act(x [T, in] @ weight.T + bias) (+ residual) with bfloat16 row counts padded to
@@ -272,8 +281,8 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     bf16 = x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu  # oneDNN's shapes and ops: CPU only
     padded = row_bucket(rows) if bf16 else rows
     if padded != rows:
-        x = F.pad(x, (0, 0, 0, padded - rows))
-        residual = None if residual is None else F.pad(residual, (0, 0, 0, padded - rows))
+        x = _pad_rows(x, padded)
+        residual = None if residual is None else _pad_rows(residual, padded)
     if bf16 and _ONEDNN_LINEAR and residual is not None and residual.dtype == torch.bfloat16:
         y = torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), weight, bias, "add")
     elif bf16 and _ONEDNN_LINEAR and (bias is not None or activation is not None):

@@ -5,12 +5,18 @@ prefill chunk next to running decodes stalls every stream for the whole step,
 and the right chunk size depends on the model, the machine and how many rows
 are decoding. A fixed token budget cannot know that; a measured model can.
 
-The model: step time = g(tokens) + a * sampled rows + b * attended pairs, where
+The model: step time = g(tokens) + a * sampled rows + b * attended pairs + c * [multi-token
+chunk], where
 - g is piecewise linear over token-count knots (the layers' matmuls: nearly flat
   while memory-bound, then linear once compute-bound, with oneDNN's small-M
   inefficiency in between, which no single slope captures);
 - sampled rows pay the LM head and the sampler;
-- attended pairs (query token x context token, summed) pay attention.
+- attended pairs (query token x context token, summed) pay attention;
+- c is paid once by a step that carries a chunk of more than one token (a prompt chunk or a
+  verified run of proposals): a step of one-token rows only may run as one C call
+  (models/fused_decode.py) while any other runs the modules, so the first prompt token next to
+  decodes costs far more than the next ones (SmolLM2, 32 rows: ~60 ms decode-only against
+  ~110 ms with a 64-token chunk). Where decode steps run the modules too, the fit puts c near 0.
 It is fitted by least squares on synthetic steps measured at start-up, then
 refined online: every real step's time updates a correction factor for its
 token-count bucket (an exponentially weighted mean of observed / predicted),
@@ -45,15 +51,16 @@ class StepShape:
     num_tokens: int = 0  # tokens through the layers (prefill chunks + decode rows)
     num_sampled: int = 0  # rows through the LM head and sampler
     num_attended: int = 0  # sum over query tokens of the context length each attends to
+    num_multi: int = 0  # chunks of more than one token (prompt chunks, verified runs)
 
     def plus(self, other: "StepShape") -> "StepShape":
         return StepShape(self.num_tokens + other.num_tokens, self.num_sampled + other.num_sampled,
-                         self.num_attended + other.num_attended)
+                         self.num_attended + other.num_attended, self.num_multi + other.num_multi)
 
     @staticmethod
     def chunk(start: int, n: int, samples: bool) -> "StepShape":
         """`n` tokens computed from position `start` (a decode is n=1 at start=context-1)."""
-        return StepShape(n, 1 if samples else 0, n * start + n * (n + 1) // 2)
+        return StepShape(n, 1 if samples else 0, n * start + n * (n + 1) // 2, 1 if n > 1 else 0)
 
 
 class StepCostPredictor(Protocol):
@@ -75,13 +82,14 @@ class StepCostModel:
 
     def __init__(self, knots: Sequence[int], knot_seconds: Sequence[float], per_sampled: float,
                  per_attended: float, calibration: Sequence[CalibrationPoint] = (),
-                 calibration_seconds: float = 0.0) -> None:
+                 calibration_seconds: float = 0.0, per_multi_step: float = 0.0) -> None:
         if len(knots) < 2 or list(knots) != sorted(set(knots)) or knots[0] < 0:
             raise ValueError("knots must be at least two increasing token counts")
         self.knots = list(knots)
         self.knot_seconds = list(knot_seconds)
         self.per_sampled = max(0.0, per_sampled)
         self.per_attended = max(0.0, per_attended)
+        self.per_multi_step = max(0.0, per_multi_step)
         self.calibration = list(calibration)
         self.calibration_seconds = calibration_seconds
         self.corrections = [1.0] * len(self.knots)
@@ -108,7 +116,7 @@ class StepCostModel:
 
     def predict_raw(self, shape: StepShape) -> float:
         return (self._tokens_time(shape.num_tokens) + self.per_sampled * shape.num_sampled
-                + self.per_attended * shape.num_attended)
+                + self.per_attended * shape.num_attended + self.per_multi_step * min(1, shape.num_multi))
 
     def predict(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
@@ -136,10 +144,12 @@ class StepCostModel:
     def describe(self) -> dict:
         """A JSON-able view for /v1/engine/stats and the start-up log."""
         return {
-            "form": "g(tokens) + per_sampled_row * sampled + per_attended_pair * attended, x online correction",
+            "form": "g(tokens) + per_sampled_row * sampled + per_attended_pair * attended"
+                    " + multi_token_step (once, if a chunk has several tokens), x online correction",
             "tokens_ms": {str(k): round(s * 1000, 3) for k, s in zip(self.knots, self.knot_seconds)},
             "per_sampled_row_ms": round(self.per_sampled * 1000, 4),
             "per_1k_attended_pairs_ms": round(self.per_attended * 1e6, 4),
+            "multi_token_step_ms": round(self.per_multi_step * 1000, 3),
             "corrections": {str(k): round(c, 3) for k, c in zip(self.knots, self.corrections)},
             "observed_steps": self.observations,
             "mean_abs_rel_error": round(self._abs_rel_error, 4) if self.observations else None,
@@ -152,21 +162,24 @@ class StepCostModel:
         picks = sorted({k[0], k[min(len(k) - 1, 3)], k[-1]})
         parts = ", ".join(f"{n} tok {self._tokens_time(n) * 1000:.1f} ms" for n in picks)
         return (f"{parts}; +{self.per_sampled * 1000:.3f} ms per sampled row, "
-                f"+{self.per_attended * 1e6:.3f} ms per 1k attended pairs "
+                f"+{self.per_attended * 1e6:.3f} ms per 1k attended pairs, "
+                f"+{self.per_multi_step * 1000:.1f} ms a step with a multi-token chunk "
                 f"(fitted on {len(self.calibration)} steps in {self.calibration_seconds:.1f} s)")
 
     # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"knots": self.knots, "knot_seconds": self.knot_seconds, "per_sampled": self.per_sampled,
-                "per_attended": self.per_attended, "calibration_seconds": self.calibration_seconds,
-                "calibration": [[p.shape.num_tokens, p.shape.num_sampled, p.shape.num_attended, p.seconds]
-                                for p in self.calibration]}
+                "per_attended": self.per_attended, "per_multi_step": self.per_multi_step,
+                "calibration_seconds": self.calibration_seconds,
+                "calibration": [[p.shape.num_tokens, p.shape.num_sampled, p.shape.num_attended, p.shape.num_multi,
+                                 p.seconds] for p in self.calibration]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepCostModel":
-        points = [CalibrationPoint(StepShape(int(t), int(s), int(a)), float(sec)) for t, s, a, sec in d["calibration"]]
+        points = [CalibrationPoint(StepShape(int(t), int(s), int(a), int(m)), float(sec))
+                  for t, s, a, m, sec in d["calibration"]]
         return cls([int(k) for k in d["knots"]], [float(x) for x in d["knot_seconds"]], float(d["per_sampled"]),
-                   float(d["per_attended"]), points, float(d["calibration_seconds"]))
+                   float(d["per_attended"]), points, float(d["calibration_seconds"]), float(d["per_multi_step"]))
 
     # -- fitting ----------------------------------------------------------------------
     @classmethod
@@ -175,7 +188,7 @@ class StepCostModel:
         """Least squares over hat functions at the knots plus the two per-unit terms.
 
         Knot values are then made non-decreasing (a bigger step never costs less) and
-        the per-unit terms kept non-negative, so the model stays monotone in every input.
+        the per-unit and per-step terms kept non-negative, so the model stays monotone in every input.
         """
         knots = list(knots)
         rows, ys = [], []
@@ -185,7 +198,8 @@ class StepCostModel:
             i = min(bisect.bisect_right(knots, t) - 1, len(knots) - 2)
             w = (t - knots[i]) / (knots[i + 1] - knots[i])
             hat[i], hat[i + 1] = 1 - w, w
-            rows.append(hat + [float(p.shape.num_sampled), p.shape.num_attended / 1000.0])
+            rows.append(hat + [float(p.shape.num_sampled), p.shape.num_attended / 1000.0,
+                               float(min(1, p.shape.num_multi))])
             ys.append(p.seconds)
         a = torch.tensor(rows, dtype=torch.float64)
         y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
@@ -202,7 +216,8 @@ class StepCostModel:
         slope = (knot_s[last] - knot_s[last - 1]) / (knots[last] - knots[last - 1])
         for i in range(last + 1, len(knots)):
             knot_s[i] = knot_s[last] + slope * (knots[i] - knots[last])
-        return cls(knots, knot_s, coef[len(knots)], coef[len(knots) + 1] / 1000.0, points, calibration_seconds)
+        return cls(knots, knot_s, coef[len(knots)], coef[len(knots) + 1] / 1000.0, points, calibration_seconds,
+                   coef[len(knots) + 2])
 
 
 def default_knots(max_tokens: int) -> list[int]:

@@ -6,10 +6,15 @@ token budget and a sequence cap. Decodes are scheduled first, so they are never
 starved. With a latency target (`target_itl_ms`) and a step-cost model, prefill
 chunks are then sized so the predicted step time stays under the target while
 decodes are running; with no decode running, prefill uses the whole budget. The
-step's first prompt always gets at least `min_prefill_chunk` tokens, even past the
-target: when the decodes alone take longer than the target (a batch too large for
-it), prompts still flow at a useful rate instead of a token per step, which starved
-the batch and halved throughput at 32 streams (benchmarks/README.md, latency and capacity). Waiting requests are admitted
+target gives way, and prompts take the whole budget, in two cases
+(`_StepState.unbounded`): when the decodes leave room for less than
+`min_prefill_chunk` prompt tokens under it (the step is late for every stream
+whatever it carries, and a prompt chunk makes the step run the modules instead of one
+C call, so fewer, larger chunks serve the prompts at the matmuls' best rate and leave
+the other steps decode-only), and when more requests
+wait for their first token than are decoding (the queue is then the larger
+latency: a 32-request burst waited behind 64-token chunks for up to 15 s; see
+benchmarks/README.md, latency and capacity). Waiting requests are admitted
 first-come first-served while blocks, budget and the target allow; a newcomer's whole
 prompt must fit beside what the running requests' prompts still need (`_prompt_fits`),
 so admitting it does not preempt them later. When a running request cannot get a block
@@ -17,6 +22,7 @@ so admitting it does not preempt them later. When a running request cannot get a
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -96,7 +102,8 @@ class Scheduler:
         context = sum(r.num_tokens for r in decoding) // len(decoding) if decoding else 0
         remaining = sorted(max(0, r.max_tokens - r.num_output_tokens) for r in self.running)
         return LoadSnapshot(queued_prefill_tokens=queued, num_waiting=len(self.waiting),
-                            num_decoding=len(decoding), mean_context=context,
+                            num_decoding=len(decoding), num_prefilling=len(self.running) - len(decoding),
+                            mean_context=context,
                             free_seq_slots=max(0, self.config.max_num_seqs - len(self.running)),
                             remaining_output_tokens=tuple(remaining))
 
@@ -104,9 +111,10 @@ class Scheduler:
         """Seconds until a request of `prompt_tokens` arriving now would have its prompt computed.
 
         From the cost model: the prompts queued ahead and its own go at the prefill rate the
-        latency target leaves next to the current decodes, after a sequence slot frees up
-        (running requests assumed to run to max_tokens, an upper bound). None without a model.
-        Safe to call from another thread: it reads only the snapshot, config and model.
+        latency target leaves next to the current decodes (the rules of `_prefill_chunk`), after
+        a sequence slot frees up (running requests assumed to run to max_tokens, an upper
+        bound). None without a model. Safe to call from another thread: it reads only the
+        snapshot, config and model.
         """
         model = self.cost_model
         if model is None:
@@ -114,16 +122,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         rows = snap.num_decoding
         decode = StepShape(rows, rows, rows * snap.mean_context)
-        if rows and self.target_s is not None:
-            # The step's first prefill gets at least min_prefill_chunk even when the target
-            # leaves less (see _prefill_chunk): forecasting 1 token a step there refused, on a
-            # slow host, prompts the scheduler would have served in a few steps.
+        starting = snap.num_prefilling + min(snap.num_waiting + 1, snap.free_seq_slots)
+        chunk = budget
+        if rows and self.target_s is not None and starting <= rows:
             fitted = _max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
-            chunk = max(1, fitted, min(budget, self.config.min_prefill_chunk))
-        else:
-            chunk = budget
+            if fitted >= min(budget, self.config.min_prefill_chunk):
+                chunk = fitted
+        tokens = snap.queued_prefill_tokens + prompt_tokens
+        chunk = max(1, min(chunk, tokens))  # a step carries no more prompt than there is
         step_s = model.predict(decode.plus(StepShape.chunk(0, chunk, False)))
-        prefill_s = (snap.queued_prefill_tokens + prompt_tokens) / chunk * step_s
+        prefill_s = tokens / chunk * step_s
         short = snap.num_waiting + 1 - snap.free_seq_slots  # slots that must free up first
         slot_s = 0.0
         if short > 0 and snap.remaining_output_tokens:
@@ -160,18 +168,34 @@ class Scheduler:
         """Tokens of `req`'s prompt (from position `start`) to compute this step, at most `cap`.
 
         Under a latency target with decodes in the step: the most that keeps the predicted
-        step time under the target, and at least `min_prefill_chunk` for the step's first
-        prefill, so no prompt waits forever (or crawls) behind a full decode batch.
+        step time under the target. Where the target leaves the step's first prefill less
+        than `min_prefill_chunk` tokens, a chunk would either crawl (a token or a few a step)
+        or overshoot the target on every step; the step becomes unbounded instead and its
+        prompts take the whole budget: the prompts are computed at the matmuls' best rate in
+        a few late steps, and the steps between them stay decode-only (a prompt chunk of any
+        size makes a step of decodes run the modules instead of one C call: at 32 SmolLM2
+        streams, 64-token chunks past the target kept nearly every step mixed, ~125 ms, where
+        decode-only steps take ~60 ms).
         """
-        if cap <= 0 or self.target_s is None or not step.has_decodes:
+        if cap <= 0 or self.target_s is None or not step.has_decodes or step.unbounded is not None:
             return max(cap, 0)
         assert self.cost_model is not None
         total = req.num_tokens
         n = _max_fitting(self.cost_model, step.shape, self.target_s, cap,
                          lambda k: StepShape.chunk(start, k, start + k == total))
-        if not step.has_prefill:
-            n = max(n, min(cap, self.config.min_prefill_chunk))
+        if not step.has_prefill and n < min(cap, self.config.min_prefill_chunk):
+            step.unbounded = "past_target"
+            return cap
         return n
+
+    def _queue_outnumbers_decodes(self, step: "_StepState") -> bool:
+        """Whether more requests wait for prompt work (running prompts, and waiting requests a
+        free sequence slot would admit) than the step decodes. A step's delay then costs fewer
+        streams than a faster prefill saves, so the latency target gives way to the budget: a
+        burst of 32 requests otherwise waited behind small chunks sized for the first few."""
+        prefilling = sum(1 for r in self.running if r.request_id not in step.ids)
+        slots = max(0, self.config.max_num_seqs - len(self.running))
+        return prefilling + min(len(self.waiting), slots) > step.num_decodes
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
         chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec)
@@ -180,10 +204,11 @@ class Scheduler:
         step.budget -= n
         shape = StepShape.chunk(chunk.start, n, chunk.samples)
         if num_spec:  # every position of a verified run is sampled
-            shape = StepShape(shape.num_tokens, n, shape.num_attended)
+            shape = dataclasses.replace(shape, num_sampled=n)
         step.shape = step.shape.plus(shape)
         if chunk.is_decode:
             step.has_decodes = True
+            step.num_decodes += 1
         else:
             step.has_prefill = True
 
@@ -271,6 +296,8 @@ class Scheduler:
 
         # 1. Running requests: decodes first (never starved), then prompts in progress.
         self._schedule_running(out, step, decodes=True)
+        if step.unbounded is None and self.target_s is not None and self._queue_outnumbers_decodes(step):
+            step.unbounded = "queue"
         self._schedule_running(out, step, decodes=False)
 
         # 2. Then waiting requests, first come first served.
@@ -332,6 +359,7 @@ class Scheduler:
             if n > 0:
                 self._grant(req, n, out, step)
         out.shape = step.shape
+        out.prefill_unbounded = step.unbounded if step.has_prefill and step.has_decodes else None
         if self.cost_model is not None and out.scheduled:
             out.predicted_s = self.cost_model.predict(step.shape)
         return out
@@ -388,7 +416,10 @@ class _StepState:
     shape: StepShape = field(default_factory=StepShape)
     ids: set[str] = field(default_factory=set)
     has_decodes: bool = False
+    num_decodes: int = 0
     has_prefill: bool = False
+    # Why prompt chunks take the whole budget, not the latency target's share (see _prefill_chunk).
+    unbounded: Optional[str] = None
 
 
 def _max_fitting(model: StepCostPredictor, base: StepShape, limit_s: float, upper: int,

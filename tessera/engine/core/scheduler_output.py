@@ -74,6 +74,10 @@ class SchedulerOutput:
     num_prefix_hits: int = 0
     shape: StepShape = field(default_factory=StepShape)  # the step's work, for the cost model
     predicted_s: Optional[float] = None  # the cost model's prediction for it, if there is a model
+    # Why the step's prompt chunks took the whole budget instead of the latency target's share:
+    # "past_target" (the decodes left no room under it) or "queue" (more requests waited for
+    # prompt work than decoded); None when the target sized them or there was none.
+    prefill_unbounded: Optional[str] = None
 
     @property
     def total_tokens(self) -> int:
