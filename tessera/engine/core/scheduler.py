@@ -122,9 +122,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         rows = snap.num_decoding
         decode = StepShape(rows, rows, rows * snap.mean_context)
-        starting = snap.num_prefilling + min(snap.num_waiting + 1, snap.free_seq_slots)
         chunk = budget
-        if rows and self.target_s is not None and starting <= rows:
+        if rows and self.target_s is not None and \
+                not _prompts_outnumber_decodes(snap.num_prefilling, snap.num_waiting + 1, snap.free_seq_slots, rows):
             fitted = _max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
             if fitted >= min(budget, self.config.min_prefill_chunk):
                 chunk = fitted
@@ -195,7 +195,7 @@ class Scheduler:
         burst of 32 requests otherwise waited behind small chunks sized for the first few."""
         prefilling = sum(1 for r in self.running if r.request_id not in step.ids)
         slots = max(0, self.config.max_num_seqs - len(self.running))
-        return prefilling + min(len(self.waiting), slots) > step.num_decodes
+        return _prompts_outnumber_decodes(prefilling, len(self.waiting), slots, step.num_decodes)
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
         chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec)
@@ -420,6 +420,12 @@ class _StepState:
     has_prefill: bool = False
     # Why prompt chunks take the whole budget, not the latency target's share (see _prefill_chunk).
     unbounded: Optional[str] = None
+
+
+def _prompts_outnumber_decodes(num_prefilling: int, num_waiting: int, free_slots: int, num_decoding: int) -> bool:
+    """The queue rule of `_queue_outnumbers_decodes`, in plain counts (the forecast applies it too):
+    running prompts plus the waiting requests a free slot would admit, against the decoding rows."""
+    return num_prefilling + min(num_waiting, free_slots) > num_decoding
 
 
 def _max_fitting(model: StepCostPredictor, base: StepShape, limit_s: float, upper: int,
