@@ -81,12 +81,12 @@ def run(args: argparse.Namespace) -> dict:
         options.update(target_itl_ms=0, max_num_batched_tokens=max(args.mixed) + max(args.batch))
         max_seqs += 1
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max_seqs, enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager, **options)
+              enforce_eager=args.enforce_eager, int8_activations=args.int8_activations, **options)
     engine = llm.engine
     model = engine.runner.model
     bw, rate = copy_bandwidth(), matmul_rate()
     prompt = ("The history of the city goes back many centuries, and its people have kept records " * 12)
-    result = {"model": args.model, "options": options, "prefix_caching": False, "dtype": str(engine.dtype),
+    result = {"model": args.model, "options": options, "int8_activations": args.int8_activations, "prefix_caching": False, "dtype": str(engine.dtype),
               "copy_bandwidth_Bps": bw,
               "bf16_matmul_flops": rate, "machine": machine_info(), "python": platform.python_version(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "batches": {}}
@@ -209,6 +209,8 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=256, help="also time one fresh prompt of this many tokens (0: no)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="decode steps through the modules, not one C call")
+    p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="int8-quantized activations for K-quant and int4 weights (the engine's default: on)")
     p.add_argument("--mixed", type=int, nargs="*", default=[],
                    help="also time the largest batch's decodes next to one prompt chunk of each of these sizes")
     p.add_argument("--profile", action="store_true")

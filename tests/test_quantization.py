@@ -65,8 +65,8 @@ def test_q4_k_blocks_map_exactly_onto_int4_groups(model_path):
         gf.close()
 
 
-def _layer(method_cls, w: torch.Tensor, dtype=torch.float32, dense_copy=False, source=None):
-    cfg = QuantConfig("int4" if method_cls is Int4Method else "int8", dtype, dense_copy)
+def _layer(method_cls, w: torch.Tensor, dtype=torch.float32, dense_copy=False, source=None, int8_activations=True):
+    cfg = QuantConfig("int4" if method_cls is Int4Method else "int8", dtype, dense_copy, int8_activations)
     layer = nn.Module()
     method = method_cls(cfg)
     method.load(layer, source if isinstance(source, list) else [source or FloatWeight(w)])
@@ -368,14 +368,62 @@ def test_int4_gemm_kernel_matches_pytorchs(rows):
         pytest.skip("no AVX512-BF16 matrix kernels here")
     torch.manual_seed(rows)
     w = torch.randn(200, 96) * 0.05  # 200 rows: the last 64-row tile is partly padding
-    method, layer = _layer(Int4Method, w, dtype=torch.bfloat16)
-    assert layer.use_gemm_kernel and rows <= INT4_GEMM_MAX_ROWS
+    method, layer = _layer(Int4Method, w, dtype=torch.bfloat16, int8_activations=False)
+    assert layer.use_gemm_kernel and not layer.use_i8_kernel and rows <= INT4_GEMM_MAX_ROWS
     x = torch.randn(rows, 96).bfloat16()
     got = kernels.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
     want = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_zeros)[:, :layer.out_rows]
     assert got.shape == want.shape == (rows, 200)
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
     torch.testing.assert_close(method.apply(layer, x).float(), got.float(), atol=0, rtol=0)  # the route taken
+
+
+def _int4_i8_reference(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """What int4_gemm_i8 computes, in float64: x rounded to int8 per group of 32 (scale amax / 127),
+    the codes' integer dot products, then s * (dx * Q - 8 * sum x) + z * sum x per group."""
+    m, k = x.shape
+    xf = x.double().view(m, k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127).float() / amax.float()  # (127 / amax is 127 * (1 / amax) in torch)
+    xq = torch.where(amax > 0, torch.round(xf.float() * inv).double(), torch.zeros_like(xf))
+    q = torch.einsum("mgi,ngi->mng", xq, codes.view(codes.shape[0], k // 32, 32).double())
+    s, z = sz[..., 0].double().T, sz[..., 1].double().T  # [N, K/32]
+    dx, sx = (amax / 127).squeeze(-1), xf.sum(-1)
+    return (s * (dx[:, None] * q - 8 * sx[:, None]) + z * sx[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 150])  # blocks of 6 rows, whole and not
+def test_int4_int8_activation_kernel_is_exact_to_its_rounding(rows):
+    """int4_gemm_i8 (VNNI) must compute the integer products of the codes and int8 activations
+    exactly, each output rounded once to bfloat16; and the layer takes it when int8 activations
+    are on (--int8-activations), the bfloat16 kernel when they are off."""
+    from tessera import kernels
+
+    if not kernels.int4_i8_matmuls():
+        pytest.skip("no AVX512-VNNI/VBMI int4 kernel here")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 130, 96  # 130: the last 64-row tile mostly padding; 96: three groups
+    codes = torch.randint(0, 16, (192, k), dtype=torch.int32, generator=g)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    sz = torch.stack([torch.rand(192, k // 32, generator=g) * 0.02, torch.randn(192, k // 32, generator=g) * 0.02],
+                     -1).transpose(0, 1).contiguous().bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    x[0, 32:64] = 0  # a group of zeros: scale 0, no division by it
+    got = kernels.int4_gemm_i8(x, packed, sz, n)
+    want = _int4_i8_reference(x, codes, sz)[:, :n]
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    # one bfloat16 rounding of each output (8 bits of mantissa), float32 sums of a few terms
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=2 ** -8)
+
+    w = torch.randn(200, 96) * 0.05
+    method, layer = _layer(Int4Method, w, dtype=torch.bfloat16)
+    assert layer.use_i8_kernel
+    xs = torch.randn(rows, 96).bfloat16()
+    taken = method.apply(layer, xs)
+    torch.testing.assert_close(taken, kernels.int4_gemm_i8(xs, layer.qweight, layer.scales_zeros, 200), atol=0, rtol=0)
+    # against the bfloat16 product: the activations' rounding, about 1 % of the output's scale
+    exact = xs.float() @ method.dequantize(layer).float().T
+    assert ((taken.float() - exact).norm() / exact.norm()).item() < 0.03
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64])  # 1-2: the factored path; odd counts: the last unpaired row

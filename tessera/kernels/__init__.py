@@ -122,6 +122,13 @@ def load() -> ctypes.CDLL:
     m4.restype = ctypes.c_int
     lib.tessera_avx512_bf16.argtypes = []
     lib.tessera_avx512_bf16.restype = ctypes.c_int
+    i8 = lib.int4_gemm_i8
+    i8.argtypes = [p, p, p, p, i64, i64, i64, i64, p]
+    i8.restype = ctypes.c_int
+    lib.int4_i8_scratch_bytes.argtypes = [i64, i64]
+    lib.int4_i8_scratch_bytes.restype = i64
+    lib.tessera_int4_i8.argtypes = []
+    lib.tessera_int4_i8.restype = ctypes.c_int
     f32 = lib.int4_gemm_f32
     f32.argtypes = [p, p, p, p, i64, i64, i64, i64]
     f32.restype = ctypes.c_int
@@ -167,6 +174,12 @@ def bf16_matmuls() -> bool:
     """Whether the few-row AVX512-BF16 matrix kernels (int8_gemm_bf16,
     int4_gemm_bf16) run here; the others have portable paths and only need `available()`."""
     return available() is None and bool(load().tessera_avx512_bf16())
+
+
+def int4_i8_matmuls() -> bool:
+    """Whether the int8-activation int4 kernel (int4_gemm_i8: AVX512-VNNI dot products, VBMI byte
+    permutes, bfloat16 out) runs here."""
+    return available() is None and bool(load().tessera_int4_i8())
 
 
 def avx2_matmuls() -> bool:
@@ -415,6 +428,20 @@ def int4_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Te
     return out
 
 
+def int4_gemm_i8(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """bfloat16 rows [M, K] times an int4pack weight -> [M, out_rows] bfloat16, the rows quantized to
+    int8 per group of 32 on the way in (see int4_gemv.c): exact integer products of the codes."""
+    lib = load()
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty(m, out_rows, dtype=torch.bfloat16)
+    scratch = torch.empty(lib.int4_i8_scratch_bytes(m, k), dtype=torch.uint8)
+    if lib.int4_gemm_i8(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
+                        scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
+        raise KernelUnavailable("int4_gemm_i8 needs AVX512-VNNI and VBMI on the build machine")
+    return out
+
+
 def int4_gemm_f32(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
     """float32 rows [M, K] (M <= INT4_F32_MAX_ROWS) times an int4pack weight in the AVX2 layout,
     float32 scales and zeros (see int4_avx2.c) -> [M, out_rows] float32."""
@@ -515,7 +542,7 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,
     return out
 
 
-LINEAR_INT4, LINEAR_INT8 = 1, 2  # decode_step.c's linear_t kinds
+LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8 = 1, 2, 3  # decode_step.c's linear_t kinds
 
 
 class LinearOperand(ctypes.Structure):

@@ -23,6 +23,9 @@
 
 int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
                    int64_t N_pad, int64_t N_out, int64_t K, float *scratch);
+int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
+                 int64_t N_pad, int64_t N_out, int64_t K, void *scratch);
+int64_t int4_i8_scratch_bytes(int64_t M, int64_t K);
 int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M, int64_t N,
               int64_t K, int64_t G, int is_bf16, float *scratch);
 int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
@@ -34,13 +37,13 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                             int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                             float scale, int64_t window, float *scratch, int64_t max_len);
 
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2 };
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3 };
 #define INT4_ROWS_PER_CALL 64 /* int4_gemm_bf16's row limit (quantization.py's INT4_GEMM_MAX_ROWS) */
 #define INT8_ROWS_PER_CALL 8  /* int8_gemv / int8_gemm_bf16's row limit */
 
 /* One projection's weight as its QuantMethod stores it (all fields 8 bytes: ctypes mirrors it). */
 typedef struct {
-    int64_t kind;          /* LINEAR_INT4 or LINEAR_INT8 */
+    int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations) or LINEAR_INT8 */
     const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8 */
     const void *scales;    /* int4: [K/32][N_pad][2] bf16 (scale, zero); int8: [N][K/G] float32 */
     const float *zeros;    /* int8: [N][K/G] float32 or NULL */
@@ -65,9 +68,11 @@ typedef struct {
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Floats of scratch the projections of `l` need for M rows (their kernels' own scratch):
- * int4_gemm_bf16 takes a sum per row and group of 32, int8_gemv its rows widened to float32. */
+ * int4_gemm_bf16 takes a sum per row and group of 32, int4_gemm_i8 the rows quantized, int8_gemv
+ * its rows widened to float32. */
 static int64_t linear_scratch(const linear_t *l, int64_t M) {
     if (l->kind == LINEAR_INT4) return M * (l->k / 32);
+    if (l->kind == LINEAR_INT4_I8) return (int4_i8_scratch_bytes(M, l->k) + 3) / 4;
     return (M < INT8_ROWS_PER_CALL ? M : INT8_ROWS_PER_CALL) * l->k;
 }
 
@@ -102,7 +107,9 @@ int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims
 
 /* out [M, n] = x [M, k] W^T (+ bias), through the kernel the module path picks for this row count. */
 static int linear(const linear_t *l, const uint16_t *x, int64_t M, uint16_t *out, float *scratch) {
-    if (l->kind == LINEAR_INT4) {
+    if (l->kind == LINEAR_INT4_I8) {
+        if (int4_gemm_i8(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch) != 0) return -1;
+    } else if (l->kind == LINEAR_INT4) {
         for (int64_t i = 0; i < M; i += INT4_ROWS_PER_CALL) {
             const int64_t m = M - i < INT4_ROWS_PER_CALL ? M - i : INT4_ROWS_PER_CALL;
             if (int4_gemm_bf16(x + i * l->k, l->weight, l->scales, out + i * l->n, m, l->n_pad, l->n, l->k,

@@ -146,3 +146,162 @@ int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz,
     return -1;
 #endif
 }
+
+/* The same int4pack weight times int8-quantized activations, with AVX512-VNNI integer dot products
+ * (vpdpbusd: 64 unsigned-by-signed byte products a instruction, twice vdpbf16ps's 32), for steps of
+ * a few to 64 rows: batched decode, verification, small prompt chunks. llama.cpp's Q4_1 x Q8_1.
+ *
+ * Each row of x is quantized per group of 32 values (the weight's group): xq = round(x * 127 /
+ * amax), dx = amax / 127, and the exact float sum sx of the 32 values kept. Per output row n, row m
+ * and group g, with Q = sum q * xq computed exactly in int32 (at most 32 * 15 * 127):
+ *   y += s * (dx * Q - 8 * sx) + z * sx          (w = (q - 8) * s + z, as int4_gemm_bf16).
+ * The codes stay in PyTorch's int4pack layout (the other int4 paths read it): vpdpbusd wants each
+ * 32-bit lane to hold one output row's codes for 4 consecutive k, so the tile bytes of k .. k + 3
+ * (two 64-byte loads) are regrouped by one two-source byte permutation (vpermt2b, AVX512-VBMI) per
+ * half tile; the low nibbles are then rows 16h + j, the high nibbles rows 32 + 16h + j.
+ * Work is split across torch's OpenMP threads by half tile (32 output rows), each running blocks of
+ * up to I8_MB activation rows over its codes (which stay in L1). x: [M, K] bf16; scratch:
+ * int4_i8_scratch_bytes(M, K) bytes. */
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define HAVE_INT4_I8 1
+#define I8_MB 6
+#define I8_CHUNK 96 /* a multiple of I8_MB */
+#endif
+
+int tessera_int4_i8(void) {
+#ifdef HAVE_INT4_I8
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int64_t int4_i8_scratch_bytes(int64_t M, int64_t K) {
+    return M * K + 3 * M * (K / 32) * (int64_t)sizeof(float) + 64;
+}
+
+#ifdef HAVE_INT4_I8
+/* Row m of x -> xq [K] int8, and per group of 32: dx, sx, 8 * sx. */
+static void quantize_row_g32(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx, float *sx8) {
+    for (int64_t g = 0; g < K / 32; g++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(x + g * 32));
+        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        /* round to nearest even (the default mode), as nearbyintf; |x * inv| <= 127 */
+        _mm_storeu_si128((__m128i *)(xq + g * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+        _mm_storeu_si128((__m128i *)(xq + g * 32 + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+        dx[g] = amax / 127.f;
+        sx[g] = sum;
+        sx8[g] = 8.f * sum;
+    }
+}
+
+/* Rows m0 .. m0 + NM - 1 against NH half tiles from half h0 of tile `tile` (NH = 2: the whole
+ * tile, for one or two rows, where four accumulator chains a row keep the dot products busy and the
+ * tile's bytes are loaded once; NH = 1 for more rows, the registers holding six rows' sums). NM and
+ * NH are constants after inlining, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void int4_i8_block(
+    const int NM, const int NH, const uint8_t *tile, const uint16_t *sz, const __m512i perm[2], int h0,
+    const int8_t *xq, const float *dx, const float *sx, const float *sx8, int64_t m0, int64_t K, int64_t N_pad,
+    uint16_t *out, int64_t N_out, int64_t row0) {
+    const int64_t G = K / 32;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
+    /* vector v = 2 * (half - h0) + nibble: rows row0 + 16 * half + 32 * nibble + lane */
+    __m512 f[4][I8_MB];
+    for (int v = 0; v < 2 * NH; v++)
+        for (int r = 0; r < NM; r++) f[v][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i a[4][I8_MB];
+        for (int v = 0; v < 2 * NH; v++)
+            for (int r = 0; r < NM; r++) a[v][r] = _mm512_setzero_si512();
+        const uint8_t *col = tile + g * 32 * 32;
+        for (int kk = 0; kk < 32; kk += 4) {
+            const __m512i lo = _mm512_loadu_si512((const void *)(col + kk * 32));
+            const __m512i hi = _mm512_loadu_si512((const void *)(col + kk * 32 + 64));
+            __m512i w[4];
+            for (int hh = 0; hh < NH; hh++) {
+                const __m512i p = _mm512_permutex2var_epi8(lo, perm[h0 + hh], hi);
+                w[2 * hh] = _mm512_and_si512(p, low4);
+                w[2 * hh + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+            }
+            for (int r = 0; r < NM; r++) {
+                int32_t quad;
+                __builtin_memcpy(&quad, xq + (m0 + r) * K + g * 32 + kk, 4);
+                const __m512i xv = _mm512_set1_epi32(quad);
+                for (int v = 0; v < 2 * NH; v++) a[v][r] = _mm512_dpbusd_epi32(a[v][r], w[v], xv);
+            }
+        }
+        const uint16_t *pairs = sz + g * N_pad * 2;
+        for (int v = 0; v < 2 * NH; v++) {
+            const int64_t row = row0 + 16 * (h0 + v / 2) + 32 * (v % 2);
+            const __m512i sv = _mm512_loadu_si512((const void *)(pairs + row * 2));
+            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(sv, 16));
+            const __m512 zr = _mm512_castsi512_ps(_mm512_and_si512(sv, hi_mask));
+            for (int r = 0; r < NM; r++) {
+                const int64_t at = (m0 + r) * G + g;
+                const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(a[v][r]), _mm512_set1_ps(dx[at]),
+                                                 _mm512_set1_ps(sx8[at]));
+                f[v][r] = _mm512_fmadd_ps(sc, t, f[v][r]);
+                f[v][r] = _mm512_fmadd_ps(zr, _mm512_set1_ps(sx[at]), f[v][r]);
+            }
+        }
+    }
+    for (int v = 0; v < 2 * NH; v++)
+        for (int r = 0; r < NM; r++)
+            store_bf16x16(out + (m0 + r) * N_out, row0 + 16 * (h0 + v / 2) + 32 * (v % 2), N_out, f[v][r]);
+}
+#endif
+
+int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
+                 int64_t N_pad, int64_t N_out, int64_t K, void *scratch) {
+#ifdef HAVE_INT4_I8
+    if (K % 32 != 0 || M < 1) return -1;
+    const int64_t G = K / 32;
+    int8_t *xq = (int8_t *)scratch;
+    float *dx = (float *)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
+    float *sx = dx + M * G, *sx8 = sx + M * G;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row_g32(x + m * K, K, xq + m * K, dx + m * G, sx + m * G, sx8 + m * G);
+    /* output byte 4j + i of half h: code byte 16h + j of k + i (k, k + 1 in lo; k + 2, k + 3 in hi) */
+    uint8_t idx[2][64];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 16; j++)
+            for (int i = 0; i < 4; i++) idx[h][4 * j + i] = (uint8_t)(64 * (i / 2) + 32 * (i % 2) + 16 * h + j);
+    const __m512i perm[2] = {_mm512_loadu_si512((const void *)idx[0]), _mm512_loadu_si512((const void *)idx[1])};
+    const int64_t tiles = N_pad / 64;
+    if (M <= 2) { /* whole tiles */
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (M == 1)
+                int4_i8_block(1, 2, packed + t * K * 32, sz, perm, 0, xq, dx, sx, sx8, 0, K, N_pad, out, N_out, t * 64);
+            else
+                int4_i8_block(2, 2, packed + t * K * 32, sz, perm, 0, xq, dx, sx, sx8, 0, K, N_pad, out, N_out, t * 64);
+        }
+        return 0;
+    }
+    /* half tiles, rows in chunks of I8_CHUNK (their int8 copies stay in L2 while every half tile
+     * passes over them), blocks of I8_MB rows */
+    for (int64_t c0 = 0; c0 < M; c0 += I8_CHUNK) {
+        const int64_t end = c0 + I8_CHUNK < M ? c0 + I8_CHUNK : M;
+#pragma omp parallel for schedule(static)
+        for (int64_t th = 0; th < tiles * 2; th++) {
+            const int64_t t = th / 2;
+            const int h = (int)(th % 2);
+            for (int64_t m0 = c0; m0 < end; m0 += I8_MB) {
+                const int nm = (int)(end - m0 < I8_MB ? end - m0 : I8_MB);
+#define I8_CASE(n) case n: int4_i8_block(n, 1, packed + t * K * 32, sz, perm, h, xq, dx, sx, sx8, m0, K, N_pad, out, N_out, t * 64); break;
+                switch (nm) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) }
+#undef I8_CASE
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)packed; (void)sz; (void)out; (void)M; (void)N_pad; (void)N_out; (void)K; (void)scratch;
+    return -1;
+#endif
+}

@@ -22,11 +22,17 @@ from tessera.layers.weights import AnyWeight, as_source
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W [sum(output_sizes), input_size] stored by a QuantMethod."""
+    """y = x W^T (+ b), W [sum(output_sizes), input_size] stored by a QuantMethod.
+
+    `int8_inputs`: whether the method may round this layer's input to int8 per group of 32 (the
+    int4 weights' int8-activation kernel); False for inputs with outlier channels that a shared
+    group scale would flatten (see GatedMLP)."""
 
     def __init__(self, input_size: int, output_sizes: Union[int, Sequence[int]], quant: QuantConfig,
-                 bias: bool = False, shard_names: Optional[Sequence[str]] = None, prefix: str = ""):
+                 bias: bool = False, shard_names: Optional[Sequence[str]] = None, prefix: str = "",
+                 int8_inputs: bool = True):
         super().__init__()
+        self.int8_inputs = int8_inputs
         self.input_size = input_size
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.output_size = sum(self.output_sizes)

@@ -41,7 +41,8 @@ _SIMPLE = (bool, int, float, str, type(None))
 def cache_path(root: Path, model_sha256: str, quant: QuantConfig, extra: str = "") -> Path:
     from tessera.hostinfo import source_digest
 
-    host = (int4pack_layout(), kernels.available() is None, kernels.available() is None and kernels.bf16_matmuls())
+    built = kernels.available() is None
+    host = (int4pack_layout(), built, built and kernels.bf16_matmuls(), built and kernels.int4_i8_matmuls())
     key = hashlib.sha256(repr((FORMAT, model_sha256, repr(quant), extra, source_digest(),
                                torch.__version__, host)).encode()).hexdigest()[:20]
     return root / f"{model_sha256[:16]}-{key}.pt"
