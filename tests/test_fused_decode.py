@@ -136,3 +136,30 @@ def test_enforce_eager_runs_the_modules(folder):
     llm = LLM(str(folder), dtype="bfloat16", quantization="int4", max_model_len=256, enforce_eager=True)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert llm.engine.runner.model._fused is False
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("lens", [[7], [30, 12, 61]])
+def test_c_decode_step_takes_kquant_projections(model_path, lens):
+    """qwen2.5-coder-0.5b's Q4_K and Q6_K down projections (whole super-blocks of 256) stay in
+    their blocks and run in the C step through q4k_gemm / q6k_gemm, as the modules run them."""
+    if not kernels.kquant_matmuls():
+        pytest.skip("no vector path for the K-quant kernels here")
+    llm = LLM(str(model_path("qwen2.5-coder-0.5b")), dtype="bfloat16", max_model_len=256)
+    model = llm.engine.runner.model
+    plan = FusedDecode.build(model)
+    assert plan is not None
+    kinds = {layer.down.kind for layer in plan.layers}
+    assert kinds == {kernels.LINEAR_Q4K, kernels.LINEAR_Q6K}
+    assert plan.max_rows == model.model.layers[0].mlp.down_proj.quant_method.config.small_batch_max
+    backend = PagedBackend()
+    ref, ref_caches, _ = _prefill_then_decode(model, backend, lens, use_c=False)
+    got, caches, ran = _prefill_then_decode(model, backend, lens, use_c=True)
+    assert ran, "the C decode step did not take the step"
+    cos = torch.nn.functional.cosine_similarity(got.float(), ref.float(), dim=-1)
+    assert cos.min() > 0.999
+    for a, b in zip(caches, ref_caches):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+    n = plan.max_rows + 1  # a decode step past the kernels' rows runs the modules
+    many = backend.build_metadata([1] * n, [3] * n, [[1]] * n, BLOCK)
+    assert not plan.applies(torch.arange(n), caches, many)

@@ -542,7 +542,7 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,
     return out
 
 
-LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8 = 1, 2, 3  # decode_step.c's linear_t kinds
+LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8, LINEAR_Q4K, LINEAR_Q6K = 1, 2, 3, 4, 5  # decode_step.c's linear_t kinds
 
 
 class LinearOperand(ctypes.Structure):
@@ -551,7 +551,8 @@ class LinearOperand(ctypes.Structure):
 
     _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_pad", ctypes.c_int64),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64), ("int8_gemm", ctypes.c_int64)]
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64), ("int8_gemm", ctypes.c_int64),
+                ("max_rows", ctypes.c_int64)]
 
 
 class DecodeLayer(ctypes.Structure):

@@ -10,8 +10,8 @@
  * bfloat16 here at the same point, so both give the same tokens up to the order of float32
  * sums inside the kernels.
  *
- * The caller (models/fused_decode.py) checks what this handles: int4pack (AVX-512 layout) or
- * int8-group projections, a bias on the QKV projection only, a bfloat16 paged cache
+ * The caller (models/fused_decode.py) checks what this handles: int4pack (AVX-512 layout),
+ * int8-group or Q4_K / Q6_K (kquant_gemm.c) projections, a bias on the QKV projection only, a bfloat16 paged cache
  * [2][Hkv][num_blocks][block_size][D], neox RoPE tables, no sliding window.
  */
 #include <math.h>
@@ -26,6 +26,11 @@ int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz,
 int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
                  int64_t N_pad, int64_t N_out, int64_t K, void *scratch);
 int64_t int4_i8_scratch_bytes(int64_t M, int64_t K);
+int q4k_gemm(const void *x, const uint8_t *codes, const uint8_t *scale_min, const float *dm, void *out, int64_t M,
+             int64_t N, int64_t K, int is_bf16, void *scratch);
+int q6k_gemm(const void *x, const uint8_t *codes, const int8_t *sc, const float *d, void *out, int64_t M,
+             int64_t N, int64_t K, int is_bf16, void *scratch);
+int64_t kquant_scratch_bytes(int64_t M, int64_t K);
 int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M, int64_t N,
               int64_t K, int64_t G, int is_bf16, float *scratch);
 int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
@@ -37,20 +42,23 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                             int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                             float scale, int64_t window, float *scratch, int64_t max_len);
 
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3 };
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3, LINEAR_Q4K = 4, LINEAR_Q6K = 5 };
 #define INT4_ROWS_PER_CALL 64 /* int4_gemm_bf16's row limit (quantization.py's INT4_GEMM_MAX_ROWS) */
 #define INT8_ROWS_PER_CALL 8  /* int8_gemv / int8_gemm_bf16's row limit */
+#define KQ_ROWS_PER_CALL 8    /* q4k_gemm / q6k_gemm's row limit (kernels.KQUANT_MAX_ROWS) */
 
 /* One projection's weight as its QuantMethod stores it (all fields 8 bytes: ctypes mirrors it). */
 typedef struct {
-    int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations) or LINEAR_INT8 */
-    const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8 */
-    const void *scales;    /* int4: [K/32][N_pad][2] bf16 (scale, zero); int8: [N][K/G] float32 */
-    const float *zeros;    /* int8: [N][K/G] float32 or NULL */
+    int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT8, LINEAR_Q4K, LINEAR_Q6K */
+    const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8; K-quants: code blocks */
+    const void *scales;    /* int4: [K/32][N_pad][2] bf16 (scale, zero); int8: [N][K/G] float32; K-quants:
+                              the sub-blocks' integer scales (and Q4_K's minimums) */
+    const float *zeros;    /* int8: [N][K/G] float32 or NULL; K-quants: the super-blocks' d (and dmin) */
     const uint16_t *bias;  /* [N] bf16 or NULL */
     int64_t n_pad, n, k;   /* int4: rows padded to the tile, real rows, columns */
     int64_t group;         /* int8: values per scale */
     int64_t int8_gemm;     /* int8: int8_gemm_bf16 may take steps of 3+ rows */
+    int64_t max_rows;      /* rows past which the module path multiplies another way (0: none); more refused */
 } linear_t;
 
 typedef struct {
@@ -73,6 +81,8 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t linear_scratch(const linear_t *l, int64_t M) {
     if (l->kind == LINEAR_INT4) return M * (l->k / 32);
     if (l->kind == LINEAR_INT4_I8) return (int4_i8_scratch_bytes(M, l->k) + 3) / 4;
+    if (l->kind == LINEAR_Q4K || l->kind == LINEAR_Q6K)
+        return (kquant_scratch_bytes(M < KQ_ROWS_PER_CALL ? M : KQ_ROWS_PER_CALL, l->k) + 3) / 4;
     return (M < INT8_ROWS_PER_CALL ? M : INT8_ROWS_PER_CALL) * l->k;
 }
 
@@ -107,7 +117,16 @@ int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims
 
 /* out [M, n] = x [M, k] W^T (+ bias), through the kernel the module path picks for this row count. */
 static int linear(const linear_t *l, const uint16_t *x, int64_t M, uint16_t *out, float *scratch) {
-    if (l->kind == LINEAR_INT4_I8) {
+    if (l->max_rows && M > l->max_rows) return -1;
+    if (l->kind == LINEAR_Q4K || l->kind == LINEAR_Q6K) {
+        for (int64_t i = 0; i < M; i += KQ_ROWS_PER_CALL) {
+            const int64_t m = M - i < KQ_ROWS_PER_CALL ? M - i : KQ_ROWS_PER_CALL;
+            const int rc = l->kind == LINEAR_Q4K
+                ? q4k_gemm(x + i * l->k, l->weight, l->scales, l->zeros, out + i * l->n, m, l->n, l->k, 1, scratch)
+                : q6k_gemm(x + i * l->k, l->weight, l->scales, l->zeros, out + i * l->n, m, l->n, l->k, 1, scratch);
+            if (rc != 0) return -1;
+        }
+    } else if (l->kind == LINEAR_INT4_I8) {
         if (int4_gemm_i8(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch) != 0) return -1;
     } else if (l->kind == LINEAR_INT4) {
         for (int64_t i = 0; i < M; i += INT4_ROWS_PER_CALL) {

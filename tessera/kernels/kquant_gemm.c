@@ -18,12 +18,13 @@
  *
  * The activations are quantized per row and per 256 values, as llama.cpp's Q8_K does: xq =
  * round(x * (127 / amax)), xd = amax / 127, and the sum of each 16 xq kept (bsum). Then per
- * super-block, exactly in integers, the codes' dot products per sub-block (u8 x s8 pairs summed to
- * int16 by pmaddubsw: at most 2 * 63 * 127), times the sub-block's scale summed to int32 (pmaddwd,
- * or vpdpwssd with AVX512-VNNI); the offset term (Q6_K: 32 * sc_g * bsum_g; Q4_K: mn_g * bsum_g)
- * from the sums; one float multiply per super-block by d * xd (and dmin * xd). Rows are split
- * across torch's OpenMP threads; each weight super-block is unpacked once for all M activation
- * rows. AVX2 hosts take 32 codes at a time; others a plain C loop.
+ * super-block, exactly in integers, the codes' dot products per sub-block (block_dot: vpdpbusd's
+ * sums of four u8 x s8 products with AVX512-VNNI, else pmaddubsw's pairs), times the sub-block's
+ * scale summed to int32 (vpdpwssd, or pmaddwd); Q6_K's offset term (32 * sc_g * bsum_g) in the
+ * same integers, Q4_K's minimums (dmin * mn_g * xd * bsum over 32) in float; one float multiply
+ * per super-block by d * xd. Rows are split across torch's OpenMP threads; each weight
+ * super-block is unpacked once for all M activation rows. AVX2 hosts take 32 codes at a time;
+ * others a plain C loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,17 +44,50 @@
  * hardware prefetcher alone leaves the two cores waiting on memory). */
 #define KQ_PREFETCH 2048
 
-/* Row m of x (K bfloat16 or float32 values) -> xq [K] int8, xd [K/256] float, bsum [K/16] int16. */
-static void quantize_row(const void *x, int is_bf16, int64_t m, int64_t K, int8_t *xq, float *xd, int16_t *bsum) {
+/* One step's activations, quantized: xq [M][K] int8, xd [M][K/256] float (the dequantizing
+ * scale per super-block), bsum [M][K/16] int16 (the sum of each 16 xq), xmin [M][K/32] float
+ * (xd times the sum of each 32 xq: the side of Q4_K's minimum term that does not depend on the
+ * weight, so that term costs one 8-wide float FMA a super-block and row). */
+typedef struct {
+    const int8_t *xq;
+    const float *xd;
+    const int16_t *bsum;
+    const float *xmin;
+    int64_t M, K;
+} kq_acts_t;
+
+/* Row m of x (K bfloat16 or float32 values) -> its xq, xd, bsum and xmin rows. A few-row step
+ * quantizes every projection's input (a 1.5B model: ~110 a token), so this is vectorized too. */
+static void quantize_row(const void *x, int is_bf16, int64_t m, int64_t K, int8_t *xq, float *xd, int16_t *bsum,
+                         float *xmin) {
     for (int64_t b = 0; b < K / KQ_BLOCK; b++) {
+        const int64_t at = m * K + b * KQ_BLOCK;
+        int8_t *q = xq + b * KQ_BLOCK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 v[KQ_BLOCK / 16], vmax = _mm512_setzero_ps();
+        for (int g = 0; g < KQ_BLOCK / 16; g++) {
+            v[g] = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at + 16 * g))), 16))
+                           : _mm512_loadu_ps((const float *)x + at + 16 * g);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v[g]));
+        }
+        const float amax = _mm512_reduce_max_ps(vmax);
+        const __m512 iscale = _mm512_set1_ps(amax == 0.f ? 0.f : 127.f / amax);
+        const __m512i lim = _mm512_set1_epi32(127);
+        for (int g = 0; g < KQ_BLOCK / 16; g++) { /* cvtps rounds to nearest even, as nearbyintf */
+            __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[g], iscale));
+            r = _mm512_max_epi32(_mm512_min_epi32(r, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+            _mm_storeu_si128((__m128i *)(q + 16 * g), _mm512_cvtepi32_epi8(r));
+            bsum[b * 16 + g] = (int16_t)_mm512_reduce_add_epi32(r);
+        }
+        xd[b] = amax == 0.f ? 0.f : amax / 127.f;
+#else
         float v[KQ_BLOCK], amax = 0.f;
         for (int j = 0; j < KQ_BLOCK; j++) {
-            const int64_t k = m * K + b * KQ_BLOCK + j;
-            v[j] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            v[j] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + j]) : ((const float *)x)[at + j];
             const float a = fabsf(v[j]);
             amax = a > amax ? a : amax;
         }
-        int8_t *q = xq + b * KQ_BLOCK;
         if (amax == 0.f) {
             for (int j = 0; j < KQ_BLOCK; j++) q[j] = 0;
             xd[b] = 0.f;
@@ -70,6 +104,9 @@ static void quantize_row(const void *x, int is_bf16, int64_t m, int64_t K, int8_
             for (int j = 0; j < 16; j++) s += q[g * 16 + j];
             bsum[b * 16 + g] = (int16_t)s;
         }
+#endif
+        for (int g = 0; g < KQ_BLOCK / 32; g++)
+            xmin[b * 8 + g] = xd[b] * (float)(bsum[b * 16 + 2 * g] + bsum[b * 16 + 2 * g + 1]);
     }
 }
 
@@ -81,6 +118,51 @@ static inline __m512i madd_acc(__m512i acc, __m512i p, __m512i s) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
 #endif
 }
+
+/* A super-block's 256 codes (four registers of 64) against its 256 activations, each code's
+ * product weighted by its sub-block's scale, summed to int32 lanes. With VNNI, vpdpbusd sums
+ * four code x activation products to an int32 lane (at most 4 * 63 * 127, so int16 holds it),
+ * two such registers are packed to int16 and one vpdpwssd applies the scales: six multiplies a
+ * super-block. Without, pmaddubsw sums pairs to int16 and pmaddwd applies the scales: eight.
+ * The multiplies are what a few-row step (verification, small batches) spends its time on. */
+#if defined(__AVX512VNNI__)
+#define KQ_SCALE_VECS 2
+#else
+#define KQ_SCALE_VECS 4
+#endif
+static inline __m512i block_dot(const __m512i q[4], const int8_t *xb, const __m512i s[KQ_SCALE_VECS], __m512i acc) {
+#if defined(__AVX512VNNI__)
+    const __m512i zero = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i a = _mm512_dpbusd_epi32(zero, q[2 * h], _mm512_loadu_si512((const void *)(xb + 128 * h)));
+        const __m512i b = _mm512_dpbusd_epi32(zero, q[2 * h + 1], _mm512_loadu_si512((const void *)(xb + 128 * h + 64)));
+        acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(a, b), s[h]);
+    }
+#else
+    for (int c = 0; c < 4; c++)
+        acc = madd_acc(acc, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), s[c]);
+#endif
+    return acc;
+}
+
+/* Which of a super-block's 16 int16 scales (sub-blocks of `group` codes) each int16 lane of
+ * block_dot's scale registers takes: for pmaddubsw's pairs, lane i of register c holds codes
+ * 64c + 2i, +1; for the packed vpdpbusd sums, lane i of register h holds the four codes of int32
+ * lane 4 (i / 8) + i % 4 of chunk 2h + (i % 8) / 4 (packs interleave per 128 bits). */
+static void scale_picks(int group, __m512i pick[KQ_SCALE_VECS]) {
+    int16_t idx[32];
+    for (int v = 0; v < KQ_SCALE_VECS; v++) {
+        for (int i = 0; i < 32; i++) {
+#if defined(__AVX512VNNI__)
+            const int chunk = 2 * v + (i % 8) / 4, lane = 4 * (i / 8) + i % 4;
+            idx[i] = (int16_t)((64 * chunk + 4 * lane) / group);
+#else
+            idx[i] = (int16_t)((64 * v + 2 * i) / group);
+#endif
+        }
+        pick[v] = _mm512_loadu_si512((const void *)idx);
+    }
+}
 #endif
 
 /* One weight row's parts, as each kind stores them: codes, per-sub-block integer scales, floats. */
@@ -91,8 +173,11 @@ typedef struct {
 } kq_row_t;
 
 /* One Q6_K weight row (NB super-blocks) against M quantized activation rows -> sums[m]. */
-static void q6k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t M,
-                    int64_t K, float *sums) {
+static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
+    const int8_t *xq = acts->xq;
+    const float *xd = acts->xd;
+    const int16_t *bsum = acts->bsum;
+    const int64_t M = acts->M, K = acts->K;
     const uint8_t *codes = row.codes;
     const int8_t *sc = (const int8_t *)row.scales;
     const float *d = row.d;
@@ -100,13 +185,8 @@ static void q6k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd,
     __m512 facc[KQ_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-    /* chunk c's 64 codes are groups 4c..4c+3: lane l of 32 int16 takes scale 4c + l / 8 */
-    __m512i pick[4];
-    for (int c = 0; c < 4; c++) {
-        int16_t idx[32];
-        for (int l = 0; l < 32; l++) idx[l] = (int16_t)(4 * c + l / 8);
-        pick[c] = _mm512_loadu_si512((const void *)idx);
-    }
+    __m512i pick[KQ_SCALE_VECS];
+    scale_picks(16, pick);
     for (int64_t b = 0; b < NB; b++) {
         const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
         for (int line = 0; line < 3; line++) _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64 * line), _MM_HINT_T0);
@@ -122,19 +202,17 @@ static void q6k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd,
         q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), low2), 4));
         const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sc + b * 16))));
-        __m512i s[4];
-        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
-        const float db = d[b];
+        __m512i s[KQ_SCALE_VECS];
+        for (int v = 0; v < KQ_SCALE_VECS; v++) s[v] = _mm512_permutexvar_epi16(pick[v], s16);
+        /* the -32 of every code as -32 * sc_g per bsum_g: one more pair product a row */
+        const __m512i offset = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(s16, 5));
+        const __m512 dv = _mm512_set1_ps(d[b]);
         for (int64_t m = 0; m < M; m++) {
             const int8_t *xb = xq + m * K + b * KQ_BLOCK;
-            __m512i acc = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++)
-                acc = madd_acc(acc, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), s[c]);
-            /* the -32 of every code: 32 * sum_g sc_g * bsum_g, in the low 8 int32 lanes */
             const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
-            const __m512i corr = _mm512_madd_epi16(s16, bs);
-            acc = _mm512_sub_epi32(acc, _mm512_slli_epi32(corr, 5));
-            facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(db * xd[m * (K / KQ_BLOCK) + b]), facc[m]);
+            const __m512i acc = block_dot(q, xb, s, madd_acc(_mm512_setzero_si512(), offset, bs));
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
+            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
         }
     }
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
@@ -200,27 +278,22 @@ static void q6k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd,
 
 /* One Q4_K weight row: codes as the header says, scales[b * 16 ..]: 8 scales then 8 minimums,
  * d[2 b], d[2 b + 1]: the block's d and dmin. */
-static void q4k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t M,
-                    int64_t K, float *sums) {
+static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
+    const int8_t *xq = acts->xq;
+    const float *xd = acts->xd;
+    const int16_t *bsum = acts->bsum;
+    const int64_t M = acts->M, K = acts->K;
     const uint8_t *codes = row.codes;
     const uint8_t *sm = (const uint8_t *)row.scales;
     const float *d = row.d;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+    const float *xmin = acts->xmin;
     __m512 facc[KQ_MAX_ROWS];
-    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
+    __m256 fmin[KQ_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps(), fmin[m] = _mm256_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    /* chunk c's 64 codes are sub-blocks 2c, 2c + 1: lane l of 32 int16 takes scale 2c + l / 16;
-     * the minimums (int16 lanes 8..15) pair with the 16 bsums: lane i takes minimum i / 2 */
-    __m512i pick[4], pick_min;
-    {
-        int16_t idx[32];
-        for (int c = 0; c < 4; c++) {
-            for (int l = 0; l < 32; l++) idx[l] = (int16_t)(2 * c + l / 16);
-            pick[c] = _mm512_loadu_si512((const void *)idx);
-        }
-        for (int l = 0; l < 32; l++) idx[l] = (int16_t)(l < 16 ? 8 + l / 2 : 0);
-        pick_min = _mm512_loadu_si512((const void *)idx);
-    }
+    __m512i pick[KQ_SCALE_VECS];
+    scale_picks(32, pick);
     for (int64_t b = 0; b < NB; b++) {
         const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
         _mm_prefetch((const char *)(blk + KQ_PREFETCH), _MM_HINT_T0);
@@ -233,23 +306,21 @@ static void q4k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd,
         q[2] = _mm512_and_si512(ql1, low4);
         q[3] = _mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4);
         const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sm + b * 16))));
-        __m512i s[4];
-        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
-        const __m512i mn = _mm512_maskz_permutexvar_epi16(0x0000FFFF, pick_min, s16);
-        const float db = d[2 * b], dminb = d[2 * b + 1];
+        __m512i s[KQ_SCALE_VECS];
+        for (int v = 0; v < KQ_SCALE_VECS; v++) s[v] = _mm512_permutexvar_epi16(pick[v], s16);
+        /* dmin * mn_g, the weight's side of the minimum term; xmin holds the activations' */
+        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + b * 16 + 8)))),
+                                          _mm256_set1_ps(d[2 * b + 1]));
+        const __m512 dv = _mm512_set1_ps(d[2 * b]);
         for (int64_t m = 0; m < M; m++) {
             const int8_t *xb = xq + m * K + b * KQ_BLOCK;
-            __m512i acc = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++)
-                acc = madd_acc(acc, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), s[c]);
-            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
-            const __m512i corr = _mm512_madd_epi16(mn, bs); /* mn_g * (bsum_2g + bsum_2g+1) in lanes 0..7 */
-            const float xs = xd[m * (K / KQ_BLOCK) + b];
-            facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(db * xs), facc[m]);
-            facc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr), _mm512_set1_ps(dminb * xs), facc[m]);
+            const __m512i acc = block_dot(q, xb, s, _mm512_setzero_si512());
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
+            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
+            fmin[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xmin + m * (K / 32) + b * 8), fmin[m]);
         }
     }
-    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
+    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
 #elif defined(__AVX2__)
     __m256 facc[KQ_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
@@ -310,12 +381,13 @@ static void q4k_row(kq_row_t row, int64_t NB, const int8_t *xq, const float *xd,
 #endif
 }
 
-/* Bytes of scratch q6k_gemm and q4k_gemm need for M rows of K. */
+/* Bytes of scratch q6k_gemm and q4k_gemm need for M rows of K: xq, xd, bsum, xmin (kq_acts_t). */
 int64_t kquant_scratch_bytes(int64_t M, int64_t K) {
-    return M * K + M * (K / KQ_BLOCK) * (int64_t)sizeof(float) + M * (K / 16) * (int64_t)sizeof(int16_t) + 64;
+    return M * K + M * (K / KQ_BLOCK) * (int64_t)sizeof(float) + M * (K / 16) * (int64_t)sizeof(int16_t) +
+           M * (K / 32) * (int64_t)sizeof(float) + 64;
 }
 
-typedef void (*kq_row_fn)(kq_row_t, int64_t, const int8_t *, const float *, const int16_t *, int64_t, int64_t, float *);
+typedef void (*kq_row_fn)(kq_row_t, int64_t, const kq_acts_t *, float *);
 
 /* The shared driver: quantize x's rows, then every weight row against them. Per weight row the
  * kind stores code_bytes * NB code bytes, scale_bytes * NB scale bytes and floats * NB floats. */
@@ -327,13 +399,16 @@ static int kquant_gemm(kq_row_fn row_fn, int64_t code_bytes, int64_t scale_bytes
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(((uintptr_t)(xq + M * K) + 15) & ~(uintptr_t)15);
     int16_t *bsum = (int16_t *)(xd + M * NB);
-    for (int64_t m = 0; m < M; m++) quantize_row(x, is_bf16, m, K, xq + m * K, xd + m * NB, bsum + m * (K / 16));
+    float *xmin = (float *)(bsum + M * (K / 16)); /* K / 16 is even: 4-byte aligned */
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x, is_bf16, m, K, xq + m * K, xd + m * NB, bsum + m * (K / 16), xmin + m * (K / 32));
+    const kq_acts_t acts = {xq, xd, bsum, xmin, M, K};
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float sums[KQ_MAX_ROWS];
         const kq_row_t row = {codes + n * NB * code_bytes, (const uint8_t *)scales + n * NB * scale_bytes,
                               d + n * NB * floats};
-        row_fn(row, NB, xq, xd, bsum, M, K, sums);
+        row_fn(row, NB, &acts, sums);
         store_column(out, N, n, sums, M, is_bf16);
     }
     return 0;

@@ -605,6 +605,16 @@ class _KQuantMethod(_WeightOnlyMethod):
                                                      ws.get("weight", (n, k), torch.int8), columns)
         return kernels.int8_matmul(x, wq, row_scales, ws.get("products", (x.shape[0], n), torch.int32), columns)
 
+    def kernel_operand(self, layer):
+        """Up to `small_batch_max` rows, as `apply` routes them: past that the C step declines."""
+        if self.config.dtype != torch.bfloat16 or not kernels.kquant_matmuls():
+            return None
+        n = layer.d.shape[0]
+        kind = kernels.LINEAR_Q4K if self.name == "q4_k" else kernels.LINEAR_Q6K
+        return kernels.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=layer.scales.data_ptr(),
+                                     zeros=layer.d.data_ptr(), n_pad=n, n=n, k=layer.scales.shape[1] * 16,
+                                     max_rows=self.config.small_batch_max)
+
     def describe(self, layer):
         return f"{self.name} (int8 activations)"
 

@@ -4,8 +4,8 @@ Why: at one to a few decode rows, the module path's ~20 operators and kernel cal
 cost more in dispatch than their arithmetic (SmolLM2-135M: ~600 calls a token, of a few
 microseconds each, against ~3 ms of weight reads). The C step runs the same kernels in the
 same order with the same bfloat16 roundings, so it is a faster route to the same result,
-taken only where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host, int4 or
-int8-group projections, the paged backend's bfloat16 cache, decode-only steps. Everything
+taken only where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host, int4,
+int8-group or Q4_K/Q6_K projections, the paged backend's bfloat16 cache, decode-only steps. Everything
 else (prefill, mixed steps, other weight formats, int8 caches) runs the modules.
 """
 from __future__ import annotations
@@ -30,10 +30,11 @@ class FusedDecode:
     """The weights' addresses, laid out once as decode_step.c reads them; `run` per step."""
 
     def __init__(self, model: "LlamaForCausalLM", layers: "ctypes.Array[kernels.DecodeLayer]",
-                 dims: kernels.DecodeDims) -> None:
+                 dims: kernels.DecodeDims, max_rows: int = MAX_ROWS) -> None:
         self.model = model
         self.layers = layers
         self.dims = dims
+        self.max_rows = max_rows  # past it some projection's module path multiplies another way
         self._caches: Optional[tuple[int, ...]] = None  # the cache addresses `layers` holds
         self._workspace = torch.empty(0, dtype=torch.uint8)
 
@@ -45,7 +46,7 @@ class FusedDecode:
             return None
         if c.hidden_size > kernels.MAX_NORM_HIDDEN or c.head_dim > kernels.MAX_HEAD_DIM or c.head_dim % 32:
             return None
-        rows = []
+        rows, max_rows = [], MAX_ROWS
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.attn.sliding_window is not None or mlp.activation != "silu":
@@ -56,18 +57,19 @@ class FusedDecode:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(op is None for op in ops) or any(w.dtype != torch.bfloat16 for w in norms):
                 return None
+            max_rows = min([max_rows] + [op.max_rows for op in ops if op.max_rows])
             rows.append(kernels.DecodeLayer(norms[0].data_ptr(), norms[1].data_ptr(), *ops, None))
         if model.model.norm.weight.dtype != torch.bfloat16:
             return None
         dims = kernels.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                   head_dim=c.head_dim, intermediate=c.intermediate_size,
                                   eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.attn.scale)
-        return cls(model, (kernels.DecodeLayer * len(rows))(*rows), dims)
+        return cls(model, (kernels.DecodeLayer * len(rows))(*rows), dims, max_rows)
 
     def applies(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step is one the C step takes: decode rows only, few enough, every layer
         reading the same tables, a cache the backend lets C write and read."""
-        return (meta.num_decodes == meta.num_reqs and 0 < meta.num_reqs <= MAX_ROWS and meta.layers is None
+        return (meta.num_decodes == meta.num_reqs and 0 < meta.num_reqs <= self.max_rows and meta.layers is None
                 and input_ids.is_cpu and meta.backend.decode_in_c(self.dims.num_heads, kv_caches[0]))
 
     def _bind_caches(self, kv_caches: list[Tensor]) -> None:
