@@ -18,9 +18,9 @@
  *
  * The activations are quantized per row and per 256 values, as llama.cpp's Q8_K does: xq =
  * round(x * (127 / amax)), xd = amax / 127, and the sum of each 16 xq kept (bsum). Then per
- * super-block, exactly in integers, the codes' dot products per sub-block (block_dot: vpdpbusd's
- * sums of four u8 x s8 products with AVX512-VNNI, else pmaddubsw's pairs), times the sub-block's
- * scale summed to int32 (vpdpwssd, or pmaddwd); Q6_K's offset term (32 * sc_g * bsum_g) in the
+ * super-block, exactly in integers, the codes' dot products per sub-block (block_dot: u8 x s8
+ * pairs summed to int16 by pmaddubsw), times the sub-block's scale summed to int32 (pmaddwd, or
+ * vpdpwssd with AVX512-VNNI); Q6_K's offset term (32 * sc_g * bsum_g) in the
  * same integers, Q4_K's minimums (dmin * mn_g * xd * bsum over 32) in float; one float multiply
  * per super-block by d * xd. Rows are split across torch's OpenMP threads; each weight
  * super-block is unpacked once for all M activation rows. AVX2 hosts take 32 codes at a time;
@@ -120,47 +120,24 @@ static inline __m512i madd_acc(__m512i acc, __m512i p, __m512i s) {
 }
 
 /* A super-block's 256 codes (four registers of 64) against its 256 activations, each code's
- * product weighted by its sub-block's scale, summed to int32 lanes. With VNNI, vpdpbusd sums
- * four code x activation products to an int32 lane (at most 4 * 63 * 127, so int16 holds it),
- * two such registers are packed to int16 and one vpdpwssd applies the scales: six multiplies a
- * super-block. Without, pmaddubsw sums pairs to int16 and pmaddwd applies the scales: eight.
- * The multiplies are what a few-row step (verification, small batches) spends its time on. */
-#if defined(__AVX512VNNI__)
-#define KQ_SCALE_VECS 2
-#else
-#define KQ_SCALE_VECS 4
-#endif
-static inline __m512i block_dot(const __m512i q[4], const int8_t *xb, const __m512i s[KQ_SCALE_VECS], __m512i acc) {
-#if defined(__AVX512VNNI__)
-    const __m512i zero = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++) {
-        const __m512i a = _mm512_dpbusd_epi32(zero, q[2 * h], _mm512_loadu_si512((const void *)(xb + 128 * h)));
-        const __m512i b = _mm512_dpbusd_epi32(zero, q[2 * h + 1], _mm512_loadu_si512((const void *)(xb + 128 * h + 64)));
-        acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(a, b), s[h]);
-    }
-#else
+ * product weighted by its sub-block's scale, summed to int32 lanes: pmaddubsw sums code x
+ * activation pairs to int16 (at most 2 * 63 * 127), vpdpwssd (or pmaddwd) applies the scales.
+ * (vpdpbusd's sums of four, packed to int16 for one vpdpwssd per two registers, has two fewer
+ * multiplies but measured 3-5 % slower on the 2-vCPU AMD EPYC hosts at 1 and 5 rows:
+ * benchmarks/kquant_ab.py.) */
+static inline __m512i block_dot(const __m512i q[4], const int8_t *xb, const __m512i s[4], __m512i acc) {
     for (int c = 0; c < 4; c++)
         acc = madd_acc(acc, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512((const void *)(xb + 64 * c))), s[c]);
-#endif
     return acc;
 }
 
 /* Which of a super-block's 16 int16 scales (sub-blocks of `group` codes) each int16 lane of
- * block_dot's scale registers takes: for pmaddubsw's pairs, lane i of register c holds codes
- * 64c + 2i, +1; for the packed vpdpbusd sums, lane i of register h holds the four codes of int32
- * lane 4 (i / 8) + i % 4 of chunk 2h + (i % 8) / 4 (packs interleave per 128 bits). */
-static void scale_picks(int group, __m512i pick[KQ_SCALE_VECS]) {
+ * block_dot's scale registers takes: lane i of register c holds codes 64c + 2i and 64c + 2i + 1. */
+static void scale_picks(int group, __m512i pick[4]) {
     int16_t idx[32];
-    for (int v = 0; v < KQ_SCALE_VECS; v++) {
-        for (int i = 0; i < 32; i++) {
-#if defined(__AVX512VNNI__)
-            const int chunk = 2 * v + (i % 8) / 4, lane = 4 * (i / 8) + i % 4;
-            idx[i] = (int16_t)((64 * chunk + 4 * lane) / group);
-#else
-            idx[i] = (int16_t)((64 * v + 2 * i) / group);
-#endif
-        }
-        pick[v] = _mm512_loadu_si512((const void *)idx);
+    for (int c = 0; c < 4; c++) {
+        for (int i = 0; i < 32; i++) idx[i] = (int16_t)((64 * c + 2 * i) / group);
+        pick[c] = _mm512_loadu_si512((const void *)idx);
     }
 }
 #endif
@@ -185,7 +162,7 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     __m512 facc[KQ_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-    __m512i pick[KQ_SCALE_VECS];
+    __m512i pick[4];
     scale_picks(16, pick);
     for (int64_t b = 0; b < NB; b++) {
         const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
@@ -202,8 +179,8 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
         q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), low2), 4));
         const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sc + b * 16))));
-        __m512i s[KQ_SCALE_VECS];
-        for (int v = 0; v < KQ_SCALE_VECS; v++) s[v] = _mm512_permutexvar_epi16(pick[v], s16);
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
         /* the -32 of every code as -32 * sc_g per bsum_g: one more pair product a row */
         const __m512i offset = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(s16, 5));
         const __m512 dv = _mm512_set1_ps(d[b]);
@@ -292,7 +269,7 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     __m256 fmin[KQ_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps(), fmin[m] = _mm256_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512i pick[KQ_SCALE_VECS];
+    __m512i pick[4];
     scale_picks(32, pick);
     for (int64_t b = 0; b < NB; b++) {
         const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
@@ -306,8 +283,8 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
         q[2] = _mm512_and_si512(ql1, low4);
         q[3] = _mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4);
         const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sm + b * 16))));
-        __m512i s[KQ_SCALE_VECS];
-        for (int v = 0; v < KQ_SCALE_VECS; v++) s[v] = _mm512_permutexvar_epi16(pick[v], s16);
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
         /* dmin * mn_g, the weight's side of the minimum term; xmin holds the activations' */
         const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + b * 16 + 8)))),
                                           _mm256_set1_ps(d[2 * b + 1]));
