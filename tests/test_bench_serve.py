@@ -339,6 +339,13 @@ def test_serve_command_writes_json_and_plots(server, tmp_path, capsys):
     assert run_cli(["report", str(out), "--output", str(md), "--plot", str(tmp_path / "cmp.png")]) == 0
     table = md.read_text()
     assert "| fake | random | c=2 |" in table and (tmp_path / "cmp.png").exists()
+    # runs of two models in one table (benchmarks/peer_table.sh): the workload cell names the model
+    other = json.loads(out.read_text())
+    other["config"]["model"] = "other"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert run_cli(["report", str(out), str(tmp_path / "other.json"), "--output", str(md)]) == 0
+    table = md.read_text()
+    assert "| fake | fake random | c=2 |" in table and "| fake | other random | c=1 |" in table
 
 
 @pytest.mark.parametrize("fallback", [None, "small"])

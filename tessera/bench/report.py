@@ -56,15 +56,23 @@ def _load_key(run: dict[str, Any]) -> tuple[str, float]:
 
 
 def serve_table(docs: list[dict[str, Any]]) -> str:
+    """One row per run. Where the runs span several models (benchmarks/peer_table.sh's one table),
+    the workload cell names the model too: a server's label alone would not say which."""
+    models = {doc["config"].get("model", "?") for doc in docs}
+
+    def workload(doc: dict[str, Any]) -> str:
+        return f"{doc['config'].get('model', '?')} {_workload(doc)}" if len(models) > 1 else _workload(doc)
+
     head = ("| server | workload | load | output tok/s | req/s | TTFT p50 (s) | TTFT p95 (s) | ITL p50 (ms) "
             "| ITL p95 (ms) | TPOT p50 (ms) | e2e p95 (s) | goodput | failed |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     rows = [(doc, run) for doc in docs for run in doc["runs"]]
-    rows.sort(key=lambda dr: (_label(dr[0]), _workload(dr[0]), _load_key(dr[1])))
+    rows.sort(key=lambda dr: (workload(dr[0]), _label(dr[0]), _load_key(dr[1])) if len(models) > 1
+              else (_label(dr[0]), _workload(dr[0]), _load_key(dr[1])))
     for doc, run in rows:
         s = run["summary"]
         lines.append(
-            f"| {_label(doc)} | {_workload(doc)} | {run['load']['name']} "
+            f"| {_label(doc)} | {workload(doc)} | {run['load']['name']} "
             f"| {s['output_tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | {_s(s['ttft_s']['p50'])} "
             f"| {_s(s['ttft_s']['p95'])} | {_ms(s['itl_s']['p50'])} | {_ms(s['itl_s']['p95'])} "
             f"| {_ms(s['tpot_s']['p50'])} | {_s(s['e2e_s']['p95'])} | {s['goodput']:.0%} | {s['failed']} |")
