@@ -58,8 +58,13 @@ def one_pass(lib: ctypes.CDLL, layers: list, xs: dict, outs: dict) -> float:
         x = xs[layer.scales.shape[1] * 16]
         m, k = x.shape
         n = layer.d.shape[0]
-        scratch = outs.setdefault(("scratch", id(lib), m, k), torch.empty(lib.kquant_scratch_bytes(m, k), dtype=torch.uint8))
-        out = outs.setdefault((name, m), torch.empty(m, n, dtype=torch.bfloat16))
+        # buffers made on the warm-up pass, not in the timed ones
+        skey, okey = ("scratch", id(lib), m, k), (name, m)
+        if skey not in outs:
+            outs[skey] = torch.empty(lib.kquant_scratch_bytes(m, k), dtype=torch.uint8)
+        if okey not in outs:
+            outs[okey] = torch.empty(m, n, dtype=torch.bfloat16)
+        scratch, out = outs[skey], outs[okey]
         fn = lib.q4k_gemm if kind == "q4_k" else lib.q6k_gemm
         if fn(x.data_ptr(), layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.d.data_ptr(), out.data_ptr(),
               m, n, k, 1, scratch.data_ptr()) != 0:
