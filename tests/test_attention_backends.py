@@ -120,3 +120,65 @@ def test_paged_kernel_reads_row_strided_queries(dtype, atol):
     want = kernels.paged_decode_attention(q.contiguous(), cache, table, torch.tensor(lens), max(lens), 0.125, None)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+needs_bf16_kernel = pytest.mark.skipif(kernels.available() is not None or not kernels.bf16_matmuls(),
+                                       reason="the prefill kernel needs AVX512-BF16")
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("hq, hkv, d, bs", [(9, 3, 64, 16), (12, 2, 128, 16), (4, 1, 256, 32), (8, 8, 32, 16),
+                                            (16, 1, 64, 64)])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("qlens, seq", [
+    ([1, 1, 250, 37, 1], [30, 90, 250, 37, 1]),  # decodes, fresh prompts (tiles of 16, blocks of 64 keys)
+    ([77, 3, 130], [177, 8, 130]),  # chunks over cached context beside a fresh prompt
+    ([64], [64]), ([65], [129]),  # block edges
+])
+def test_prefill_kernel_matches_reference(hq, hkv, d, bs, window, qlens, seq):
+    """The paged backend's prefill rows (prefill_attention.c: its key tiles and value pairs, the
+    causal and window masks where a block of 64 keys crosses them, the online softmax, query tiles
+    of 16 rows times the group's heads in groups of 4, 2 or 1) against the float32 loop."""
+    cache, tables, _, _, _ = _case(torch.bfloat16, hq=hq, hkv=hkv, d=d, bs=bs, lens=tuple(seq))
+    gen = torch.Generator().manual_seed(3)
+    t = sum(qlens)
+    fused = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(torch.bfloat16)  # as qkv_proj's output
+    q, k, v = fused[:, :hq], fused[:, hq:hq + hkv], fused[:, hq + hkv:]
+    outs = []
+    for backend in (get_backend("paged"), ReferenceBackend()):
+        c = cache.clone()
+        meta = backend.build_metadata(qlens, seq, tables, bs)
+        outs.append(backend.forward(q, k, v, c, meta, d ** -0.5, window).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=0)
+
+
+@needs_bf16_kernel
+def test_prefill_kernel_reads_nothing_before_the_window():
+    """A sliding-window layer may have handed the blocks behind its window to other requests: the
+    kernel's copies start at the window (zeros before it), so whatever those blocks hold (here NaN)
+    never reaches a query."""
+    bs, window, seq, qlen = 16, 24, 200, 5
+    cache, tables, _, _, _ = _case(torch.bfloat16, lens=(seq,), bs=bs)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(qlen, h, 64, generator=gen).to(torch.bfloat16) for h in (6, 2, 2))
+    stale = tables[0][:(seq - qlen - window + 1) // bs]  # wholly before the first query's window
+    poisoned = cache.clone()
+    poisoned[:, :, stale] = float("nan")
+    backend = get_backend("paged")
+    got = backend.forward(q, k, v, poisoned, backend.build_metadata([qlen], [seq], tables, bs), 0.125, window)
+    ref = ReferenceBackend()
+    want = ref.forward(q, k, v, cache.clone(), ref.build_metadata([qlen], [seq], tables, bs), 0.125, window)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+@needs_bf16_kernel
+def test_prefill_plan_must_cover_the_queries():
+    cache, tables, _, _, _ = _case(torch.bfloat16, lens=(20,))
+    table = torch.tensor([tables[0]])
+    plan = kernels.PrefillPlan.build([0, 20], [20], table, 2, 64, None)
+    with pytest.raises(ValueError, match="covers 20 rows"):
+        kernels.paged_prefill_attention(torch.zeros(19, 6, 64, dtype=torch.bfloat16), cache, plan, 0.125)
+    with pytest.raises(kernels.KernelUnavailable, match="head_dim 48"):
+        kernels.paged_prefill_attention(torch.zeros(20, 6, 48, dtype=torch.bfloat16),
+                                        torch.zeros(2, 2, 4, 16, 48, dtype=torch.bfloat16), plan, 0.125)

@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c", "kquant_gemm.c",
+SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c", "kquant_gemm.c",
            "decode_step.c")
 HEADERS = ("bf16.h", "softmax.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
@@ -101,6 +101,11 @@ def load() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     f.argtypes = [p, i64, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f.restype = None
+    pf = lib.paged_prefill_attention_bf16
+    pf.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+    pf.restype = ctypes.c_int
+    lib.prefill_attention_scratch_bytes.argtypes = [p, p, i64, i64, i64, i64]
+    lib.prefill_attention_scratch_bytes.restype = i64
     w8 = lib.kv_write_int8
     w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, ctypes.c_int, p, p, p, i64, p, p]
     w8.restype = ctypes.c_int
@@ -346,6 +351,66 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, kv_cache.shape[2], kv_cache.shape[3], tables.shape[1],
         scale, window or 0, scratch.data_ptr(), max_len)
+    return out
+
+
+PREFILL_MAX_HEAD_DIM = 256
+
+
+def prefill_supported(num_heads: int, kv_cache: torch.Tensor) -> bool:
+    """Whether `paged_prefill_attention` takes this cache and head count: bfloat16 [2, Hkv, blocks,
+    block_size, D] with D a multiple of 32 up to 256 and at most MAX_GROUP query heads per KV head
+    (the kernel itself also needs AVX512-BF16, and says so by raising KernelUnavailable)."""
+    if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 5:
+        return False
+    hkv, d = kv_cache.shape[1], kv_cache.shape[4]
+    return d % 32 == 0 and d <= PREFILL_MAX_HEAD_DIM and num_heads % hkv == 0 and num_heads // hkv <= MAX_GROUP
+
+
+class PrefillPlan(NamedTuple):
+    """A step's prefill requests as `paged_prefill_attention` reads them, built once per step and
+    shared by its layers: row offsets [B + 1] (from the first prefill row), context lengths [B],
+    block tables [B, max_blocks] (all int64) and the scratch for the keys' and values' copies."""
+
+    q_start: torch.Tensor
+    seq_lens: torch.Tensor
+    tables: torch.Tensor
+    window: int
+    scratch: torch.Tensor
+
+    @classmethod
+    def build(cls, q_start: list[int], seq_lens: list[int], tables: torch.Tensor, num_kv_heads: int,
+              head_dim: int, window: Optional[int]) -> "PrefillPlan":
+        starts = torch.tensor(q_start, dtype=torch.long)
+        lens = torch.tensor(seq_lens, dtype=torch.long)
+        nbytes = load().prefill_attention_scratch_bytes(starts.data_ptr(), lens.data_ptr(), len(seq_lens),
+                                                        num_kv_heads, head_dim, window or 0)
+        return cls(starts, lens, tables.contiguous(), window or 0, torch.empty(nbytes, dtype=torch.uint8))
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan, scale: float,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of prefill rows q [T, Hq, D] (bfloat16; a row-strided view is read in
+    place) over their requests' cached context, the step's own keys and values already written
+    (prefill_attention.c) -> [T, Hq, D] bfloat16, into `out` (contiguous) if given. Row i of
+    request b sits at position seq_lens[b] - (its row count) + i."""
+    lib = load()
+    t, hq, d = q.shape
+    hkv = kv_cache.shape[1]
+    if not prefill_supported(hq, kv_cache) or q.dtype != torch.bfloat16:
+        raise KernelUnavailable(f"unsupported prefill attention (head_dim {d}, group {hq // max(hkv, 1)}, "
+                                f"{kv_cache.dtype} cache, {q.dtype} queries)")
+    q = _rows(q)
+    if out is None:
+        out = torch.empty(t, hq, d, dtype=torch.bfloat16)
+    assert out.is_contiguous() and out.shape == (t, hq, d) and out.dtype == torch.bfloat16
+    if int(plan.q_start[-1]) != t:
+        raise ValueError(f"the plan covers {int(plan.q_start[-1])} rows, the queries {t}")
+    if lib.paged_prefill_attention_bf16(
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), plan.tables.data_ptr(), plan.tables.shape[1],
+            plan.q_start.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(), len(plan.seq_lens), hq, hkv, d,
+            kv_cache.shape[2], kv_cache.shape[3], scale, plan.window, plan.scratch.data_ptr()) != 0:
+        raise KernelUnavailable("paged_prefill_attention needs AVX512-BF16 on the build machine")
     return out
 
 
