@@ -182,3 +182,41 @@ def test_prefill_plan_must_cover_the_queries():
     with pytest.raises(kernels.KernelUnavailable, match="head_dim 48"):
         kernels.paged_prefill_attention(torch.zeros(20, 6, 48, dtype=torch.bfloat16),
                                         torch.zeros(2, 2, 4, 16, 48, dtype=torch.bfloat16), plan, 0.125)
+
+
+def test_paged_backend_prefills_through_sdpa_without_the_kernel(monkeypatch):
+    """Where the prefill kernel cannot run (a build without AVX512-BF16 says so on its first call),
+    the paged backend computes prefill rows on sdpa's path from then on, with the same result."""
+    calls = []
+
+    def unavailable(*args, **kwargs):
+        calls.append(1)
+        raise kernels.KernelUnavailable("paged_prefill_attention needs AVX512-BF16 on the build machine")
+
+    monkeypatch.setattr(kernels, "paged_prefill_attention", unavailable)
+    qlens, seq = [1, 12, 4], [40, 12, 20]
+    cache, tables, _, _, _ = _case(torch.bfloat16, lens=tuple(seq))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(qlens), h, 64, generator=gen).to(torch.bfloat16) for h in (6, 2, 2))
+    backend, ref = get_backend("paged"), ReferenceBackend()
+    for _ in range(2):
+        got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(qlens, seq, tables, 16), 0.125, None)
+        want = ref.forward(q, k, v, cache.clone(), ref.build_metadata(qlens, seq, tables, 16), 0.125, None)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    assert calls == [1]  # asked once, then never again
+
+
+def test_paged_backend_prefills_through_sdpa_past_the_scratch_limit(monkeypatch):
+    """A step whose contexts would need more than PREFILL_SCRATCH_MAX_BYTES of key and value copies
+    takes sdpa's path for that step (the kernel stays on for the next)."""
+    monkeypatch.setattr(kernels, "PREFILL_SCRATCH_MAX_BYTES", 1024)
+    assert kernels.PrefillPlan.build([0, 12], [40], torch.zeros(1, 3, dtype=torch.long), 2, 64, None) is None
+    qlens, seq = [12, 4], [12, 40]
+    cache, tables, _, _, _ = _case(torch.bfloat16, lens=tuple(seq))
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(sum(qlens), h, 64, generator=gen).to(torch.bfloat16) for h in (6, 2, 2))
+    backend, ref = get_backend("paged"), ReferenceBackend()
+    got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(qlens, seq, tables, 16), 0.125, None)
+    want = ref.forward(q, k, v, cache.clone(), ref.build_metadata(qlens, seq, tables, 16), 0.125, None)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    assert backend._prefill_c

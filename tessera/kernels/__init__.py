@@ -355,6 +355,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
 
 PREFILL_MAX_HEAD_DIM = 256
+# The prefill kernel's copies of a step's keys and values: 64 MiB holds 32k tokens of context for
+# 2 KV heads of 128 (qwen2.5-coder-1.5b) or 64k for SmolLM2's 3 of 64.
+PREFILL_SCRATCH_MAX_BYTES = 64 << 20
 
 
 def prefill_supported(num_heads: int, kv_cache: torch.Tensor) -> bool:
@@ -380,11 +383,16 @@ class PrefillPlan(NamedTuple):
 
     @classmethod
     def build(cls, q_start: list[int], seq_lens: list[int], tables: torch.Tensor, num_kv_heads: int,
-              head_dim: int, window: Optional[int]) -> "PrefillPlan":
+              head_dim: int, window: Optional[int]) -> Optional["PrefillPlan"]:
+        """The plan, or None where its scratch (4 bytes a key, head dimension and KV head of every
+        request's context) would pass PREFILL_SCRATCH_MAX_BYTES: such a step's long contexts go
+        through PyTorch instead of doubling their memory for a step."""
         starts = torch.tensor(q_start, dtype=torch.long)
         lens = torch.tensor(seq_lens, dtype=torch.long)
         nbytes = load().prefill_attention_scratch_bytes(starts.data_ptr(), lens.data_ptr(), len(seq_lens),
                                                         num_kv_heads, head_dim, window or 0)
+        if nbytes > PREFILL_SCRATCH_MAX_BYTES:
+            return None
         return cls(starts, lens, tables.contiguous(), window or 0, torch.empty(nbytes, dtype=torch.uint8))
 
 
