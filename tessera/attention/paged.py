@@ -7,7 +7,7 @@ context) and then runs batched matmuls over the padded result. Here each
 on torch's OpenMP threads (tessera/kernels/paged_attention.c): no gathered
 copy, no padding, no mask. Prefill rows of a bfloat16 cache go to
 tessera/kernels/prefill_attention.c the same way, first chunks and later ones
-alike (2.2-3.5x SDPA's causal kernel on SmolLM2-135M's and Qwen2.5's heads,
+alike (2.6-3.4x SDPA's causal kernel on SmolLM2-135M's and Qwen2.5's heads,
 which also left a chunk with cached context a gathered, padded, masked call);
 an int8 cache's prefills take `sdpa`'s path.
 """
