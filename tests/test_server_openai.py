@@ -250,7 +250,9 @@ def test_flood_sees_429_then_recovers(server):
     async def flood() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as c:
-            body = {"model": MODEL, "prompt": "Count from one to twenty:", "max_tokens": 24, "ignore_eos": True}
+            # Long enough that no admitted request finishes while the flood is still arriving (with 24
+            # tokens, a server whose prompts attend in C drained enough of it to pass only 14 429s).
+            body = {"model": MODEL, "prompt": "Count from one to twenty:", "max_tokens": 128, "ignore_eos": True}
             return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(60)))
 
     responses = asyncio.run(flood())

@@ -9,6 +9,7 @@
  * two codes per lane.)
  */
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -166,6 +167,7 @@ int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz,
 #define HAVE_INT4_I8 1
 #define I8_MB 6
 #define I8_CHUNK 96 /* a multiple of I8_MB */
+#define I8_UNPACK_ROWS 12 /* more rows than this: codes unpacked once per chunk and half tile */
 #endif
 
 int tessera_int4_i8(void) {
@@ -204,9 +206,9 @@ static void quantize_row_g32(const uint16_t *x, int64_t K, int8_t *xq, float *dx
  * tile's bytes are loaded once; NH = 1 for more rows, the registers holding six rows' sums). NM and
  * NH are constants after inlining, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void int4_i8_block(
-    const int NM, const int NH, const uint8_t *tile, const uint16_t *sz, const __m512i perm[2], int h0,
-    const int8_t *xq, const float *dx, const float *sx, const float *sx8, int64_t m0, int64_t K, int64_t N_pad,
-    uint16_t *out, int64_t N_out, int64_t row0) {
+    const int NM, const int NH, const uint8_t *tile, const __m512i *unpacked, const uint16_t *sz,
+    const __m512i perm[2], int h0, const int8_t *xq, const float *dx, const float *sx, const float *sx8, int64_t m0,
+    int64_t K, int64_t N_pad, uint16_t *out, int64_t N_out, int64_t row0) {
     const int64_t G = K / 32;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
@@ -220,13 +222,18 @@ static inline __attribute__((always_inline)) void int4_i8_block(
             for (int r = 0; r < NM; r++) a[v][r] = _mm512_setzero_si512();
         const uint8_t *col = tile + g * 32 * 32;
         for (int kk = 0; kk < 32; kk += 4) {
-            const __m512i lo = _mm512_loadu_si512((const void *)(col + kk * 32));
-            const __m512i hi = _mm512_loadu_si512((const void *)(col + kk * 32 + 64));
             __m512i w[4];
-            for (int hh = 0; hh < NH; hh++) {
-                const __m512i p = _mm512_permutex2var_epi8(lo, perm[h0 + hh], hi);
-                w[2 * hh] = _mm512_and_si512(p, low4);
-                w[2 * hh + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+            if (unpacked) { /* one half tile's codes, regrouped and split once for a chunk of rows */
+                w[0] = _mm512_load_si512((const void *)(unpacked + 2 * (g * 8 + kk / 4)));
+                w[1] = _mm512_load_si512((const void *)(unpacked + 2 * (g * 8 + kk / 4) + 1));
+            } else {
+                const __m512i lo = _mm512_loadu_si512((const void *)(col + kk * 32));
+                const __m512i hi = _mm512_loadu_si512((const void *)(col + kk * 32 + 64));
+                for (int hh = 0; hh < NH; hh++) {
+                    const __m512i p = _mm512_permutex2var_epi8(lo, perm[h0 + hh], hi);
+                    w[2 * hh] = _mm512_and_si512(p, low4);
+                    w[2 * hh + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+                }
             }
             for (int r = 0; r < NM; r++) {
                 int32_t quad;
@@ -277,27 +284,52 @@ int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, u
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             if (M == 1)
-                int4_i8_block(1, 2, packed + t * K * 32, sz, perm, 0, xq, dx, sx, sx8, 0, K, N_pad, out, N_out, t * 64);
+                int4_i8_block(1, 2, packed + t * K * 32, NULL, sz, perm, 0, xq, dx, sx, sx8, 0, K, N_pad, out, N_out,
+                              t * 64);
             else
-                int4_i8_block(2, 2, packed + t * K * 32, sz, perm, 0, xq, dx, sx, sx8, 0, K, N_pad, out, N_out, t * 64);
+                int4_i8_block(2, 2, packed + t * K * 32, NULL, sz, perm, 0, xq, dx, sx, sx8, 0, K, N_pad, out, N_out,
+                              t * 64);
         }
         return 0;
     }
     /* half tiles, rows in chunks of I8_CHUNK (their int8 copies stay in L2 while every half tile
-     * passes over them), blocks of I8_MB rows */
-    for (int64_t c0 = 0; c0 < M; c0 += I8_CHUNK) {
-        const int64_t end = c0 + I8_CHUNK < M ? c0 + I8_CHUNK : M;
-#pragma omp parallel for schedule(static)
-        for (int64_t th = 0; th < tiles * 2; th++) {
-            const int64_t t = th / 2;
-            const int h = (int)(th % 2);
-            for (int64_t m0 = c0; m0 < end; m0 += I8_MB) {
-                const int nm = (int)(end - m0 < I8_MB ? end - m0 : I8_MB);
-#define I8_CASE(n) case n: int4_i8_block(n, 1, packed + t * K * 32, sz, perm, h, xq, dx, sx, sx8, m0, K, N_pad, out, N_out, t * 64); break;
-                switch (nm) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) }
+     * passes over them), blocks of I8_MB rows. Past I8_UNPACK_ROWS rows a half tile's codes are
+     * regrouped and split into bytes once per chunk (K / 4 pairs of vectors, 32 bytes a k) rather
+     * than once per block: the blocks then run dot products and loads alone. */
+    const int unpack = M > I8_UNPACK_ROWS;
+#pragma omp parallel
+    {
+        /* without the buffer (allocation failed) a thread unpacks per block, as for few rows */
+        __m512i *w8 = unpack ? (__m512i *)aligned_alloc(64, (size_t)K * 32) : NULL;
+        for (int64_t c0 = 0; c0 < M; c0 += I8_CHUNK) {
+            const int64_t end = c0 + I8_CHUNK < M ? c0 + I8_CHUNK : M;
+#pragma omp for schedule(static)
+            for (int64_t th = 0; th < tiles * 2; th++) {
+                const int64_t t = th / 2;
+                const int h = (int)(th % 2);
+                const uint8_t *tile = packed + t * K * 32;
+                if (w8) {
+                    const __m512i low4 = _mm512_set1_epi8(0x0F);
+                    for (int64_t q = 0; q < K / 4; q++) {
+                        const __m512i p = _mm512_permutex2var_epi8(
+                            _mm512_loadu_si512((const void *)(tile + q * 128)), perm[h],
+                            _mm512_loadu_si512((const void *)(tile + q * 128 + 64)));
+                        _mm512_store_si512((void *)(w8 + 2 * q), _mm512_and_si512(p, low4));
+                        _mm512_store_si512((void *)(w8 + 2 * q + 1), _mm512_and_si512(_mm512_srli_epi16(p, 4), low4));
+                    }
+                }
+                for (int64_t m0 = c0; m0 < end; m0 += I8_MB) {
+                    const int nm = (int)(end - m0 < I8_MB ? end - m0 : I8_MB);
+#define I8_CASE(n) case n: \
+    if (w8) int4_i8_block(n, 1, tile, w8, sz, perm, h, xq, dx, sx, sx8, m0, K, N_pad, out, N_out, t * 64); \
+    else int4_i8_block(n, 1, tile, NULL, sz, perm, h, xq, dx, sx, sx8, m0, K, N_pad, out, N_out, t * 64); \
+    break;
+                    switch (nm) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) }
 #undef I8_CASE
+                }
             }
         }
+        free(w8);
     }
     return 0;
 #else
