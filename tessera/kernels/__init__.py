@@ -27,8 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c", "int4_avx2.c", "kquant_gemm.c",
-           "decode_step.c")
+SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c",
+           "int4_avx2.c", "kquant_gemm.c", "decode_step.c")
 HEADERS = ("bf16.h", "softmax.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 MAX_HEAD_DIM = 512
