@@ -50,6 +50,12 @@ static int64_t padded_keys(int64_t seq_len, int64_t qlen, int64_t window) {
     return (n + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
 }
 
+/* A request's place in the step: its scratch offset (in pairs), its first key-block and query-tile
+ * items of the two flattened loops, its first copied key and its copied keys (whole blocks). */
+typedef struct {
+    int64_t off, first_block, first_tile, kbase, keys;
+} req_t;
+
 /* Scratch bytes for the step: each request's transposed keys and paired values, per KV head. */
 int64_t prefill_attention_scratch_bytes(const int64_t *q_start, const int64_t *seq_lens, int64_t B, int64_t Hkv,
                                         int64_t D, int64_t window) {
@@ -195,39 +201,35 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
     if (D % 32 || D > PF_MAX_D || G > PF_MAX_G || G * Hkv != Hq) return -1;
     const int NC = (int)(D / 16);
     const int64_t plane = num_blocks * block_size;
-    /* Per request: its scratch offset (in pairs), first transposed key, and counts of key blocks
-     * and query tiles, for the two flattened loops. */
-    int64_t *info = (int64_t *)malloc(sizeof(int64_t) * 4 * (B + 1));
+    /* Per request, for the two flattened loops (entry B closes the item counts). */
+    req_t *info = (req_t *)malloc(sizeof(req_t) * (B + 1));
     if (!info) return -1;
     int64_t off = 0, nblocks = 0, ntiles = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t qlen = q_start[b + 1] - q_start[b];
         const int64_t keys = padded_keys(seq_lens[b], qlen, window);
-        info[4 * b] = off;
-        info[4 * b + 1] = nblocks;
-        info[4 * b + 2] = ntiles;
-        info[4 * b + 3] = first_key(seq_lens[b], qlen, window);
+        info[b] = (req_t){off, nblocks, ntiles, first_key(seq_lens[b], qlen, window), keys};
         off += 2 * Hkv * keys * D / 2;
         nblocks += Hkv * keys / PF_KEYS;
         ntiles += Hkv * ((qlen + PF_TILE - 1) / PF_TILE);
     }
-    info[4 * B + 1] = nblocks;
-    info[4 * B + 2] = ntiles;
+    info[B].first_block = nblocks;
+    info[B].first_tile = ntiles;
     uint32_t *pairs = (uint32_t *)scratch;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < nblocks; item++) {
             int64_t b = 0;
-            while (info[4 * (b + 1) + 1] <= item) b++;
+            while (info[b + 1].first_block <= item) b++;
             const int64_t qlen = q_start[b + 1] - q_start[b];
-            const int64_t keys = padded_keys(seq_lens[b], qlen, window), per_head = keys / PF_KEYS;
-            const int64_t h = (item - info[4 * b + 1]) / per_head, blk = (item - info[4 * b + 1]) % per_head;
-            const int64_t kbase = info[4 * b + 3];
+            const int64_t keys = info[b].keys, per_head = keys / PF_KEYS;
+            const int64_t h = (item - info[b].first_block) / per_head, blk = (item - info[b].first_block) % per_head;
+            const int64_t kbase = info[b].kbase;
             /* The first key any query sees: blocks before it may already be reused (sliding window). */
             const int64_t kfirst = window > 0 && seq_lens[b] - qlen - window + 1 > 0 ? seq_lens[b] - qlen - window + 1 : 0;
-            uint32_t *kt = pairs + info[4 * b] + h * keys * D / 2 + blk * PF_KEYS * D / 2;
-            uint32_t *vp = pairs + info[4 * b] + (Hkv + h) * keys * D / 2 + blk * PF_KEYS * D / 2;
+            uint32_t *kt = pairs + info[b].off + h * keys * D / 2 + blk * PF_KEYS * D / 2;
+            uint32_t *vp = pairs + info[b].off + (Hkv + h) * keys * D / 2 + blk * PF_KEYS * D / 2;
             const int64_t *table = block_tables + b * max_blocks;
             for (int64_t i = 0; i < PF_KEYS; i++) {
                 const int64_t t = kbase + blk * PF_KEYS + i;
@@ -266,13 +268,13 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < ntiles; item++) {
             int64_t b = 0;
-            while (info[4 * (b + 1) + 2] <= item) b++;
+            while (info[b + 1].first_tile <= item) b++;
             const int64_t qlen = q_start[b + 1] - q_start[b];
             const int64_t tiles = (qlen + PF_TILE - 1) / PF_TILE;
-            const int64_t h = (item - info[4 * b + 2]) / tiles, tile = (item - info[4 * b + 2]) % tiles;
-            const int64_t keys = padded_keys(seq_lens[b], qlen, window);
-            const uint32_t *kt = pairs + info[4 * b] + h * keys * D / 2;
-            const uint32_t *vp = pairs + info[4 * b] + (Hkv + h) * keys * D / 2;
+            const int64_t h = (item - info[b].first_tile) / tiles, tile = (item - info[b].first_tile) % tiles;
+            const int64_t keys = info[b].keys;
+            const uint32_t *kt = pairs + info[b].off + h * keys * D / 2;
+            const uint32_t *vp = pairs + info[b].off + (Hkv + h) * keys * D / 2;
             const int64_t r0 = tile * PF_TILE, r1 = r0 + PF_TILE < qlen ? r0 + PF_TILE : qlen;
             const uint32_t *qrows[PF_TILE * PF_MAX_G];
             uint16_t *orows[PF_TILE * PF_MAX_G];
@@ -285,7 +287,7 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
                     orows[nq] = out + (row * Hq + h * G + g) * D;
                     qpos[nq] = seq_lens[b] - qlen + i;
                 }
-            const int64_t kbase = info[4 * b + 3];
+            const int64_t kbase = info[b].kbase;
             switch (NC) {
             case 2: tile_attend(4, 2, qrows, qpos, nq, kt, vp, kbase, window, scale, orows); break;
             case 4: tile_attend(4, 4, qrows, qpos, nq, kt, vp, kbase, window, scale, orows); break;
