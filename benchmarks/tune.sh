@@ -5,8 +5,9 @@
 #   WORKLOADS=chat BUDGET=30m benchmarks/tune.sh
 #   SKIP_TUNE=1 ORDER="tuned default" SUFFIX=_run2 CAP_PROBES=6 benchmarks/tune.sh   # verify again, other order
 #
-# For each workload: `tessera tune smollm2-135m` within $BUDGET (--no-baseline: the default profile is
-# measured below, so the tuner spends its budget on the search), then `tessera bench capacity` twice with the same workload and SLO: against `tessera serve
+# For each workload: `tessera tune smollm2-135m` within $BUDGET (the default profile first: the trials after it
+# start their search at its capacity, so one that cannot beat it stops after one probe), then `tessera bench
+# capacity` twice with the same workload and SLO: against `tessera serve
 # smollm2-135m` (no flags: the default profile) and against `tessera serve --config tuned.toml`.
 # The tuned settings count only by the second pair of figures, not by the tuner's own.
 # Results: benchmarks/results/tune/<workload>/ (tune_report.json, tuned.toml, plots, capacity_*.json).
@@ -52,7 +53,7 @@ for wl in $WORKLOADS; do
   mkdir -p "$OUT/$wl"
   lscpu | grep "Model name" > "$OUT/$wl/host.txt"; uptime >> "$OUT/$wl/host.txt"
   [ "$SKIP_TUNE" = 1 ] || /usr/bin/time -f "tune wall %e s" "$PY" -m tessera tune "$MODEL" --workload "$wl" --slo "$SLO" \
-      --time-budget "$BUDGET" --output-dir "$OUT/$wl" --no-baseline --start-rate "$START_RATE" --min-rate 0.03 --max-probes "$TUNE_PROBES" \
+      --time-budget "$BUDGET" --output-dir "$OUT/$wl" --start-rate "$START_RATE" --min-rate 0.03 --max-probes "$TUNE_PROBES" \
       --probe-duration "$PROBE" --min-requests 6 $(common_workload "$wl") 2>&1 | tee "$OUT/$wl/tune.log"
   for which in $ORDER; do
     case "$which" in

@@ -86,3 +86,22 @@ def test_rejects_a_search_that_cannot_move():
         search_capacity(probe, growth=1.0)
     with pytest.raises(ValueError):
         search_capacity(probe, start_rate=0.01, min_rate=0.05)
+
+
+@pytest.mark.parametrize("dataset,turns", [("random", 4), ("chat", 3), ("multi-turn", 4), ("code-edit", 3)])
+def test_a_probe_holds_rate_times_duration_sessions_whatever_their_turns(dataset, turns):
+    """The rate counts sessions (the open-loop runner starts one per arrival), so a probe of D
+    seconds holds rate x D of them: a chat probe's arrivals last as long as a random one's."""
+    from argparse import Namespace
+
+    from tessera.bench.capacity import probes_for
+    from tessera.bench.datasets import build_workload
+
+    args = Namespace(dataset=dataset, turns=turns, probe_duration=30.0, min_requests=6, max_requests=10_000)
+    for rate in (0.5, 1.7, 4.0):
+        n = probes_for(args, rate)
+        sessions = build_workload(dataset, n, 0, turns=turns, input_words=(5, 10), output_tokens=(4, 8))
+        assert len(sessions) == -(-int(rate * 30 * 1000) // 1000)  # ceil(rate x duration)
+        assert sum(len(s.turns) for s in sessions) == n
+    args.max_requests = 40  # the request bounds still hold
+    assert probes_for(args, 4.0) == 40

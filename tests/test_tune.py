@@ -67,6 +67,18 @@ def test_the_baseline_is_the_default_profile(tmp_path):
     assert replicas == 1
 
 
+def test_latency_targets_follow_the_slo_per_token_limit():
+    assert tune.latency_targets(SLO) == (0.0, 25.0, 37.5, 50.0)
+    # a tighter objective than the default profile's own target keeps that target as a choice
+    assert tune.latency_targets(SLOSpec.parse("ttft_p95<=1s,itl_p50<=25ms,itl_p99<=200ms")) == \
+        (0.0, 12.5, 18.8, 25.0, 50.0)
+    assert tune.latency_targets(SLOSpec.parse("tpot_p50<=80ms")) == (0.0, 40.0, 50.0, 60.0, 80.0)
+    assert tune.latency_targets(SLOSpec.parse("ttft_p95<=2s")) == tune.Space.target_itl_ms
+    # the default profile is a point of every such space (it runs first as the baseline)
+    space = tune.Space(topology=("1x2",), target_itl_ms=tune.latency_targets(SLOSpec.parse("itl_p50<=20ms")))
+    assert tune.baseline_params(space)["target_itl_ms"] in space.target_itl_ms
+
+
 def test_a_command_line_replicas_or_slo_beats_the_file(tmp_path):
     path = tmp_path / "t.toml"
     path.write_text(tune.config_toml("smollm2-135m", {"max_num_seqs": 8}, 2, SLO))

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera.bench import options
+from tessera.bench.datasets import requests_per_session
 from tessera.bench.machine import machine_info
 from tessera.bench.metrics import SLO, summarize
 from tessera.bench.runner import run_open_loop
@@ -131,7 +132,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--rel-tol", type=options.positive_float, default=0.1,
                    help="stop when (fail − pass)/pass is below this (default: %(default)s)")
     g.add_argument("--probe-duration", type=options.positive_float, default=30.0,
-                   help="seconds of arrivals per probe: requests = rate × duration (default: %(default)s)")
+                   help="seconds of arrivals per probe: sessions = rate × duration, each one request or, "
+                        "multi-turn, --turns (default: %(default)s)")
     g.add_argument("--probe-timeout", type=options.positive_float, default=None,
                    help="cancel a probe's requests still unfinished this many seconds after its last "
                         "arrival; they count as failed (default: probe duration + 60)")
@@ -148,8 +150,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def probe_requests(rate: float, duration: float, per_session: int, low: int, high: int) -> int:
+    """Requests in one probe: `rate` sessions a second for `duration` seconds, `per_session`
+    requests each (a multi-turn conversation's turns), kept between `low` and `high`. Counting
+    sessions keeps a chat probe's arrivals as long as a single-turn one's; counting requests would
+    end them after 1/turns of the duration, a probe too short to measure."""
+    return max(low, min(high, math.ceil(rate * duration) * per_session))
+
+
 def probes_for(args: argparse.Namespace, rate: float) -> int:
-    return max(args.min_requests, min(args.max_requests, math.ceil(rate * args.probe_duration)))
+    return probe_requests(rate, args.probe_duration, requests_per_session(args.dataset, args.turns),
+                          args.min_requests, args.max_requests)
 
 
 def make_probe(args: argparse.Namespace, console: Console) -> Callable[[float], Probe]:

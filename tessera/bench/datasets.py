@@ -281,6 +281,11 @@ DATASETS = ("random", "shared-prefix", "multi-turn", "chat", "code-edit", "json-
 CHAT_DATASETS = ("multi-turn", "chat", "code-edit", "json-schema")  # sent to the chat API whatever --endpoint says
 
 
+def requests_per_session(name: str, turns: int) -> int:
+    """Requests one session of dataset `name` sends: a turn each for multi-turn conversations."""
+    return max(1, turns) if name in ("multi-turn", "chat") else 1
+
+
 def build_workload(name: str, num_prompts: int, seed: int, *, input_words: tuple[int, int] = (50, 400),
                    output_tokens: tuple[int, int] = (16, 256), prefix_words: int = 800,
                    num_prefixes: int = 1, turns: int = 4, constrained: bool = True) -> list[Session]:

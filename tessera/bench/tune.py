@@ -13,9 +13,9 @@ the incumbent, and `HopelessPruner` stops it after that one probe. The default p
 as the baseline every figure is compared with.
 
 The search space: the profile fields (max_num_seqs, the step's token budget, the latency target
-that sizes prefill chunks and the chunk floor, prefix caching, preemption mode), speculation
-(off, or n-gram with k proposals), the KV cache dtype, and replicas x threads per replica on the
-machine's cores. The winner is written as a `--config` TOML (with the SLO, which `tessera serve`
+that sizes prefill chunks, in fractions of the SLO's per-token limit, and the chunk floor, prefix
+caching, preemption mode), speculation (off, or n-gram with k proposals), the KV cache dtype, and
+replicas x threads per replica on the machine's cores. The winner is written as a `--config` TOML (with the SLO, which `tessera serve`
 then checks live) beside a JSON report and plots: capacity per trial, and every probe's latency
 against its throughput with the frontier of the passing ones.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import socket
 import time
@@ -34,9 +33,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tessera.bench import options
-from tessera.bench.capacity import CapacityResult, Probe, search_capacity
+from tessera.bench.capacity import CapacityResult, Probe, probe_requests, search_capacity
 from tessera.bench.client import launch_server, stop_server
-from tessera.bench.datasets import build_workload
+from tessera.bench.datasets import build_workload, requests_per_session
 from tessera.bench.machine import machine_info
 from tessera.bench.metrics import SLO, summarize
 from tessera.bench.runner import Target, run_open_loop
@@ -88,6 +87,20 @@ class Space:
             p["num_speculative_tokens"] = trial.suggest_categorical("num_speculative_tokens",
                                                                     list(self.num_speculative_tokens))
         return p
+
+
+def latency_targets(slo: SLOSpec) -> tuple[float, ...]:
+    """The latency target's choices for an SLO: none (the token budget alone sizes prefill chunks),
+    the default profile's, and 1/2, 3/4 and all of the SLO's tightest per-token limit (ITL, else
+    TPOT). A step with decodes in it is an inter-token gap, so a target past the limit spends more
+    than the objective on one step, and fixed choices miss a tight SLO's range; without a per-token
+    objective, the fixed ones."""
+    limit = slo.limit("itl") or slo.limit("tpot")
+    if limit is None:
+        return Space.target_itl_ms
+    ms = limit * 1000
+    own = PROFILE_SETTINGS[BASELINE_PROFILE].target_itl_ms
+    return tuple(sorted({0.0, own, round(ms / 2, 1), round(ms * 3 / 4, 1), round(ms, 1)}))
 
 
 def baseline_params(space: Space) -> dict[str, Any]:
@@ -176,6 +189,7 @@ class Workload:
     name: str
     build: Callable[[float, int, int], tuple[list, Optional[list[float]]]]  # (rate, requests, seed)
     chat: bool
+    per_session: int = 1  # requests a session sends (a conversation's turns); rates count sessions
 
 
 def synthetic_workload(name: str, args: argparse.Namespace) -> Workload:
@@ -185,7 +199,7 @@ def synthetic_workload(name: str, args: argparse.Namespace) -> Workload:
         return build_workload(dataset, n, seed, input_words=args.prompt_words, output_tokens=args.max_tokens,
                               turns=args.turns), None
 
-    return Workload(name, build, chat=dataset != "random")
+    return Workload(name, build, chat=dataset != "random", per_session=requests_per_session(dataset, args.turns))
 
 
 def trace_workload(path: Path, args: argparse.Namespace) -> Workload:
@@ -238,7 +252,7 @@ class Tuner:
         self.out = Path(args.output_dir)
         (self.out / "trials").mkdir(parents=True, exist_ok=True)
         self.cores = args.cores or os.cpu_count() or 1
-        self.space = Space(topology=tuple(topologies(self.cores)))
+        self.space = Space(topology=tuple(topologies(self.cores)), target_itl_ms=latency_targets(slo))
         self.results: list[TrialResult] = []
         self.deadline = time.monotonic() + args.time_budget
         self.probe_seed = 0
@@ -269,7 +283,8 @@ class Tuner:
         def probe(rate: float) -> Probe:
             if self.left() < args.probe_duration:
                 raise _OutOfTime()
-            n = max(args.min_requests, min(args.max_requests, math.ceil(rate * args.probe_duration)))
+            n = probe_requests(rate, args.probe_duration, self.workload.per_session, args.min_requests,
+                               args.max_requests)
             self.probe_seed += 1
             sessions, arrivals = self.workload.build(rate, n, args.seed + 1000 * self.probe_seed)
             # The same limits as `bench capacity` (its --probe-timeout default), so the two agree.
@@ -570,7 +585,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--min-rate", type=options.positive_float, default=0.05, help="lowest rate (default: 0.05)")
     g.add_argument("--max-rate", type=options.positive_float, default=1000.0, help="highest rate (default: 1000)")
     g.add_argument("--probe-duration", type=options.positive_float, default=20.0,
-                   help="seconds of arrivals per probe (default: %(default)s)")
+                   help="seconds of arrivals per probe: rate x duration sessions (a chat conversation is "
+                        "--turns requests) (default: %(default)s)")
     g.add_argument("--min-requests", type=options.positive_int, default=12, help="fewest requests a probe (default: 12)")
     g.add_argument("--max-requests", type=options.positive_int, default=200, help="most requests a probe (default: 200)")
     g.add_argument("--request-timeout", type=options.positive_float, default=600.0,
