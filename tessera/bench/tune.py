@@ -15,9 +15,10 @@ as the baseline every figure is compared with.
 The search space: the profile fields (max_num_seqs, the step's token budget, the latency target
 that sizes prefill chunks, in fractions of the SLO's per-token limit, and the chunk floor, prefix
 caching, preemption mode), speculation (off, or n-gram with k proposals), the KV cache dtype, and
-replicas x threads per replica on the machine's cores. The winner is written as a `--config` TOML (with the SLO, which `tessera serve`
-then checks live) beside a JSON report and plots: capacity per trial, and every probe's latency
-against its throughput with the frontier of the passing ones.
+replicas x threads per replica on the machine's cores. The winner is written as a `--config`
+TOML (with the SLO, which `tessera serve` then checks live) beside a JSON report and plots:
+capacity per trial, and every probe's latency against its throughput with the frontier of the
+passing ones.
 """
 from __future__ import annotations
 
