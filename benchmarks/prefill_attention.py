@@ -4,6 +4,9 @@ SDPA, per call and inside the steps of a 32-request burst, in one process.
 1. Kernel: one layer's attention for a step's prompts (fresh, causal), the C kernel reading the
    paged cache against PyTorch's causal SDPA call per prompt (what the backends did before), on
    SmolLM2-135M's heads (9 query, 3 KV, 64 wide) and Qwen2.5-1.5B's (12, 2, 128); medians.
+   Long contexts: one 2,048-row chunk ending at 8k, 16k and 32k tokens (the rest cached, as an
+   agent's prompt arrives) on Qwen2.5-1.5B's heads, the kernel against the `sdpa` backend's path
+   for it (the context gathered from the paged cache, one masked SDPA call).
 2. Burst: 32 `random` prompts (the c=32 workload's first 32, as the benchmark client sends them
    at once) added to an engine at once, stepped until all have their first token, with the
    model's layers timed by part (projections, attention, norms, the rest); once with the `paged`
@@ -13,6 +16,7 @@ SDPA, per call and inside the steps of a 32-request burst, in one process.
    share of the c=32 run's TTFT p95) are reported.
 
     python benchmarks/prefill_attention.py --out benchmarks/results/prefill_attention/prefill_attention.json
+    python benchmarks/prefill_attention.py --kernel-only    # part 1 alone: no model needed
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def kernel_case(hq: int, hkv: int, d: int, lens: list[int]) -> dict:
     k = torch.randn(t, hkv, d).to(torch.bfloat16)
     v = torch.randn(t, hkv, d).to(torch.bfloat16)
     scale = 1 / math.sqrt(d)
-    plan = kernels.PrefillPlan.build(starts, lens, tables, hkv, d, None)
+    plan = kernels.PrefillPlan.build(starts, lens, tables, None)
 
     def sdpa():
         for a, b in zip(starts[:-1], starts[1:]):
@@ -71,6 +75,35 @@ def kernel_case(hq: int, hkv: int, d: int, lens: list[int]) -> dict:
            "c_gflops": gflop / c_ms * 1e3, "sdpa_gflops": gflop / sdpa_ms * 1e3}
     print(f"heads {hq}/{hkv}x{d} prompts {lens}: C {c_ms:.2f} ms ({row['c_gflops']:.0f} GFLOP/s), "
           f"SDPA {sdpa_ms:.2f} ms ({row['sdpa_gflops']:.0f}): {row['speedup']:.2f}x", flush=True)
+    return row
+
+
+def long_context_case(hq: int, hkv: int, d: int, chunk: int, context: int, repeats: int = 3) -> dict:
+    """One chunk of `chunk` rows whose last is token `context` (the rest already cached), one layer:
+    the C kernel against the `sdpa` backend's path for such a step (the one it takes without the
+    kernel: an int8 cache, a host without AVX512-BF16)."""
+    from tessera import kernels
+    from tessera.attention.sdpa import SdpaBackend
+
+    bs = 16
+    nblocks = -(-context // bs)
+    cache = (torch.randn(2, hkv, nblocks, bs, d) * 0.5).to(torch.bfloat16)
+    table = list(range(nblocks))
+    q = torch.randn(chunk, hq, d).to(torch.bfloat16)
+    k = torch.randn(chunk, hkv, d).to(torch.bfloat16)
+    v = torch.randn(chunk, hkv, d).to(torch.bfloat16)
+    scale = 1 / math.sqrt(d)
+    plan = kernels.PrefillPlan.build([0, chunk], [context], torch.tensor([table]), None)
+    sdpa = SdpaBackend()
+    meta = sdpa.build_metadata([chunk], [context], [table], bs)
+    out = torch.empty_like(q)
+    c_ms = median_ms(lambda: kernels.paged_prefill_attention(q, cache, plan, scale), repeats)
+    sdpa_ms = median_ms(lambda: sdpa._prefill(q, k, v, cache, meta, scale, None, out), repeats)
+    gflop = chunk * (context - (chunk - 1) / 2) * hq * d * 4 / 1e9
+    row = {"heads": [hq, hkv, d], "chunk": chunk, "context": context, "c_ms": c_ms, "sdpa_ms": sdpa_ms,
+           "speedup": sdpa_ms / c_ms, "c_gflops": gflop / c_ms * 1e3, "sdpa_gflops": gflop / sdpa_ms * 1e3}
+    print(f"heads {hq}/{hkv}x{d} chunk {chunk} ending at {context}: C {c_ms:.0f} ms ({row['c_gflops']:.0f} "
+          f"GFLOP/s), SDPA path {sdpa_ms:.0f} ms ({row['sdpa_gflops']:.0f}): {row['speedup']:.2f}x", flush=True)
     return row
 
 
@@ -147,20 +180,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=2, help="bursts of each variant (alternated)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--kernel-only", action="store_true", help="the per-call cases only, no bursts")
     args = p.parse_args()
     torch.manual_seed(0)
     kernel_rows = [kernel_case(9, 3, 64, [250] * 4), kernel_case(9, 3, 64, [300, 250, 200, 150, 100]),
                    kernel_case(9, 3, 64, [1000]), kernel_case(12, 2, 128, [512])]
+    long_rows = [long_context_case(12, 2, 128, 2048, n) for n in (8192, 16384, 32768)]
+    bursts = [] if args.kernel_only else run_bursts(args.repeats)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"kernel": kernel_rows, "long_context": long_rows, "bursts": bursts,
+                                        "machine": machine_info()}, indent=1))
+
+
+def run_bursts(repeats: int) -> list:
+    """Part 2: a warm-up burst per variant, then `repeats` rounds of both, alternated."""
     engines: dict = {}
     for variant in ("c", "sdpa"):  # a warm-up burst each (its own prompts: no prefix hits later)
         burst(variant, 1, engines)
     bursts = []
-    for i in range(args.repeats):
+    for i in range(repeats):
         for variant in (("c", "sdpa") if i % 2 == 0 else ("sdpa", "c")):
             bursts.append(burst(variant, 3000 + 17 * i, engines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"kernel": kernel_rows, "bursts": bursts, "machine": machine_info()}, indent=1))
+    return bursts
 
 
 if __name__ == "__main__":

@@ -43,11 +43,11 @@ ANTHROPIC_TOOLS = [{"name": "set_light", "description": "Switch a light", "input
 STORE_SIZE = 8
 
 
-def tiny_engine(folder) -> AsyncLLMEngine:
+def tiny_engine(folder, max_model_len: int = 1024) -> AsyncLLMEngine:
     from tessera.models.loader import load_model
 
-    config = EngineConfig(model=str(folder), dtype="float32", max_model_len=1024, max_num_seqs=8,
-                          kv_cache_memory=4 * 2**20)
+    config = EngineConfig(model=str(folder), dtype="float32", max_model_len=max_model_len, max_num_seqs=8,
+                          kv_cache_memory=max(4, max_model_len // 256) * 2**20)
     return AsyncLLMEngine(config, engine=LLMEngine(config, loaded=load_model(folder, "float32")))
 
 
@@ -380,13 +380,12 @@ HOSTILE_RESPONSES = [
     {"input": [{"type": "function_call_output", "call_id": "c", "output": 7}]},
     {"input": "hi", "max_output_tokens": "ten"}, {"input": "hi", "max_output_tokens": -1},
     {"input": "hi", "temperature": "hot"}, {"input": "hi", "temperature": 9.0}, {"input": "hi", "top_p": 2},
-    {"input": "hi", "stream": "yes"}, {"input": "hi", "tools": [{"type": "web_search"}]},
+    {"input": "hi", "stream": "yes"},
     {"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]},
     {"input": "hi", "tools": RESPONSES_TOOLS * 2},
     {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
     {"input": "hi", "tool_choice": "required"}, {"input": "hi", "tool_choice": {"type": "function", "name": "nope"},
                                                  "tools": RESPONSES_TOOLS},
-    {"input": "hi", "tool_choice": {"type": "allowed_tools", "tools": []}, "tools": RESPONSES_TOOLS},
     {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
     {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
     {"input": "hi", "text": {"format": {"type": "yaml"}}},
@@ -403,13 +402,9 @@ ANTHROPIC_BASE = {"model": NAME, "max_tokens": 5}
 HOSTILE_MESSAGES = [
     {"messages": USER}, {"model": NAME, "max_tokens": 5}, {**ANTHROPIC_BASE, "messages": []},
     {**ANTHROPIC_BASE, "messages": "hi"}, {**ANTHROPIC_BASE, "max_tokens": "5", "messages": USER},
-    {**ANTHROPIC_BASE, "max_tokens": 0, "messages": USER}, {**ANTHROPIC_BASE, "max_tokens": 10**9, "messages": USER},
-    {**ANTHROPIC_BASE, "messages": [{"role": "system", "content": "hi"}]},
-    {**ANTHROPIC_BASE, "messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
+    {**ANTHROPIC_BASE, "max_tokens": 0, "messages": USER},
     {**ANTHROPIC_BASE, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
-    {**ANTHROPIC_BASE, "messages": [{"role": "user", "content": [
-        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
     {**ANTHROPIC_BASE, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                                  "content": [{"type": "image", "source": {}}]}]}]},
     {**ANTHROPIC_BASE, "messages": [{"role": "assistant", "content": [
@@ -420,7 +415,6 @@ HOSTILE_MESSAGES = [
     {**ANTHROPIC_BASE, "messages": USER, "temperature": 1.5}, {**ANTHROPIC_BASE, "messages": USER, "top_k": -3},
     {**ANTHROPIC_BASE, "messages": USER, "top_p": "x"}, {**ANTHROPIC_BASE, "messages": USER, "stop_sequences": "x"},
     {**ANTHROPIC_BASE, "messages": USER, "system": 7}, {**ANTHROPIC_BASE, "messages": USER, "stream": 1},
-    {**ANTHROPIC_BASE, "messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
     {**ANTHROPIC_BASE, "messages": USER, "tools": [{"name": "f"}]},
     {**ANTHROPIC_BASE, "messages": USER, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool"}},
     {**ANTHROPIC_BASE, "messages": USER, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}},

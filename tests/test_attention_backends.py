@@ -176,7 +176,7 @@ def test_prefill_kernel_reads_nothing_before_the_window():
 def test_prefill_plan_must_cover_the_queries():
     cache, tables, _, _, _ = _case(torch.bfloat16, lens=(20,))
     table = torch.tensor([tables[0]])
-    plan = kernels.PrefillPlan.build([0, 20], [20], table, 2, 64, None)
+    plan = kernels.PrefillPlan.build([0, 20], [20], table, None)
     with pytest.raises(ValueError, match="covers 20 rows"):
         kernels.paged_prefill_attention(torch.zeros(19, 6, 64, dtype=torch.bfloat16), cache, plan, 0.125)
     with pytest.raises(kernels.KernelUnavailable, match="head_dim 48"):
@@ -206,17 +206,27 @@ def test_paged_backend_prefills_through_sdpa_without_the_kernel(monkeypatch):
     assert calls == [1]  # asked once, then never again
 
 
-def test_paged_backend_prefills_through_sdpa_past_the_scratch_limit(monkeypatch):
-    """A step whose contexts would need more than PREFILL_SCRATCH_MAX_BYTES of key and value copies
-    takes sdpa's path for that step (the kernel stays on for the next)."""
-    monkeypatch.setattr(kernels, "PREFILL_SCRATCH_MAX_BYTES", 1024)
-    assert kernels.PrefillPlan.build([0, 12], [40], torch.zeros(1, 3, dtype=torch.long), 2, 64, None) is None
-    qlens, seq = [12, 4], [12, 40]
-    cache, tables, _, _, _ = _case(torch.bfloat16, lens=tuple(seq))
+@needs_bf16_kernel
+@pytest.mark.parametrize("window", [None, 4096])
+def test_prefill_kernel_takes_long_contexts(monkeypatch, window):
+    """A chunk over 41k tokens of cached context on 4 KV heads of 128 (84 MB of keys and values)
+    beside a fresh prompt stays on the kernel, which copies 64 keys at a time per thread rather
+    than the context, and matches sdpa's path."""
+    calls = []
+    kernel = kernels.paged_prefill_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "paged_prefill_attention", counted)
+    qlens, seq = [24, 30], [41_000, 30]
+    cache, tables, _, _, _ = _case(torch.bfloat16, hq=8, hkv=4, d=128, lens=tuple(seq))
     gen = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(sum(qlens), h, 64, generator=gen).to(torch.bfloat16) for h in (6, 2, 2))
-    backend, ref = get_backend("paged"), ReferenceBackend()
-    got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(qlens, seq, tables, 16), 0.125, None)
-    want = ref.forward(q, k, v, cache.clone(), ref.build_metadata(qlens, seq, tables, 16), 0.125, None)
+    q, k, v = (torch.randn(sum(qlens), h, 128, generator=gen).to(torch.bfloat16) for h in (8, 4, 4))
+    backend, sdpa = get_backend("paged"), get_backend("sdpa")
+    got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(qlens, seq, tables, 16), 128 ** -0.5,
+                          window)
+    want = sdpa.forward(q, k, v, cache.clone(), sdpa.build_metadata(qlens, seq, tables, 16), 128 ** -0.5, window)
+    assert calls == [1] and backend._prefill_c
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
-    assert backend._prefill_c

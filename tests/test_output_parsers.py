@@ -261,3 +261,15 @@ def test_chat_template_flag_and_model_tables(tmp_path):
     (tmp_path / "bad.toml").write_text('[[model]]\nmodel = "a"\nreasoning_parser = "nope"\n')
     with pytest.raises(Exception, match="reasoning-parser"):
         models_from_toml(tmp_path / "bad.toml", None, False)
+
+
+def test_hermes_auto_holds_a_fenced_pretty_object_to_the_tools():
+    """Qwen2.5-Coder under an agent's long prompt writes its call as a pretty-printed object in a
+    ```json fence: in "auto" that opens a call too, held to the tools' names, and read back."""
+    settings_ = OutputParsing(tool_call_parser="hermes")
+    auto = tool_constraint(TOOLS, None, True, settings_)
+    call = '```json\n{\n  "name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    assert accepts(auto, call)
+    assert not accepts(auto, call.replace("get_weather", "echo"))
+    parsed = run(settings_, [call])
+    assert [c[0] for c in parsed["calls"]] == ["get_weather"]

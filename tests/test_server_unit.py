@@ -927,3 +927,26 @@ def test_shutdown_drains_then_ends_running_requests_cleanly():
         assert len(core.aborted) == 2 and core.free_blocks == core.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_a_slow_first_token_starts_the_stream_with_keepalives(monkeypatch):
+    """A prompt whose first token takes longer than STREAM_START_S: the stream starts (role chunk)
+    and keep-alive comments come until the token does; refusals still come as a status."""
+    from tessera.server import serving
+
+    monkeypatch.setattr(serving, "STREAM_START_S", 0.2)
+    monkeypatch.setattr(serving, "KEEPALIVE_S", 0.1)
+    core = FakeCore(step_s=0.6)
+    with live_server(core) as s:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True, "temperature": 0}
+        r = post(s, "/v1/chat/completions", body)
+        assert r.status_code == 200
+        blocks = r.text.split("\n\n")
+        assert blocks[0].startswith("data: ") and json.loads(blocks[0][6:])["choices"][0]["delta"]["role"]
+        assert blocks[1] == ": keep-alive"  # before the first token's chunk
+        content = [json.loads(b[6:]) for b in blocks if b.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in content if c["choices"]) == REPLY[:2]
+        assert blocks[-2] == "data: [DONE]"
+        assert_error(post(s, "/v1/completions", {"prompt": "x", "max_tokens": 10**6, "stream": True}), 400,
+                     "context length")
+        s.wait_idle()

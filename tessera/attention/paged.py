@@ -84,17 +84,15 @@ class PagedBackend(SdpaBackend):
             if not quantized and self._prefill_in_c(q, kv_cache):
                 start = meta.query_start_loc[nd]
                 key = ("paged_prefill", sliding_window)
-                if key not in meta._cache:  # per step, shared by all layers (None: too long for it)
+                if key not in meta._cache:  # per step, shared by all layers
                     meta._cache[key] = kernels.PrefillPlan.build(
                         [s - start for s in meta.query_start_loc[nd:]], meta.seq_lens[nd:],
-                        meta.block_tables[nd:], kv_cache.shape[1], d, sliding_window)
-                plan = meta._cache[key]
-                if plan is not None:
-                    try:
-                        kernels.paged_prefill_attention(q[start:], kv_cache, plan, scale, out[start:])
-                        return out.view(q.shape[0], hq * d)
-                    except kernels.KernelUnavailable:  # built without AVX512-BF16: SDPA from now on
-                        self._prefill_c = False
+                        meta.block_tables[nd:], sliding_window)
+                try:
+                    kernels.paged_prefill_attention(q[start:], kv_cache, meta._cache[key], scale, out[start:])
+                    return out.view(q.shape[0], hq * d)
+                except kernels.KernelUnavailable:  # built without AVX512-BF16: SDPA from now on
+                    self._prefill_c = False
             self._prefill(transform_for_cache(q) if quantized else q, k, v, kv_cache, meta, scale,
                           sliding_window, out, key_bias)
         return out.view(q.shape[0], hq * d)

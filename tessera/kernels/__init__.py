@@ -102,10 +102,8 @@ def load() -> ctypes.CDLL:
     f.argtypes = [p, i64, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
     f.restype = None
     pf = lib.paged_prefill_attention_bf16
-    pf.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+    pf.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     pf.restype = ctypes.c_int
-    lib.prefill_attention_scratch_bytes.argtypes = [p, p, i64, i64, i64, i64]
-    lib.prefill_attention_scratch_bytes.restype = i64
     w8 = lib.kv_write_int8
     w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, ctypes.c_int, p, p, p, i64, p, p]
     w8.restype = ctypes.c_int
@@ -355,9 +353,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
 
 PREFILL_MAX_HEAD_DIM = 256
-# The prefill kernel's copies of a step's keys and values: 64 MiB holds 32k tokens of context for
-# 2 KV heads of 128 (qwen2.5-coder-1.5b) or 64k for SmolLM2's 3 of 64.
-PREFILL_SCRATCH_MAX_BYTES = 64 << 20
 
 
 def prefill_supported(num_heads: int, kv_cache: torch.Tensor) -> bool:
@@ -372,28 +367,20 @@ def prefill_supported(num_heads: int, kv_cache: torch.Tensor) -> bool:
 
 class PrefillPlan(NamedTuple):
     """A step's prefill requests as `paged_prefill_attention` reads them, built once per step and
-    shared by its layers: row offsets [B + 1] (from the first prefill row), context lengths [B],
-    block tables [B, max_blocks] (all int64) and the scratch for the keys' and values' copies."""
+    shared by its layers: row offsets [B + 1] (from the first prefill row), context lengths [B] and
+    block tables [B, max_blocks], all int64. The kernel keeps no copy of the contexts (each thread
+    copies 64 keys at a time), so any context length takes it."""
 
     q_start: torch.Tensor
     seq_lens: torch.Tensor
     tables: torch.Tensor
     window: int
-    scratch: torch.Tensor
 
     @classmethod
-    def build(cls, q_start: list[int], seq_lens: list[int], tables: torch.Tensor, num_kv_heads: int,
-              head_dim: int, window: Optional[int]) -> Optional["PrefillPlan"]:
-        """The plan, or None where its scratch (4 bytes a key, head dimension and KV head of every
-        request's context) would pass PREFILL_SCRATCH_MAX_BYTES: such a step's long contexts go
-        through PyTorch instead of doubling their memory for a step."""
-        starts = torch.tensor(q_start, dtype=torch.long)
-        lens = torch.tensor(seq_lens, dtype=torch.long)
-        nbytes = load().prefill_attention_scratch_bytes(starts.data_ptr(), lens.data_ptr(), len(seq_lens),
-                                                        num_kv_heads, head_dim, window or 0)
-        if nbytes > PREFILL_SCRATCH_MAX_BYTES:
-            return None
-        return cls(starts, lens, tables.contiguous(), window or 0, torch.empty(nbytes, dtype=torch.uint8))
+    def build(cls, q_start: list[int], seq_lens: list[int], tables: torch.Tensor,
+              window: Optional[int]) -> "PrefillPlan":
+        return cls(torch.tensor(q_start, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.long),
+                   tables.contiguous(), window or 0)
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan, scale: float,
@@ -414,10 +401,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: Prefi
     assert out.is_contiguous() and out.shape == (t, hq, d) and out.dtype == torch.bfloat16
     if int(plan.q_start[-1]) != t:
         raise ValueError(f"the plan covers {int(plan.q_start[-1])} rows, the queries {t}")
-    if lib.paged_prefill_attention_bf16(
-            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), plan.tables.data_ptr(), plan.tables.shape[1],
-            plan.q_start.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(), len(plan.seq_lens), hq, hkv, d,
-            kv_cache.shape[2], kv_cache.shape[3], scale, plan.window, plan.scratch.data_ptr()) != 0:
+    rc = lib.paged_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), plan.tables.data_ptr(), plan.tables.shape[1],
+        plan.q_start.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(), len(plan.seq_lens), hq, hkv, d,
+        kv_cache.shape[2], kv_cache.shape[3], scale, plan.window)
+    if rc == -2:
+        raise MemoryError("paged_prefill_attention: no memory for the threads' buffers")
+    if rc != 0:
         raise KernelUnavailable("paged_prefill_attention needs AVX512-BF16 on the build machine")
     return out
 

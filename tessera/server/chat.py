@@ -10,11 +10,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tessera.engine.outputs import RequestOutput, TokenLogprob
-from tessera.sampling_params import InvalidRequestError
+from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatResponseMessage, ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
-    TopLogprob, UsageInfo,
+    IGNORED_TOOLS_HEADER, ChatResponseMessage, ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+    ToolCall, TopLogprob, UsageInfo,
 )
 from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
 
@@ -46,6 +46,7 @@ def _finish_reason(reason: Optional[str], parser: OutputParser) -> Optional[str]
 
 
 def _delta(event: ParserEvent) -> DeltaMessage:
+    """The chunk delta of a parser event (a freeform tool's call goes whole, see ChatStream)."""
     if event.kind == "content":
         return DeltaMessage(content=event.text)
     if event.kind == "reasoning":
@@ -63,13 +64,35 @@ class ChatStream(StreamRenderer):
     tool-call) deltas, then a chunk with an empty delta and the finish reason."""
 
     def __init__(self, request_id: str, model: str, n: int, num_logprobs: Optional[int],
-                 include_usage: bool, parsers: Callable[[], OutputParser]) -> None:
+                 include_usage: bool, parsers: Callable[[], OutputParser],
+                 freeform: frozenset[str] = frozenset()) -> None:
         self.request_id, self.model, self.n = request_id, model, n
         self.num_logprobs = num_logprobs
         self.include_usage = include_usage
         self.created = int(time.time())
         self.finished: set[int] = set()
         self.parsers = {i: parsers() for i in range(n)}
+        self.freeform = freeform  # tools whose calls carry text: sent whole once written
+        self.held: dict[int, set[int]] = {i: set() for i in range(n)}  # per choice, calls of freeform tools
+
+    def _deltas(self, choice: int, parser: OutputParser, events: list[ParserEvent],
+                finished: bool) -> list[DeltaMessage]:
+        """Chunk deltas for the parser's events; a freeform tool's call is held back and sent
+        whole (its text, not the JSON it was written as) when the output ends."""
+        held = self.held[choice]
+        out = []
+        for e in events:
+            if e.kind == "call" and e.call is not None and e.call.name in self.freeform:
+                held.add(e.index)
+            elif e.kind in ("content", "reasoning") or e.index not in held:
+                out.append(_delta(e))
+        if finished:
+            for index in sorted(held):
+                call = parser.calls[index]
+                tool = ToolCall.of(call.id, call.name, call.arguments, self.freeform)
+                out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, id=call.id, type="custom",
+                                                                  custom=tool.custom)]))
+        return out
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Optional[UsageInfo] = None) -> str:
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
@@ -88,7 +111,8 @@ class ChatStream(StreamRenderer):
             logprobs = (chat_logprobs(c.delta_logprobs or [], self.num_logprobs)
                         if self.num_logprobs is not None and c.delta_logprobs else None)
             parser = self.parsers[c.index]
-            deltas = [_delta(e) for e in parser.feed(c.delta_text) + (parser.finish() if c.finished else [])]
+            deltas = self._deltas(c.index, parser, parser.feed(c.delta_text) + (parser.finish() if c.finished else []),
+                                  c.finished)
             if logprobs is not None and not deltas:
                 deltas = [DeltaMessage()]
             for i, delta in enumerate(deltas):  # the step's logprobs ride on its first chunk
@@ -123,6 +147,17 @@ def chat_prompt(engine: ServingEngine, settings: OutputParsing, body: ChatComple
     return text, ids
 
 
+def fit_context(params: SamplingParams, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """`max_tokens` as a ceiling: where the prompt leaves less room in the context, the output
+    stops at the context's end (finish reason "length"), as llama.cpp's and Ollama's servers
+    do, rather than refusing the request. Agents ask for the most their model could ever write
+    (Claude Code 32,000 tokens) whatever the prompt's length."""
+    room = max_model_len - prompt_tokens
+    if params.max_tokens is not None and params.max_tokens > room > 0:
+        return dataclasses.replace(params, max_tokens=room)
+    return params
+
+
 async def chat_run(body: ChatCompletionRequest, request: Request,
                    request_id: str) -> tuple[Run, bool, Callable[[], OutputParser]]:
     """What every chat-shaped API does before generating (chat completions here, and the
@@ -150,13 +185,16 @@ async def chat_run(body: ChatCompletionRequest, request: Request,
               reprompt=lambda engine: [chat_prompt(engine, settings, body)[1]])
     prompt_text, prompt_ids = chat_prompt(run.engine, settings, body)
     run.prompts = [prompt_ids]
+    run.params = fit_context(params, len(prompt_ids), run.engine.config.max_model_len)
+    if body.ignored_tools:
+        run.headers[IGNORED_TOOLS_HEADER] = ", ".join(dict.fromkeys(body.ignored_tools))
     if parse_tools:  # the constraint is in the syntax of the parser of the model that answers
         assert body.tools
         run.params = dataclasses.replace(
-            params, structured_outputs=tool_constraint(body.tools, body.tool_choice,
+            run.params, structured_outputs=tool_constraint(body.tools, body.tool_choice,
                                                        body.parallel_tool_calls is not False, settings, prompt_text),
             # a parser whose call markers are special tokens needs them in the text
-            skip_special_tokens=params.skip_special_tokens and not settings.tool_parser.keeps_special_tokens)
+            skip_special_tokens=run.params.skip_special_tokens and not settings.tool_parser.keeps_special_tokens)
     tools = body.tools or ()
     return run, parse_tools, lambda: output_parser(settings, parse_tools, tools=tools, prompt=prompt_text)
 
@@ -168,7 +206,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         return await run.stream(ChatStream(run.request_id, model=run.route.reported, n=params.n,
                                            num_logprobs=num_logprobs, include_usage=body.include_usage,
-                                           parsers=parser))
+                                           parsers=parser, freeform=body.freeform_tools))
     finals: Union[dict[int, RequestOutput], Response] = await run.collect()
     if isinstance(finals, Response):
         return finals
@@ -180,8 +218,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         reasoning = p.reasoning or None
         message = ChatResponseMessage(
             content=p.content or (None if parse_tools else ""),
-            tool_calls=[ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                        for call in p.calls],
+            tool_calls=[ToolCall.of(call.id, call.name, call.arguments, body.freeform_tools) for call in p.calls],
             reasoning_content=reasoning, reasoning=reasoning)
         choices.append(ChatChoice(
             index=c.index, message=message,

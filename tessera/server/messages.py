@@ -155,6 +155,9 @@ class MessagesStream(StreamRenderer):
     def error(self, err: APIError) -> list[str]:
         return [typed_sse("error", error_body(err.status, err.message))]
 
+    def keepalive(self) -> list[str]:
+        return [typed_sse("ping", {"type": "ping"})]
+
 
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     run, _, parsers = await chat_run(body.chat_request(**body.sampling()), request, f"msg_{uuid.uuid4().hex}")

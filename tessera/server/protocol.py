@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, SerializerFunctionWrapHandler, Tag, model_serializer,
+    model_validator,
+)
 
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
@@ -21,6 +24,14 @@ MAX_N = 128
 class OpenAIModel(BaseModel):
     # strict: `true` is not a max_tokens and "0.5" is not a temperature (ints still pass as floats)
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _SparseModel(OpenAIModel):
+    """Serialized without its unset (None) fields, as OpenAI's stream chunks are."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 # How to describe the fields whose type is a union, when a value fits none of its members.
@@ -212,10 +223,35 @@ class FunctionCall(OpenAIModel):
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(OpenAIModel):
+class CustomCall(OpenAIModel):
+    name: str
+    input: str
+
+
+class ToolCall(_SparseModel):
+    """A call the model made: a function's (JSON arguments) or a freeform tool's (its text)."""
+
     id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    type: Literal["function", "custom"] = "function"
+    function: Optional[FunctionCall] = None
+    custom: Optional[CustomCall] = None
+
+    @classmethod
+    def of(cls, call_id: str, name: str, arguments: str, freeform: frozenset[str]) -> "ToolCall":
+        if name in freeform:
+            return cls(id=call_id, type="custom", custom=CustomCall(name=name, input=freeform_input(arguments)))
+        return cls(id=call_id, function=FunctionCall(name=name, arguments=arguments))
+
+
+def freeform_input(arguments: str) -> str:
+    """A freeform tool's text from the arguments the model wrote for its function
+    (freeform_function); text that is not such an object is taken as it is."""
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments
+    value = parsed.get(FREEFORM_ARGUMENT) if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else arguments
 
 
 class FunctionCallIn(OpenAIModel):
@@ -223,16 +259,35 @@ class FunctionCallIn(OpenAIModel):
     arguments: Union[str, dict[str, Any]] = "{}"
 
 
+class CustomCallIn(OpenAIModel):
+    name: str
+    input: str = ""
+
+
 class ToolCallIn(OpenAIModel):
-    """A tool call of an earlier assistant turn, as a client sends it back."""
+    """A tool call of an earlier assistant turn, as a client sends it back (a freeform tool's
+    call as `custom` with its input text)."""
 
     id: Optional[str] = None
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
+    type: Literal["function", "custom"] = "function"
+    function: Optional[FunctionCallIn] = None
+    custom: Optional[CustomCallIn] = None
+
+    def as_function(self) -> FunctionCallIn:
+        if self.custom is not None:
+            return FunctionCallIn(name=self.custom.name, arguments={FREEFORM_ARGUMENT: self.custom.input})
+        if self.function is None:
+            raise InvalidRequestError("a tool call needs its 'function' (or 'custom' for a freeform tool)")
+        return self.function
+
+
+# Tool names: OpenAI's characters, and room for the long names agents give MCP tools
+# (`mcp__server__tool`, a namespace joined to its function's name).
+TOOL_NAME = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")
 
 
 class FunctionDefinition(OpenAIModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = TOOL_NAME
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
@@ -243,6 +298,63 @@ class ChatTool(OpenAIModel):
     function: FunctionDefinition
 
 
+class CustomToolSpec(OpenAIModel):
+    """A freeform tool: its input is text (a patch, a query) rather than JSON arguments. A
+    grammar `format` is accepted and not enforced: the input is constrained to a string."""
+
+    name: str = TOOL_NAME
+    description: Optional[str] = None
+    format: Optional[dict[str, Any]] = None
+
+
+class CustomChatTool(OpenAIModel):
+    type: Literal["custom"]
+    custom: CustomToolSpec
+
+
+class HostedTool(OpenAIModel):
+    """A tool the provider itself runs (web_search, file_search, code_interpreter, image_generation,
+    computer_use, mcp, local_shell, Anthropic's server tools): this server runs none of them, so
+    it leaves them out of what the model sees and says so (IGNORED_TOOLS_HEADER), as the
+    servers agents are pointed at do, rather than refusing the request."""
+
+    type: str
+
+
+# The argument a freeform tool's call carries its text in, as the model sees the tool.
+FREEFORM_ARGUMENT = "input"
+# The response header naming the tools a request offered that the model was not shown.
+IGNORED_TOOLS_HEADER = "x-tessera-ignored-tools"
+
+
+def freeform_function(spec: CustomToolSpec) -> ChatTool:
+    """A freeform tool as the model is offered it: a function of one string argument."""
+    what = "The tool's whole input, as text."
+    fmt = spec.format or {}
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        what += f" It follows this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+    return ChatTool(type="function", function=FunctionDefinition(
+        name=spec.name, description=spec.description,
+        parameters={"type": "object", "properties": {FREEFORM_ARGUMENT: {"type": "string", "description": what}},
+                    "required": [FREEFORM_ARGUMENT], "additionalProperties": False}))
+
+
+def _request_tool_kind(value: Any) -> Optional[str]:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in ("function", "custom"):
+        return kind
+    return "hosted" if isinstance(kind, str) else None
+
+
+RequestTool = Annotated[
+    Union[Annotated[ChatTool, Tag("function")], Annotated[CustomChatTool, Tag("custom")],
+          Annotated[HostedTool, Tag("hosted")]],
+    Discriminator(_request_tool_kind, custom_error_type="invalid_tool",
+                  custom_error_message="a tool must be an object with a string 'type' ('function', 'custom', "
+                                       "or a hosted tool's type, which is ignored)"),
+]
+
+
 class NamedFunction(OpenAIModel):
     name: str
 
@@ -250,6 +362,17 @@ class NamedFunction(OpenAIModel):
 class NamedToolChoice(OpenAIModel):
     type: Literal["function"]
     function: NamedFunction
+
+
+class NamedCustomToolChoice(OpenAIModel):
+    type: Literal["custom"]
+    custom: NamedFunction
+
+
+class OtherToolChoice(OpenAIModel):
+    """`allowed_tools` or a hosted tool's choice: the model chooses among what it is shown."""
+
+    type: Literal["allowed_tools", "allowed-tools"]
 
 
 class ChatMessage(OpenAIModel):
@@ -265,9 +388,12 @@ class ChatMessage(OpenAIModel):
             return self.content or ""
         texts = []
         for part in self.content:
+            if part.type == "refusal":  # an earlier assistant turn's refusal: not shown again
+                continue
             if part.type != "text":
                 raise InvalidRequestError(
-                    f"content parts of type {part.type!r} are not supported; only text parts are")
+                    f"content parts of type {part.type!r} are not supported; this server's models read text "
+                    "only (text parts)")
             if part.text is None:
                 raise InvalidRequestError("a content part of type 'text' needs a 'text' field")
             texts.append(part.text)
@@ -280,10 +406,49 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: Optional[bool] = True  # vLLM extension
-    tools: Optional[list[ChatTool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    # After validation, function tools only: a freeform tool as its function (freeform_function),
+    # hosted tools left out (ignored_tools names them).
+    tools: Optional[list[RequestTool]] = None  # type: ignore[assignment]
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, NamedCustomToolChoice, OtherToolChoice,
+                       None] = None
     parallel_tool_calls: Optional[bool] = True
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM extension: template variables (enable_thinking)
+    _ignored_tools: list[str] = PrivateAttr(default_factory=list)
+    _freeform_tools: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
+    @model_validator(mode="after")
+    def _function_tools(self) -> "ChatCompletionRequest":
+        """Every tool as the function the model is offered; see HostedTool and CustomToolSpec."""
+        if self.tools is not None:
+            functions: list[ChatTool] = []
+            for tool in self.tools:
+                if isinstance(tool, ChatTool):
+                    functions.append(tool)
+                elif isinstance(tool, CustomChatTool):
+                    functions.append(freeform_function(tool.custom))
+                    self._freeform_tools = self._freeform_tools | {tool.custom.name}
+                else:
+                    self._ignored_tools.append(tool.type)
+            self.tools = functions or None  # type: ignore[assignment]
+        choice = self.tool_choice
+        if isinstance(choice, NamedCustomToolChoice):
+            self.tool_choice = NamedToolChoice(type="function", function=choice.custom)
+        elif isinstance(choice, OtherToolChoice):
+            self.tool_choice = "auto" if self.tools else None
+        return self
+
+    @property
+    def ignored_tools(self) -> list[str]:
+        """The hosted tools this request offered, which the model is not shown."""
+        return list(self._ignored_tools)
+
+    @property
+    def freeform_tools(self) -> frozenset[str]:
+        """Names of the freeform (custom) tools, whose calls carry text rather than arguments."""
+        return self._freeform_tools
+
+    def function_tools(self) -> list[ChatTool]:
+        return list(self.tools or [])  # type: ignore[arg-type]
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates read them: tool-call arguments as objects (Hugging Face's
@@ -292,7 +457,9 @@ class ChatCompletionRequest(SamplingRequest):
             raise InvalidRequestError("messages must not be empty")
         out: list[dict[str, Any]] = []
         for m in self.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            # OpenAI's newer name for the system role; templates know only "system".
+            role = "system" if m.role == "developer" else m.role
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
             if m.tool_call_id is not None:
@@ -300,15 +467,16 @@ class ChatCompletionRequest(SamplingRequest):
             if m.tool_calls:
                 calls = []
                 for call in m.tool_calls:
-                    args: Any = call.function.arguments
+                    function = call.as_function()
+                    args: Any = function.arguments
                     if isinstance(args, str):
                         try:
                             args = json.loads(args) if args.strip() else {}
                         except json.JSONDecodeError:
                             raise InvalidRequestError(
-                                f"tool call {call.function.name!r}: arguments are not valid JSON") from None
+                                f"tool call {function.name!r}: arguments are not valid JSON") from None
                     calls.append({"id": call.id, "type": "function",
-                                  "function": {"name": call.function.name, "arguments": args}})
+                                  "function": {"name": function.name, "arguments": args}})
                 msg["tool_calls"] = calls
             out.append(msg)
         return out
@@ -392,14 +560,6 @@ class ChatResponseMessage(OpenAIModel):
         return data
 
 
-class _SparseModel(OpenAIModel):
-    """Serialized without its unset (None) fields, as OpenAI's stream chunks are."""
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
 class DeltaFunctionCall(_SparseModel):
     name: Optional[str] = None
     arguments: Optional[str] = None
@@ -410,8 +570,9 @@ class DeltaToolCall(_SparseModel):
 
     index: int
     id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
+    type: Optional[Literal["function", "custom"]] = None
     function: Optional[DeltaFunctionCall] = None
+    custom: Optional[CustomCall] = None  # a freeform tool's call, whole in one piece
 
 
 class ChatChoice(OpenAIModel):

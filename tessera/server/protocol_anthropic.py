@@ -1,12 +1,18 @@
 """Anthropic Messages API schemas (`POST /v1/messages`, `POST /v1/messages/count_tokens`).
 
 A request is translated into a chat completion request (`MessagesRequest.chat_request`):
-`system` becomes the system message, `tool_use` blocks the assistant turn's tool calls,
-each `tool_result` block a tool message, `tool_choice` auto/any/tool/none the chat's
+`system` (a string or text blocks) and `system` entries anywhere in `messages` become system
+messages, `tool_use` blocks the assistant turn's tool calls, each `tool_result` block a tool
+message (`is_error` said in its text), `tool_choice` auto/any/tool/none the chat's
 auto/required/named/none, `input_schema` a function's parameters. So the template, tool
-constraint and parsing are the ones chat completions use. Fields Tessera has no use for
-(cache_control, service_tier, container) are ignored; image and document blocks, server tools
-and blocks of unknown types are a 400, since the models served read text.
+constraint and parsing are the ones chat completions use, and so are its rules for what
+agents send: server tools (web_search_..., code_execution_..., with a `type`) are left out and
+named in the x-tessera-ignored-tools header; earlier turns' thinking and blocks of server tools
+or of kinds this server has no use for are left out of the prompt. Fields Tessera has no use
+for (cache_control, context_management, service_tier, container, mcp_servers) are ignored, and
+sampling settings the SDK no longer names (temperature, top_p, top_k, min_p, penalties) are
+read from the body wherever a client puts them. Image blocks, and documents that are not
+text, are a 400, since the models served read text.
 """
 from __future__ import annotations
 
@@ -28,9 +34,32 @@ class TextBlock(OpenAIModel):
 
 
 class MediaBlock(OpenAIModel):
-    """image / document: accepted by the schema so that the refusal can say why."""
+    """image / document: accepted by the schema so that the refusal can say why, or a document
+    whose source is text (plain text, or text blocks), which is read as text."""
 
     type: Literal["image", "document"]
+    source: Optional[dict[str, Any]] = None
+    title: Optional[str] = None
+
+    def text(self) -> str:
+        source = self.source or {}
+        if self.type == "document" and source.get("type") == "text" and isinstance(source.get("data"), str):
+            body = source["data"]
+        elif self.type == "document" and source.get("type") == "content" and isinstance(source.get("content"), list):
+            body = "".join(b.get("text", "") for b in source["content"]
+                           if isinstance(b, dict) and b.get("type") == "text")
+        else:
+            raise InvalidRequestError(f"{self.type} content blocks are not supported: this server's models read "
+                                      "text only (a document is read when its source is text)")
+        return f"{self.title}\n\n{body}" if self.title else body
+
+
+class SkippedBlock(OpenAIModel):
+    """A block with no place in a prompt here: a server tool's use or result (server_tool_use,
+    web_search_tool_result, mcp_tool_use, ...), a container upload, or a kind this server does not
+    know. Left out rather than refused, as a transcript an agent keeps may hold any of them."""
+
+    type: str
 
 
 class ToolUseBlock(OpenAIModel):
@@ -40,16 +69,34 @@ class ToolUseBlock(OpenAIModel):
     input: dict[str, Any]
 
 
+def _inner_type(value: Any) -> Optional[str]:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in ("text", "image", "document"):
+        return "media" if kind != "text" else "text"
+    return "skipped" if isinstance(kind, str) else None
+
+
+# What a tool result holds: text, images and documents (search results and others skipped).
+ResultBlock = Annotated[
+    Union[Annotated[TextBlock, Tag("text")], Annotated[MediaBlock, Tag("media")],
+          Annotated[SkippedBlock, Tag("skipped")]],
+    Discriminator(_inner_type, custom_error_type="invalid_content_block",
+                  custom_error_message="a content block must be an object with a string type"),
+]
+
+
 class ToolResultBlock(OpenAIModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Union[TextBlock, MediaBlock]], None] = None
+    content: Union[str, list[ResultBlock], None] = None
     is_error: Optional[bool] = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(_text_of(b) for b in self.content)
+            text = self.content or ""
+        else:
+            text = "".join(_text_of(b) for b in self.content)
+        return f"Error: {text}" if self.is_error else text
 
 
 class ThinkingBlock(OpenAIModel):
@@ -71,28 +118,32 @@ def _block_type(value: Any) -> Optional[str]:
         return "media"
     if kind == "redacted_thinking":
         return "thinking"
-    return kind if kind in BLOCK_TYPES else None
+    if kind in BLOCK_TYPES:
+        return kind
+    return "skipped" if isinstance(kind, str) else None
 
 
 ContentBlock = Annotated[
     Union[Annotated[TextBlock, Tag("text")], Annotated[MediaBlock, Tag("media")],
           Annotated[ToolUseBlock, Tag("tool_use")], Annotated[ToolResultBlock, Tag("tool_result")],
-          Annotated[ThinkingBlock, Tag("thinking")]],
+          Annotated[ThinkingBlock, Tag("thinking")], Annotated[SkippedBlock, Tag("skipped")]],
     Discriminator(_block_type, custom_error_type="invalid_content_block",
-                  custom_error_message="a content block must be an object whose type is one of "
-                                       + ", ".join(BLOCK_TYPES)),
+                  custom_error_message="a content block must be an object with a string type ("
+                                       + ", ".join(BLOCK_TYPES) + ", ...)"),
 ]
 
 
 def _text_of(block: Any) -> str:
+    if isinstance(block, SkippedBlock):
+        return ""
     if isinstance(block, MediaBlock):
-        raise InvalidRequestError(f"{block.type} content blocks are not supported: this server's models read "
-                                  "text only")
+        return block.text()
     return block.text
 
 
 class InputMessage(OpenAIModel):
-    role: Literal["user", "assistant"]
+    # Claude Code puts `system` entries among the messages too; they are system messages.
+    role: Literal["user", "assistant", "system"]
     content: Union[list[ContentBlock], str]  # the list first: a bad block is the error reported
 
 
@@ -100,12 +151,37 @@ class InputMessage(OpenAIModel):
 
 
 class Tool(OpenAIModel):
-    """A client tool. Server tools (web_search_..., bash_..., with a `type`) are refused."""
+    """A client tool (the client runs it). One with `defer_loading` is not shown to the model
+    until a tool search brings it in (Anthropic's tool search), so it is not shown here."""
 
     name: str
     description: Optional[str] = None
     input_schema: dict[str, Any]
     type: Optional[Literal["custom"]] = None
+    defer_loading: Optional[bool] = None
+
+
+class ServerTool(OpenAIModel):
+    """A tool Anthropic's platform runs (web_search_..., code_execution_..., bash_..., with a
+    `type`): left out here (protocol.HostedTool)."""
+
+    type: str
+    name: Optional[str] = None
+
+
+def _tool_kind(value: Any) -> Optional[str]:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in (None, "custom"):
+        return "client"
+    return "server" if isinstance(kind, str) else None
+
+
+AnyTool = Annotated[
+    Union[Annotated[Tool, Tag("client")], Annotated[ServerTool, Tag("server")]],
+    Discriminator(_tool_kind, custom_error_type="invalid_tool",
+                  custom_error_message="a tool must be an object with a name and input_schema, or a server "
+                                       "tool's type (which is ignored)"),
+]
 
 
 class ToolChoice(OpenAIModel):
@@ -143,11 +219,17 @@ class OutputConfig(OpenAIModel):
     effort: Optional[str] = None
 
 
+# Claude Code's first system block: accounting for Anthropic's API, not words for the model, and
+# different in every request (a hash of the request): left in, no two prompts would share their
+# system prompt and tools in the prefix cache.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
 class CountTokensRequest(OpenAIModel):
     model: Optional[str] = None
     messages: list[InputMessage]
     system: Union[str, list[TextBlock], None] = None
-    tools: Optional[list[Tool]] = None
+    tools: Optional[list[AnyTool]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[ThinkingConfig] = None
     output_config: Optional[OutputConfig] = None
@@ -156,8 +238,9 @@ class CountTokensRequest(OpenAIModel):
         if not self.messages:
             raise InvalidRequestError("messages: at least one message is required")
         messages: list[dict[str, Any]] = []
-        if self.system:
-            system = self.system if isinstance(self.system, str) else "\n\n".join(b.text for b in self.system)
+        system = self.system if isinstance(self.system, str) else "\n\n".join(
+            b.text for b in self.system or [] if not b.text.startswith(BILLING_HEADER))
+        if system:
             messages.append({"role": "system", "content": system})
         for m in self.messages:
             messages += _to_chat(m)
@@ -177,7 +260,8 @@ class CountTokensRequest(OpenAIModel):
                 "name": "output", "schema": fmt.schema_}},
             "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                         "parameters": t.input_schema}}
-                      for t in self.tools] if self.tools else None,
+                      if isinstance(t, Tool) else {"type": t.type} for t in self.tools
+                      if not (isinstance(t, Tool) and t.defer_loading)] or None if self.tools else None,
             "chat_template_kwargs": self.thinking.template_kwargs() if self.thinking is not None else None,
             **sampling,
         })
@@ -191,11 +275,18 @@ class MessagesRequest(CountTokensRequest):
     top_k: Optional[int] = None
     metadata: Optional[Metadata] = None
     stream: Optional[bool] = False
-    seed: Optional[int] = None  # not Anthropic's: reproducible sampling, as vLLM's extension
+    # Not Anthropic's: vLLM's sampling extensions, for clients that send them as extra body fields.
+    seed: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
 
     def sampling(self) -> dict[str, Any]:
         return {"max_completion_tokens": self.max_tokens, "stop": self.stop_sequences,
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "user": self.metadata.user_id if self.metadata is not None else None}
 
 
@@ -204,6 +295,10 @@ def _to_chat(message: InputMessage) -> list[dict[str, Any]]:
     messages (before its text), an assistant message's tool_use blocks its tool calls."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
+    if message.role == "system":
+        return [{"role": "system", "content": "".join(_text_of(b) for b in message.content
+                                                      if not isinstance(b, (ToolUseBlock, ToolResultBlock,
+                                                                            ThinkingBlock)))}]
     texts: list[str] = []
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []

@@ -3,22 +3,33 @@ response object with its output items.
 
 A request is translated into a chat completion request (`ResponsesRequest.chat_request`), so
 the chat template, tool calling (choice, constraint, parsing) and structured output are the
-ones chat completions use. Fields OpenAI has and Tessera has no use for (truncation, include,
-prompt cache keys) are ignored, as unknown fields are everywhere; a known
-field with the wrong type, an input item of a type Tessera does not serve, or a tool other than
-a function is a 400.
+ones chat completions use, and so are its rules for what agents send:
+- tools: `function`; a `namespace`'s function tools, offered under flat names
+  (`<namespace>__<name>`, as Codex flattens them) and their calls returned with `name` and
+  `namespace` apart; `custom` (freeform) tools, whose calls come back as `custom_tool_call`
+  items carrying text; hosted tools (web_search, file_search, code_interpreter, mcp,
+  local_shell, ...) left out, named in the x-tessera-ignored-tools header.
+- input items: messages of every role (`developer` is `system`), function and custom tool calls
+  and their outputs, reasoning items (left out of the prompt); items of hosted tools
+  (web_search_call, ...) and other kinds this server has no use for are skipped.
+Fields OpenAI has and Tessera has no use for (truncation, include, prompt_cache_key,
+max_tool_calls, service_tier) are ignored, as unknown fields are everywhere; a known field with
+the wrong type is a 400, and so is an image or file for a model that reads text.
 """
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import (
+    Discriminator, Field, SerializerFunctionWrapHandler, Tag, ValidationError, field_validator, model_serializer,
+)
 
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.errors import validation_error
-from tessera.server.protocol import ChatCompletionRequest, OpenAIModel
+from tessera.server.protocol import FREEFORM_ARGUMENT, ChatCompletionRequest, OpenAIModel
 
 # ----------------------------------------------------------------------------- input items
 
@@ -42,6 +53,8 @@ class MessageItem(OpenAIModel):
             return self.content
         texts = []
         for part in self.content:
+            if part.type == "refusal":  # an earlier turn's refusal: not shown again
+                continue
             if part.type not in ("input_text", "output_text", "text"):
                 raise InvalidRequestError(f"content parts of type {part.type!r} are not supported; this server's "
                                           "models read text only (input_text, output_text)")
@@ -58,8 +71,28 @@ class FunctionCallItem(OpenAIModel):
     call_id: str
     name: str
     arguments: str
+    namespace: Optional[str] = None  # the call of a namespace's function
     id: Optional[str] = None
     status: Optional[str] = None
+
+
+class CustomToolCallItem(OpenAIModel):
+    """An earlier turn's call of a freeform tool, with its text."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class SkippedItem(OpenAIModel):
+    """An item this server has no use for in a prompt: a hosted tool's call or result
+    (web_search_call, file_search_call, ...), an item_reference to a stored item, a compaction.
+    Skipped rather than refused, as a transcript an agent keeps may hold any of them."""
+
+    type: str
 
 
 class FunctionCallOutputItem(OpenAIModel):
@@ -75,6 +108,10 @@ class FunctionCallOutputItem(OpenAIModel):
         return MessageItem(role="user", content=self.output).text()
 
 
+class CustomToolCallOutputItem(FunctionCallOutputItem):
+    type: Literal["custom_tool_call_output"]  # type: ignore[assignment]
+
+
 class ReasoningInputItem(OpenAIModel):
     """An earlier turn's reasoning, sent back by clients that keep the whole transcript (Codex):
     accepted and left out of the prompt, as chat templates leave earlier turns' reasoning out."""
@@ -86,22 +123,28 @@ class ReasoningInputItem(OpenAIModel):
     encrypted_content: Optional[str] = None
 
 
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call",
+                    "custom_tool_call_output", "reasoning")
+
+
 def _item_type(value: Any) -> Optional[str]:
     """A message may leave out its type (OpenAI's EasyInputMessage); other items must say theirs."""
-    if isinstance(value, dict):
-        return value.get("type", "message" if "role" in value else None)
-    return getattr(value, "type", None)
+    kind = value.get("type", "message" if "role" in value else None) if isinstance(value, dict) \
+        else getattr(value, "type", None)
+    if kind in INPUT_ITEM_TYPES:
+        return kind
+    return "skipped" if isinstance(kind, str) else None
 
-
-INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 InputItem = Annotated[
     Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
           Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-          Annotated[ReasoningInputItem, Tag("reasoning")]],
+          Annotated[CustomToolCallItem, Tag("custom_tool_call")],
+          Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
+          Annotated[ReasoningInputItem, Tag("reasoning")], Annotated[SkippedItem, Tag("skipped")]],
     Discriminator(_item_type, custom_error_type="invalid_input_item",
-                  custom_error_message="an input item must be an object whose type is one of "
-                                       + ", ".join(INPUT_ITEM_TYPES)),
+                  custom_error_message="an input item must be an object with a role, or with a string type ("
+                                       + ", ".join(INPUT_ITEM_TYPES) + ", ...)"),
 ]
 
 
@@ -115,22 +158,86 @@ class FunctionTool(OpenAIModel):
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
+    def chat_tool(self, name: Optional[str] = None) -> dict[str, Any]:
+        fields = self.model_dump(exclude_none=True, exclude={"type"})
+        return {"type": "function", "function": {**fields, "name": name or self.name}}
+
+
+class NamespaceTool(OpenAIModel):
+    """A group of function tools (an MCP server's, say), which the model calls by flat names."""
+
+    type: Literal["namespace"]
+    name: str
+    description: Optional[str] = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+
+
+class CustomTool(OpenAIModel):
+    """A freeform tool (Codex's apply_patch): its input is text, in the grammar `format` names."""
+
+    type: Literal["custom"]
+    name: str
+    description: Optional[str] = None
+    format: Optional[dict[str, Any]] = None
+
+
+class HostedResponsesTool(OpenAIModel):
+    """web_search, file_search, code_interpreter, image_generation, computer_use, mcp, local_shell,
+    ...: run by OpenAI's platform, not here (protocol.HostedTool)."""
+
+    type: str
+
 
 def _tool_type(value: Any) -> Optional[str]:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "function" if kind == "function" else None
+    if kind in ("function", "namespace", "custom"):
+        return kind
+    return "hosted" if isinstance(kind, str) else None
 
 
 ResponsesTool = Annotated[
-    Union[Annotated[FunctionTool, Tag("function")]],
-    Discriminator(_tool_type, custom_error_type="unsupported_tool",
-                  custom_error_message="only tools of type 'function' are supported (no built-in tools)"),
+    Union[Annotated[FunctionTool, Tag("function")], Annotated[NamespaceTool, Tag("namespace")],
+          Annotated[CustomTool, Tag("custom")], Annotated[HostedResponsesTool, Tag("hosted")]],
+    Discriminator(_tool_type, custom_error_type="invalid_tool",
+                  custom_error_message="a tool must be an object with a string 'type' ('function', 'namespace', "
+                                       "'custom', or a hosted tool's type, which is ignored)"),
 ]
 
 
+def flat_name(namespace: str, name: str) -> str:
+    """A namespace's function as the model calls it: Codex's own flattening of the pair."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+@dataclass(frozen=True)
+class CallNames:
+    """How the model's calls map back to the client's tools: flat names of namespaced functions
+    (to their namespace and name) and the names of freeform tools."""
+
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    freeform: frozenset[str] = frozenset()
+
+    def model_name(self, name: str, namespace: Optional[str]) -> str:
+        return flat_name(namespace, name) if namespace else name
+
+
 class FunctionToolChoice(OpenAIModel):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+    namespace: Optional[str] = None
+
+
+class OtherToolChoice(OpenAIModel):
+    """`allowed_tools`, or a hosted tool's type: the model picks among the tools it is shown."""
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _not_named(cls, kind: str) -> str:
+        if kind in ("function", "custom"):
+            raise ValueError(f"a tool_choice of type {kind!r} needs the tool's name")
+        return kind
 
 
 class TextFormat(OpenAIModel):
@@ -166,7 +273,7 @@ class ResponsesRequest(OpenAIModel):
     input: Union[list[InputItem], str]  # the list first: a bad item is the error reported
     instructions: Optional[str] = None
     tools: Optional[list[ResponsesTool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, OtherToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
     text: Optional[TextConfig] = None
     reasoning: Optional[ReasoningConfig] = None
@@ -205,16 +312,40 @@ class ResponsesRequest(OpenAIModel):
                 "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
         choice: Any = self.tool_choice
         if isinstance(choice, FunctionToolChoice):
-            choice = {"type": "function", "function": {"name": choice.name}}
+            choice = {"type": "function", "function": {"name": self.call_names().model_name(choice.name,
+                                                                                           choice.namespace)}}
+        elif isinstance(choice, OtherToolChoice):
+            choice = {"type": "allowed_tools"}
         return chat_request({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "user": self.user, "response_format": response_format, "parallel_tool_calls": self.parallel_tool_calls,
-            "tools": [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                      for t in self.tools] if self.tools else None,
-            "tool_choice": choice,
+            "tools": self.chat_tools(), "tool_choice": choice,
             "chat_template_kwargs": self.reasoning.template_kwargs() if self.reasoning is not None else None,
         })
+
+    def chat_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The tools in chat completions' shapes: namespaces flattened, freeform tools as chat's
+        custom tools, hosted ones by their type (which the chat request leaves out)."""
+        if not self.tools:
+            return None
+        out: list[dict[str, Any]] = []
+        for tool in self.tools:
+            if isinstance(tool, FunctionTool):
+                out.append(tool.chat_tool())
+            elif isinstance(tool, NamespaceTool):
+                out += [t.chat_tool(flat_name(tool.name, t.name)) for t in tool.tools]
+            elif isinstance(tool, CustomTool):
+                out.append({"type": "custom", "custom": tool.model_dump(exclude_none=True, exclude={"type"})})
+            else:
+                out.append({"type": tool.type})
+        return out
+
+    def call_names(self) -> CallNames:
+        namespaced = {flat_name(tool.name, t.name): (tool.name, t.name)
+                      for tool in self.tools or [] if isinstance(tool, NamespaceTool) for t in tool.tools}
+        freeform = frozenset(tool.name for tool in self.tools or [] if isinstance(tool, CustomTool))
+        return CallNames(namespaced, freeform)
 
 
 def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -234,21 +365,25 @@ def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": item.text()})
-        elif isinstance(item, FunctionCallItem):
-            try:
-                json.loads(item.arguments or "{}")
-            except json.JSONDecodeError:
-                raise InvalidRequestError(f"function_call {item.name!r}: arguments are not valid JSON") from None
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+        elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+            if isinstance(item, FunctionCallItem):
+                try:
+                    json.loads(item.arguments or "{}")
+                except json.JSONDecodeError:
+                    raise InvalidRequestError(f"function_call {item.name!r}: arguments are not valid JSON") from None
+                name = CallNames().model_name(item.name, item.namespace)
+                arguments = item.arguments or "{}"
+            else:
+                name, arguments = item.name, json.dumps({FREEFORM_ARGUMENT: item.input}, ensure_ascii=False)
+            call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif isinstance(item, FunctionCallOutputItem):
+        elif isinstance(item, FunctionCallOutputItem):  # custom_tool_call_output too
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-        # reasoning items: not part of the prompt (see ReasoningInputItem)
+        # reasoning items are not part of the prompt (see ReasoningInputItem), nor are SkippedItems
     return messages
 
 
@@ -284,7 +419,8 @@ class ReasoningItem(OpenAIModel):
 
 
 class FunctionCallOutput(OpenAIModel):
-    """A call the model makes (an output item; the client answers with function_call_output)."""
+    """A call the model makes (an output item; the client answers with function_call_output).
+    `namespace` only for a namespace's function (then `name` is the function's own)."""
 
     id: str
     type: Literal["function_call"] = "function_call"
@@ -292,9 +428,28 @@ class FunctionCallOutput(OpenAIModel):
     call_id: str
     name: str
     arguments: str = ""
+    namespace: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_namespace(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("namespace") is None:
+            data.pop("namespace", None)
+        return data
 
 
-OutputItem = Union[OutputMessage, ReasoningItem, FunctionCallOutput]
+class CustomToolCallOutput(OpenAIModel):
+    """A freeform tool's call (the client answers with custom_tool_call_output)."""
+
+    id: str
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    status: str = "in_progress"
+    call_id: str
+    name: str
+    input: str = ""
+
+
+OutputItem = Union[OutputMessage, ReasoningItem, FunctionCallOutput, CustomToolCallOutput]
 
 
 class InputTokensDetails(OpenAIModel):

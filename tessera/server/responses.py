@@ -30,10 +30,10 @@ from tessera.engine.outputs import RequestOutput
 from tessera.server.chat import chat_run
 from tessera.server.errors import APIError
 from tessera.server.output import parse_whole, typed_sse
-from tessera.server.protocol import UsageInfo
+from tessera.server.protocol import FREEFORM_ARGUMENT, OpenAIModel, UsageInfo, freeform_input
 from tessera.server.protocol_responses import (
-    FunctionCallOutput, FunctionToolChoice, IncompleteDetails, OutputItem, OutputMessage, OutputText, ReasoningItem,
-    ReasoningText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, items_to_messages,
+    CallNames, CustomToolCallOutput, FunctionCallOutput, IncompleteDetails, OutputItem, OutputMessage, OutputText,
+    ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, items_to_messages,
 )
 from tessera.server.serving import Run, StreamRenderer, record_usage, usage_of
 from tessera.server.tools import OutputParser, ParserEvent
@@ -129,10 +129,12 @@ class ResponseBuilder:
     one take the same steps. Items open when their kind of output starts and close when
     another starts (or the output ends)."""
 
-    def __init__(self, response: ResponseObject) -> None:
+    def __init__(self, response: ResponseObject, names: CallNames = CallNames()) -> None:
         self.response = response
+        self.names = names  # the client's names for the model's calls
         self.sequence = 0
         self.item: Optional[OutputItem] = None  # the item being written
+        self.arguments = ""  # a freeform call's arguments as the model writes them (JSON around the text)
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -168,13 +170,22 @@ class ResponseBuilder:
                                       output_index=self._index(), content_index=0, delta=e.text))
             elif e.kind == "call":
                 assert e.call is not None
-                out += self._open(FunctionCallOutput(id=f"fc_{_hex()}", call_id=e.call.id, name=e.call.name))
+                out += self._open(self._call_item(e.call.id, e.call.name))
+            elif isinstance(self.item, CustomToolCallOutput):  # its text is sent whole when it closes
+                self.arguments += e.text
             else:  # argument text of the call just opened
                 assert isinstance(self.item, FunctionCallOutput)
                 self.item.arguments += e.text
                 out.append(self.event("response.function_call_arguments.delta", item_id=self.item.id,
                                       output_index=self._index(), delta=e.text))
         return out
+
+    def _call_item(self, call_id: str, name: str) -> OutputItem:
+        """The output item of a call of the tool the model knows as `name`."""
+        if name in self.names.freeform:
+            return CustomToolCallOutput(id=f"ctc_{_hex()}", call_id=call_id, name=name)
+        namespace, own = self.names.namespaced.get(name, (None, name))
+        return FunctionCallOutput(id=f"fc_{_hex()}", call_id=call_id, name=own, namespace=namespace)
 
     def _index(self) -> int:
         return len(self.response.output) - 1
@@ -206,6 +217,12 @@ class ResponseBuilder:
                                   **extra))
             out.append(self.event("response.content_part.done", item_id=item.id, output_index=index,
                                   content_index=0, part=part.model_dump(mode="json")))
+        elif isinstance(item, CustomToolCallOutput):
+            item.input, self.arguments = freeform_input(self.arguments), ""
+            out.append(self.event("response.custom_tool_call_input.delta", item_id=item.id, output_index=index,
+                                  delta=item.input))
+            out.append(self.event("response.custom_tool_call_input.done", item_id=item.id, output_index=index,
+                                  input=item.input))
         else:
             out.append(self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                   name=item.name, arguments=item.arguments))
@@ -235,8 +252,16 @@ def assistant_turn(output: list[OutputItem]) -> dict[str, Any]:
     """A response's output as the assistant message a following turn's prompt shows (its
     reasoning left out, as chat templates leave earlier turns' reasoning out)."""
     text = "".join(p.text for item in output if isinstance(item, OutputMessage) for p in item.content)
-    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-             for item in output if isinstance(item, FunctionCallOutput)]
+    calls = []
+    for item in output:  # as the model wrote them: flat names, a freeform call's text as its argument
+        if isinstance(item, FunctionCallOutput):
+            function = {"name": CallNames().model_name(item.name, item.namespace), "arguments": item.arguments}
+        elif isinstance(item, CustomToolCallOutput):
+            function = {"name": item.name,
+                        "arguments": json.dumps({FREEFORM_ARGUMENT: item.input}, ensure_ascii=False)}
+        else:
+            continue
+        calls.append({"id": item.call_id, "type": "function", "function": function})
     return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
 
 
@@ -272,6 +297,9 @@ class ResponsesStream(StreamRenderer):
         out = self.builder.fail(err)
         self._keep()
         return out
+
+    def keepalive(self) -> list[str]:
+        return [self.builder.event("response.in_progress", response=self.builder.response.model_dump(mode="json"))]
 
     def _keep(self) -> None:
         if self.keep is not None:
@@ -330,11 +358,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         reasoning=body.reasoning.model_dump(mode="json") if body.reasoning is not None else None,
         text={"format": body.text.format.model_dump(mode="json", by_alias=True, exclude_none=True)}
         if body.text is not None and body.text.format is not None else {"format": {"type": "text"}},
-        tool_choice=(body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionToolChoice)
+        tool_choice=(body.tool_choice.model_dump(exclude_none=True) if isinstance(body.tool_choice, OpenAIModel)
                      else body.tool_choice or "auto"),
         tools=[t.model_dump(exclude_none=True) for t in body.tools or []])
     keep = StoredResponse(response, conversation) if body.store is not False else None
-    builder, parser = ResponseBuilder(response), parsers()
+    builder, parser = ResponseBuilder(response, body.call_names()), parsers()
 
     if body.background:
         assert keep is not None

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
     from tessera.server.traffic import TrafficRecorder
 
+# A stream whose first token has not come this many seconds after the request starts anyway, and
+# sends keep-alives this often until it comes (Run.stream).
+STREAM_START_S = 5.0
+KEEPALIVE_S = 10.0
 # nginx's "client closed request"; only ever seen in the access log, the client is gone.
 CLIENT_CLOSED_REQUEST = 499
 # JSON has no -inf; a token the model rules out gets this instead (as vLLM does).
@@ -163,6 +167,7 @@ class Run:
     # aborts nothing; the deadline, a cancel and shutdown still do.
     watch_client: bool = True
     pooling: Optional[PoolingParams] = None  # embedding inputs rather than prompts to generate from
+    headers: dict[str, str] = field(default_factory=dict)  # said in the response besides the route's
 
     @property
     def engine(self) -> ServingEngine:
@@ -199,7 +204,7 @@ class Run:
 
     def json(self, body: dict) -> Response:
         """A whole response, saying which model answered."""
-        return JSONResponse(body, headers=self.route.headers())
+        return JSONResponse(body, headers={**self.route.headers(), **self.headers})
 
     def _note(self, outcome: str) -> None:
         """Why the request ended early, for the access log line."""
@@ -251,16 +256,29 @@ class Run:
 
     async def stream(self, renderer: StreamRenderer, framing: Optional[StreamFraming] = None) -> Response:
         """A streamed response once every prompt is admitted, else the error response; `framing`
-        is the API's (server-sent events by default)."""
+        is the API's (server-sent events by default).
+
+        Admission refusals (a full queue, a prompt that can never fit) come at once, as an HTTP
+        status. A prompt whose first token takes longer than STREAM_START_S (an agent's 10-30k
+        tokens on a CPU take minutes) gets its stream started anyway, the API's opening events
+        and then its keep-alives every KEEPALIVE_S: clients that hear nothing for a few minutes
+        give up and send the request again (Claude Code does), which only queues it twice."""
         framing = framing or SSE
         gen = self.generation()
         await gen.__aenter__()
         outputs = gen.outputs()
         first: list[tuple[int, RequestOutput]] = []
+        pending: Optional[asyncio.Future] = None
         try:
             admitted: set[int] = set()
+            started = time.monotonic()
             while len(admitted) < len(self.prompts):
-                index, output = await outputs.__anext__()
+                pending = asyncio.ensure_future(outputs.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=max(0.0, STREAM_START_S - (time.monotonic() - started)))
+                if not done:
+                    break  # a long prefill: the stream starts, the output follows when it comes
+                index, output = pending.result()
+                pending = None
                 admitted.add(index)
                 first.append((index, output))
         except BaseException as exc:
@@ -281,23 +299,37 @@ class Run:
                     return await self.stream(renderer, framing)
                 return framing.error_response(self._recorded(self.error(exc), {}, stream=True))
             raise
-        return StreamingResponse(self._events(gen, outputs, first, renderer, framing), media_type=framing.media_type,
+        return StreamingResponse(self._events(gen, outputs, first, pending, renderer, framing),
+                                 media_type=framing.media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          **self.route.headers()})
+                                          **self.route.headers(), **self.headers})
 
     async def _events(self, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                      first: list[tuple[int, RequestOutput]], renderer: StreamRenderer,
-                      framing: StreamFraming) -> AsyncIterator[str]:
+                      first: list[tuple[int, RequestOutput]], pending: Optional[asyncio.Future],
+                      renderer: StreamRenderer, framing: StreamFraming) -> AsyncIterator[str]:
+        """The stream's events: `first` (the outputs that came before it started), then the
+        output awaited as `pending` (if it started before every prompt's first output), with
+        keep-alives while it is awaited, then the rest."""
         finals: dict[int, RequestOutput] = {}
         status, error = 200, None  # for --record-traffic
         try:
             for event in renderer.start():
                 yield event
-            for index, output in first:
-                if output.finished:
-                    finals[index] = output
-                for event in renderer.render(index, output):
-                    yield event
+            while True:
+                for index, output in first:
+                    if output.finished:
+                        finals[index] = output
+                    for event in renderer.render(index, output):
+                        yield event
+                first = []
+                if pending is None:
+                    break
+                done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+                if not done:
+                    for event in renderer.keepalive() if framing is SSE else []:
+                        yield event
+                    continue
+                first, pending = [pending.result()], None
             async for index, output in outputs:
                 if output.finished:
                     finals[index] = output
@@ -329,6 +361,8 @@ class Run:
             for event in renderer.error(err):
                 yield event
         finally:
+            if pending is not None:
+                pending.cancel()
             await gen.close()
             self._record(status, finals, stream=True, error=error)
 
@@ -364,6 +398,11 @@ class StreamRenderer(Protocol):
     def error(self, err: APIError) -> list[str]:
         """The events that end the stream when `err` stops it after its headers were sent."""
         return [err.sse_event()]
+
+    def keepalive(self) -> list[str]:
+        """What is sent while a long prompt's first token is awaited: an SSE comment, which
+        parsers skip (Messages sends Anthropic's `ping` events, Responses `response.in_progress`)."""
+        return [": keep-alive\n\n"]
 
 
 DONE = "data: [DONE]\n\n"

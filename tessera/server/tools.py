@@ -116,6 +116,7 @@ def render_prompt(tokenizer: Any, settings: OutputParsing, messages: list[dict[s
     """A conversation (chat-template messages) as prompt text, with the model's template or the
     server's override; tools through the template if it renders them, else as a system message.
     Any API's messages go through here once turned into chat-template messages."""
+    messages = _leading_system_joined(messages)
     template = settings.template(tokenizer.chat_template)
     template_tools = None
     if template_renders_tools(template):
@@ -130,10 +131,50 @@ def render_prompt(tokenizer: Any, settings: OutputParsing, messages: list[dict[s
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              tools=template_tools, **extra)
-    except InvalidRequestError:
-        raise
     except Exception as exc:  # jinja templates raise for e.g. roles they do not know or a bad order
+        plain = _plain_turns(messages)
+        if plain != messages:
+            try:
+                return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                     tools=template_tools, **extra)
+            except Exception:  # noqa: BLE001 - the first refusal is the one to report
+                pass
+        if isinstance(exc, InvalidRequestError):
+            raise
         raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}") from exc
+
+
+def _text_join(parts: list[Any]) -> str:
+    return "\n\n".join(p for p in parts if p)
+
+
+def _leading_system_joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages before the first other message as one: a template's system prompt is
+    its first message (agents send instructions and then developer messages, each a system one)."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n < 2:
+        return messages
+    return [{"role": "system", "content": _text_join([m.get("content") or "" for m in messages[:n]])}] + messages[n:]
+
+
+def _plain_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as the strictest templates take it (those that refuse a system message
+    after the first, or two user turns in a row): every system message's text joined into the
+    first, consecutive plain user turns joined. Only used when the template refused the messages
+    as they were, so templates that read them as sent still do."""
+    system = [m.get("content") or "" for m in messages if m["role"] == "system"]
+    out: list[dict[str, Any]] = [{"role": "system", "content": _text_join(system)}] if system else []
+    for m in messages:
+        if m["role"] == "system":
+            continue
+        last = out[-1] if out else None
+        if (last is not None and m["role"] == last["role"] == "user" and set(m) == set(last) == {"role", "content"}):
+            last["content"] = _text_join([last["content"] or "", m.get("content") or ""])
+        else:
+            out.append(dict(m))
+    return out
 
 
 __all__ = [

@@ -20,6 +20,9 @@ from tessera.server.output_parsers.json_calls import JsonCallParser, parse_call_
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 BARE_OPEN = '{"name": '
+# The same object pretty-printed, as Qwen2.5-Coder writes it under a long agent prompt (often in
+# a ```json fence): also a call's start, held to the tools' names and schemas like the others.
+BARE_OPENS = (BARE_OPEN, '{\n  "name": ', '{\n    "name": ')
 _OPENERS = re.compile(r'<tool_call>|\{\s*"name"\s*:')
 
 
@@ -107,8 +110,11 @@ class HermesToolParser(JsonCallParser):
         if mode == "auto" and fmt.get("type") == "triggered_tags":
             # Free text may also start a call without the tags ({"name": ...}), which small Qwen2.5
             # models write on their own; it is held to the same schemas.
-            fmt["triggers"].append(BARE_OPEN)
-            fmt["tags"] += [dict(t, begin=t["begin"].removeprefix(CALL_OPEN + "\n"), end="}") for t in fmt["tags"]]
+            fmt["triggers"] += list(BARE_OPENS)
+            tagged = list(fmt["tags"])
+            for opener in BARE_OPENS:
+                fmt["tags"] += [dict(t, begin=opener + t["begin"].removeprefix(CALL_OPEN + "\n" + BARE_OPEN), end="}")
+                                for t in tagged]
         return fmt
 
     @classmethod
