@@ -418,15 +418,20 @@ class ReasoningItem(OpenAIModel):
     content: list[ReasoningText] = Field(default_factory=list)
 
 
-class FunctionCallOutput(OpenAIModel):
-    """A call the model makes (an output item; the client answers with function_call_output).
-    `namespace` only for a namespace's function (then `name` is the function's own)."""
+class _CallOutput(OpenAIModel):
+    """A call the model makes, as an output item."""
 
     id: str
-    type: Literal["function_call"] = "function_call"
     status: str = "in_progress"
     call_id: str
     name: str
+
+
+class FunctionCallOutput(_CallOutput):
+    """A function's call (the client answers with function_call_output). `namespace` only for a
+    namespace's function (then `name` is the function's own)."""
+
+    type: Literal["function_call"] = "function_call"
     arguments: str = ""
     namespace: Optional[str] = None
 
@@ -438,14 +443,10 @@ class FunctionCallOutput(OpenAIModel):
         return data
 
 
-class CustomToolCallOutput(OpenAIModel):
+class CustomToolCallOutput(_CallOutput):
     """A freeform tool's call (the client answers with custom_tool_call_output)."""
 
-    id: str
     type: Literal["custom_tool_call"] = "custom_tool_call"
-    status: str = "in_progress"
-    call_id: str
-    name: str
     input: str = ""
 
 
