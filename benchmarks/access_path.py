@@ -41,7 +41,7 @@ async def _per_request(middleware: AccessControl, app: FastAPI, headers: list, n
 
 def main() -> None:
     from tessera.server.app import create_app  # the real route table
-    from tessera.server.router import ModelRouter, ModelSpec, ServedModel
+    from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
 
     app = create_app(router=ModelRouter([ServedModel(ModelSpec("m", "m"))]))
     keys = tuple(ApiKey(f"other-{i}", digest_of(f"sk-other-{i}")) for i in range(9)) + (

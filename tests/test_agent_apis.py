@@ -27,12 +27,12 @@ from tessera.engine.llm_engine import LLMEngine
 from tessera.metrics import MetricFamilies
 from tessera.server.app import create_app
 from tessera.server.errors import APIError
-from tessera.server.messages import MessageBuilder, MessagesStream
-from tessera.server.protocol_anthropic import MessageResponse
-from tessera.server.protocol_responses import ResponseObject
-from tessera.server.protocol import UsageInfo
-from tessera.server.responses import ResponseBuilder, ResponsesStream, ResponseStore, StoredResponse
-from tessera.server.router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.anthropic.serving import MessageBuilder, MessagesStream
+from tessera.server.anthropic.protocol import MessageResponse
+from tessera.server.responses.protocol import ResponseObject
+from tessera.server.openai.response_models import UsageInfo
+from tessera.server.responses.serving import ResponseBuilder, ResponsesStream, ResponseStore, StoredResponse
+from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
 from tessera.server.tools import OutputParsing, ParsedCall, ParserEvent, output_parser
 
 NAME = "tiny"
@@ -647,8 +647,8 @@ def test_messages_thinking_block_from_the_reasoning_parser(thinker, thinking):
 
 
 def test_thinking_settings_reach_the_template():
-    from tessera.server.protocol_anthropic import MessagesRequest
-    from tessera.server.protocol_responses import ResponsesRequest
+    from tessera.server.anthropic.protocol import MessagesRequest
+    from tessera.server.responses.protocol import ResponsesRequest
 
     def messages(thinking):
         return MessagesRequest.model_validate({"max_tokens": 5, "messages": USER, "thinking": thinking}) \

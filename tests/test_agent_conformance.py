@@ -28,9 +28,9 @@ from tiny_model import make_tiny_model
 
 from tessera.metrics import MetricFamilies
 from tessera.server.app import create_app
-from tessera.server.protocol import IGNORED_TOOLS_HEADER
-from tessera.server.protocol_anthropic import BILLING_HEADER, MessagesRequest
-from tessera.server.protocol_responses import ResponsesRequest, items_to_messages
+from tessera.server.openai.protocol import IGNORED_TOOLS_HEADER
+from tessera.server.anthropic.protocol import BILLING_HEADER, MessagesRequest
+from tessera.server.responses.protocol import ResponsesRequest, items_to_messages
 from tessera.server.tools import OutputParsing, render_prompt
 from tessera.tokenizer import Tokenizer
 
@@ -326,7 +326,7 @@ def test_a_strict_template_gets_the_system_texts_joined(folder):
 
 def test_max_tokens_is_a_ceiling():
     from tessera.sampling_params import SamplingParams
-    from tessera.server.chat import fit_context
+    from tessera.server.openai.chat import fit_context
 
     params = SamplingParams(max_tokens=32000)
     assert fit_context(params, 12000, 32768).max_tokens == 20768

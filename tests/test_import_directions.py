@@ -1,5 +1,6 @@
 """Imports run one way: server -> deploy -> engine front end -> engine loop -> core / worker ->
-models -> layers -> attention -> kernels (docs/ARCHITECTURE.md, module map).
+models -> layers -> attention -> kernels (docs/ARCHITECTURE.md, module map). Inside the server:
+launch -> app / topology -> one package per API -> the shared modules.
 
 Every `import` in tessera/ is read with ast (inside functions too; `if TYPE_CHECKING:` blocks,
 which never run, are left out) and checked against what its package may not import. A new
@@ -18,6 +19,17 @@ ENGINE_VOCABULARY = ("tessera.engine.errors", "tessera.engine.outputs", "tessera
 ENGINE_LOOP = ("tessera.engine.build", "tessera.engine.llm_engine", "tessera.engine.spec_decode",
                "tessera.engine.input_processor", "tessera.engine.output_processor")
 ABOVE_ENGINE = ("tessera.server", "tessera.deploy", "tessera.bench", "tessera.cli", "tessera.llm")
+
+# The server: one package per API (each may use OpenAI's, the conversion core, and no other),
+# shared modules below them, and on top the app (routes), the topology (engines) and launch.
+OPENAI = "tessera.server.openai"
+SERVER_APIS = (OPENAI, "tessera.server.responses", "tessera.server.anthropic", "tessera.server.ollama",
+               "tessera.server.tokenize")
+OPENAI_HANDLERS = tuple(f"{OPENAI}.{m}" for m in ("chat", "completions", "embeddings", "router"))
+SERVER_TOP = ("tessera.server.app", "tessera.server.launch", "tessera.server.topology", "tessera.server.admin")
+SERVER_SHARED = tuple(f"tessera.server.{m}" for m in (
+    "access_log", "auth", "config", "endpoint", "errors", "generation", "model_router", "output",
+    "output_parsers", "ratelimit", "serving", "tools", "traffic", "transport", "ui"))
 
 # package (or module) -> prefixes it must not import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -38,6 +50,12 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     **{m: ("tessera.engine.frontend",) + ABOVE_ENGINE for m in ENGINE_LOOP},
     "tessera.engine.frontend": ABOVE_ENGINE,
     "tessera.deploy": ("tessera.server", "tessera.bench", "tessera.cli"),
+    **{api: tuple(a for a in SERVER_APIS if a not in (api, OPENAI)) + SERVER_TOP for api in SERVER_APIS},
+    # The shared server modules know OpenAI's protocol (the vocabulary every API converts into)
+    # and nothing of any API's handlers, nor of the app or the topology.
+    **{m: tuple(a for a in SERVER_APIS if a != OPENAI) + OPENAI_HANDLERS + SERVER_TOP for m in SERVER_SHARED},
+    "tessera.server.app": ("tessera.server.launch", "tessera.server.topology"),
+    "tessera.server.topology": ("tessera.server.app", "tessera.server.launch") + SERVER_APIS,
 }
 
 
@@ -108,10 +126,16 @@ def test_imports_run_one_way() -> None:
 
 
 @pytest.mark.parametrize("package", ["tessera.engine.core", "tessera.engine.worker", "tessera.engine.frontend",
-                                     "tessera.deploy"])
+                                     "tessera.deploy", *SERVER_APIS, "tessera.server.output_parsers"])
 def test_the_mapped_packages_exist(package: str) -> None:
     """The rules name real packages (a rename that left a rule behind would make it vacuous)."""
     assert (ROOT.parent / package.replace(".", "/") / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize("module", [*SERVER_SHARED, *SERVER_TOP, *OPENAI_HANDLERS])
+def test_the_mapped_server_modules_exist(module: str) -> None:
+    path = ROOT.parent / module.replace(".", "/")
+    assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def test_the_check_catches_a_wrong_way_import(tmp_path: Path) -> None:
@@ -123,3 +147,7 @@ def test_the_check_catches_a_wrong_way_import(tmp_path: Path) -> None:
     assert (5, "tessera.engine.core.request") in imports
     assert all(not m.startswith("tessera.server") for _, m in imports)
     assert any(_matches("tessera.engine.core.request", p) for p in _rules_for("tessera.engine.worker.runner"))
+    # one API's package using another's (other than OpenAI's core) or a shared module using a handler
+    assert any(_matches("tessera.server.responses.protocol", p) for p in _rules_for("tessera.server.anthropic.protocol"))
+    assert not any(_matches("tessera.server.openai.protocol", p) for p in _rules_for("tessera.server.ollama.serving"))
+    assert any(_matches("tessera.server.openai.chat", p) for p in _rules_for("tessera.server.serving"))

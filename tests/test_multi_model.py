@@ -20,7 +20,7 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.errors import TesseraError
 from tessera.server.app import create_app
 from tessera.server.config import ServingSpec, parse_duration
-from tessera.server.router import FallbackCondition, FallbackRule, ModelRouter, ModelSpec, ServedModel
+from tessera.server.model_router import FallbackCondition, FallbackRule, ModelRouter, ModelSpec, ServedModel
 
 
 def fake_engine(step_s: float = 0.005, max_num_seqs: int = 4, queue: Optional[int] = None,

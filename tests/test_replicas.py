@@ -16,7 +16,7 @@ from tessera.deploy.replicas import NoReplicaError, ReplicaSet
 from tessera.engine.frontend.async_engine import AsyncLLMEngine, ServingEngine
 from tessera.sampling_params import SamplingParams
 from tessera.server.app import create_app
-from tessera.server.router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
 
 
 def fake(step_s: float = 0.002, fail_after_steps: Optional[int] = None, queue: Optional[int] = None) -> AsyncLLMEngine:

@@ -31,7 +31,8 @@ from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.engine.stats import IterationStats, SchedulerStats
 from tessera.sampling_params import InvalidRequestError, SamplingParams
-from tessera.server.app import DrainingServer, create_app
+from tessera.server.app import create_app
+from tessera.server.launch import DrainingServer
 
 MODEL = "fake-model"
 EOS = 256

@@ -11,17 +11,21 @@ import logging
 import math
 import re
 from http import HTTPStatus
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, TypeVar, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.sampling_params import InvalidRequestError
-from tessera.server.protocol import REQUEST_FIELDS, UNION_FIELDS, ErrorInfo, ErrorResponse
+from tessera.server.openai.protocol import REQUEST_FIELDS, UNION_FIELDS
+from tessera.server.openai.response_models import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("tessera.server")
+
+Model = TypeVar("Model", bound=BaseModel)
 
 # Seconds a client told "queue full" should wait before trying again.
 RETRY_AFTER_SECONDS = 1
@@ -123,6 +127,15 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=param)
+
+
+def validated(model: type[Model], fields: dict[str, Any]) -> Model:
+    """`model` from fields another API's request was translated into; a value it refuses (a tool
+    name the chat request does not allow, say) is a 400 like any other."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -23,12 +23,13 @@ from tessera.sampling_params import SamplingParams
 from tessera.server.auth import check_model, enter_queue
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
-from tessera.server.protocol import UsageInfo
-from tessera.server.router import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
+from tessera.server.openai.response_models import UsageInfo
+from tessera.server.model_router import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
     from tessera.server.traffic import TrafficRecorder
+    from tessera.slo import SLOSpec
 
 # A stream whose first token has not come this many seconds after the request starts anyway, and
 # sends keep-alives this often until it comes (Run.stream).
@@ -81,6 +82,7 @@ class ServerState:
     draining: bool = False  # shutting down: running requests finish, new ones get 503
     log_requests: bool = False  # prompts and outputs in the log (--log-requests)
     recorder: Optional[TrafficRecorder] = None  # --record-traffic
+    slo: Optional[SLOSpec] = None  # checked against the live percentiles on /v1/engine/live
 
     @property
     def model_name(self) -> str:

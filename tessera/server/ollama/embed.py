@@ -10,22 +10,17 @@ Both run through `embeddings.embed`, the engine path /v1/embeddings takes.
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, Optional, Union
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from tessera.pooling_params import PoolingParams
-from tessera.server.embeddings import Embedded, as_inputs, embed
-from tessera.server.errors import api_error_from
-from tessera.server.ollama import keep_alive_seconds, ollama_error
-from tessera.server.protocol_ollama import KeepAlive
+from tessera.server.openai.embeddings import Embedded, as_inputs, embed
+from tessera.server.ollama.serving import keep_alive_seconds
+from tessera.server.ollama.protocol import KeepAlive
 from tessera.server.serving import ServerState
-
-# The app's body reader: (request, request model, handler(body, request)) -> response.
-ParseThen = Callable[[Request, type, Callable[[Any, Request], Awaitable[Response]]], Awaitable[Response]]
-
 
 class OllamaEmbedRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -56,7 +51,8 @@ async def _embed(state: ServerState, request: Request, model: str, inputs: list[
         state.router.set_keep_alive(route.model, keep)
 
 
-async def _api_embed(state: ServerState, body: OllamaEmbedRequest, request: Request) -> Response:
+async def api_embed(body: OllamaEmbedRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.tessera
     inputs = as_inputs(body.input, "input")
     result = await _embed(state, request, body.model, inputs,
                           PoolingParams(normalize=True, dimensions=body.dimensions, truncate=body.truncate),
@@ -68,7 +64,8 @@ async def _api_embed(state: ServerState, body: OllamaEmbedRequest, request: Requ
                             "prompt_eval_count": result.prompt_tokens})
 
 
-async def _api_embeddings(state: ServerState, body: OllamaEmbeddingsRequest, request: Request) -> Response:
+async def api_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.tessera
     if not body.prompt:  # Ollama answers an empty prompt with an empty embedding
         state.router.resolve(body.model)
         return JSONResponse({"embedding": []})
@@ -77,24 +74,3 @@ async def _api_embeddings(state: ServerState, body: OllamaEmbeddingsRequest, req
     if isinstance(result, Response):
         return result
     return result.run.json({"embedding": result.vectors[0]})
-
-
-def add_ollama_embed_routes(app: FastAPI, parse_then: ParseThen) -> list[type[BaseModel]]:
-    """Register /api/embed and /api/embeddings; `parse_then` reads and validates a body (the app's,
-    with its size limit and draining check) and calls the handler. Returns the request models."""
-
-    async def answer(request: Request, model: type[BaseModel], handler) -> Response:
-        try:
-            return await parse_then(request, model, lambda body, req: handler(req.app.state.tessera, body, req))
-        except Exception as exc:  # noqa: BLE001 - every failure is an answer in Ollama's shape
-            return ollama_error(api_error_from(exc))
-
-    @app.post("/api/embed", openapi_extra={"summary": "Ollama: embed texts"})
-    async def api_embed(request: Request) -> Response:
-        return await answer(request, OllamaEmbedRequest, _api_embed)
-
-    @app.post("/api/embeddings", openapi_extra={"summary": "Ollama (older API): embed one prompt"})
-    async def api_embeddings(request: Request) -> Response:
-        return await answer(request, OllamaEmbeddingsRequest, _api_embeddings)
-
-    return [OllamaEmbedRequest, OllamaEmbeddingsRequest]

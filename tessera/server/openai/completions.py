@@ -11,8 +11,8 @@ from fastapi.responses import Response
 from tessera.engine.input_processor import check_token_ids
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
-from tessera.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                     UsageInfo)
+from tessera.server.openai.protocol import CompletionRequest
+from tessera.server.openai.response_models import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
 from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint

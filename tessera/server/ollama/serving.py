@@ -1,4 +1,5 @@
-"""Ollama's API on Tessera's port: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+"""Ollama's generation routes on Tessera's port: /api/chat and /api/generate (the model listing
+is in models.py, the embeddings in embed.py, the routes in router.py).
 
 Many tools people run beside local models speak Ollama's API rather than OpenAI's (Open WebUI,
 Continue, n8n, LangChain's ChatOllama, the `ollama` client). These handlers translate its
@@ -29,45 +30,33 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
-from tessera import __version__
 from tessera.engine.input_processor import check_token_ids
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from tessera.server.auth import check_model
-from tessera.server.chat import chat_prompt, chat_prompt_text
-from tessera.server.errors import APIError, validation_error
-from tessera.server.protocol import ChatCompletionRequest, UsageInfo
-from tessera.server.protocol_ollama import (
+from tessera.server.openai.chat import chat_prompt, chat_prompt_text
+from tessera.server.errors import APIError, validated
+from tessera.server.openai.protocol import ChatCompletionRequest
+from tessera.server.openai.response_models import UsageInfo
+from tessera.server.ollama.protocol import (
     DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, KeepAlive, OllamaChatRequest, OllamaGenerateRequest,
-    OllamaGenerationRequest, OllamaShowRequest,
+    OllamaGenerationRequest,
 )
-from tessera.server.router import ServedModel
+from tessera.server.model_router import ServedModel
 from tessera.server.serving import Run, ServerState, StreamFraming, clamp_logprob, record_usage, usage_of
 from tessera.server.tools import (
     OutputParser, OutputParsing, check_tools, output_parser, tool_choice_mode, tool_constraint,
 )
 
 if TYPE_CHECKING:
-    from tessera.config import ModelConfig
     from tessera.engine.frontend.async_engine import ServingEngine
 
-RequestModel = TypeVar("RequestModel", bound=BaseModel)
-Parser = Callable[[Request, "type[RequestModel]", Callable[[RequestModel, Request], Awaitable[Response]]],
-                  Awaitable[Response]]
-
-# The Ollama release whose API this one follows; clients read /api/version to decide what a
-# server supports (tool calls, JSON-schema formats), so it names Ollama's version, not Tessera's.
-OLLAMA_VERSION = "0.12.0"
-# Go's largest duration: what Ollama reports as the expiry of a model kept loaded for ever.
-_FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
 _LATEST = ":latest"
 
 
@@ -82,7 +71,7 @@ def ollama_error(err: APIError) -> JSONResponse:
 NDJSON = StreamFraming("application/x-ndjson", ollama_error)
 
 
-async def _guarded(request: Request, handler: Awaitable[Response]) -> Response:
+async def ollama_guarded(request: Request, handler: Awaitable[Response]) -> Response:
     """Every failure inside a handler becomes an Ollama error response; the server stays up."""
     try:
         return await handler
@@ -92,7 +81,7 @@ async def _guarded(request: Request, handler: Awaitable[Response]) -> Response:
         return ollama_error(request.app.state.tessera.error(exc))
 
 
-def _served(state: ServerState, name: Optional[str]) -> ServedModel:
+def served_model(state: ServerState, name: Optional[str]) -> ServedModel:
     """The model a request names (Ollama's implicit ":latest" tag accepted); 400 without a name
     and 404 for one this server does not serve, as Ollama answers."""
     if not name:
@@ -190,10 +179,7 @@ def _sampling_params(body: OllamaGenerationRequest, max_tokens: int,
 def _as_chat_request(messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
                      ) -> ChatCompletionRequest:
     """Ollama's messages and tools as the OpenAI request the chat template path reads."""
-    try:
-        return ChatCompletionRequest.model_validate({"messages": messages, "tools": tools or None})
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
+    return validated(ChatCompletionRequest, {"messages": messages, "tools": tools or None})
 
 
 def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
@@ -418,7 +404,7 @@ async def _answer(state: ServerState, request: Request, body: OllamaGenerationRe
 async def chat(body: OllamaChatRequest, request: Request) -> Response:
     timing = Timing(time.perf_counter_ns())
     state: ServerState = request.app.state.tessera
-    served = _served(state, body.model)
+    served = served_model(state, body.model)
     _refuse_unsupported(body, served.name)
     if not body.messages:
         return await _load_or_unload(state, request, served, keep_alive_seconds(body.keep_alive, served), "chat", timing)
@@ -443,7 +429,7 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
 async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     timing = Timing(time.perf_counter_ns())
     state: ServerState = request.app.state.tessera
-    served = _served(state, body.model)
+    served = served_model(state, body.model)
     _refuse_unsupported(body, served.name)
     if body.images:
         raise InvalidRequestError(f'"{served.name}" does not support images')
@@ -458,165 +444,3 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     return await _answer(state, request, body, served, "generate", timing,
                          lambda engine: _generate_ids(engine, served.output_parsing, body), _constraint(body),
                          parser=None)
-
-
-# ----------------------------------------------------------------------------- models
-
-
-def _local_path(served: ServedModel) -> Optional[Path]:
-    """The model's file or folder if it is on this machine (never downloads)."""
-    from tessera.models import registry
-
-    spec = served.spec.model
-    if registry.is_registry_name(spec):
-        path = registry.model_path(registry.get_entry(spec))
-        return path if path.is_file() else None
-    path = Path(spec).expanduser()
-    return path if path.exists() else None
-
-
-def _model_facts(served: ServedModel) -> dict[str, Any]:
-    """What /api/tags says of a model: size, digest, modification time and details (blocking:
-    an unregistered model's digest is hashed once, then remembered)."""
-    from tessera.models import registry
-
-    spec = served.spec.model
-    entry = registry.MODELS.get(spec) or registry.MODELS.get(spec.lower())
-    path = _local_path(served)
-    config = served.engine.model_config if served.engine is not None else None
-    size = entry.size if entry is not None else 0
-    if entry is None and path is not None:
-        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    digest = entry.sha256 if entry is not None else (registry.model_digest(path) if path is not None else "")
-    modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc) if path is not None else \
-        datetime.now(timezone.utc)
-    family = entry.architecture if entry is not None else (config.architecture if config is not None else "")
-    fmt = "gguf" if entry is not None or (path is not None and path.suffix.lower() == ".gguf") else "safetensors"
-    quant = entry.quantization if entry is not None else (config.quantization if config is not None else "")
-    return {"size": size, "digest": digest, "modified_at": modified.isoformat().replace("+00:00", "Z"),
-            "details": {"parent_model": "", "format": fmt, "family": family,
-                        "families": [family] if family else None,
-                        "parameter_size": entry.parameters if entry is not None else "",
-                        "quantization_level": quant}}
-
-
-def _config_and_template(served: ServedModel) -> tuple[Optional[ModelConfig], Optional[str]]:
-    """The model's shape and chat template: the loaded engine's, else read from its file without
-    the weights, else unknown (a model not on this machine yet)."""
-    engine = served.engine
-    if engine is not None:
-        return engine.model_config, engine.tokenizer.chat_template
-    path = _local_path(served)
-    if path is None:
-        return None, None
-    from tessera.models.info import load_model_info
-
-    config, tokenizer = load_model_info(path)
-    return config, tokenizer.chat_template
-
-
-def _model_info(config: ModelConfig) -> dict[str, Any]:
-    """Ollama's model_info keys (GGUF metadata names) for what Tessera knows of the model."""
-    arch = config.architecture
-    return {"general.architecture": arch, "general.basename": config.name,
-            f"{arch}.context_length": config.max_position_embeddings,
-            f"{arch}.embedding_length": config.hidden_size, f"{arch}.block_count": config.num_layers,
-            f"{arch}.feed_forward_length": config.intermediate_size,
-            f"{arch}.attention.head_count": config.num_heads,
-            f"{arch}.attention.head_count_kv": config.num_kv_heads,
-            f"{arch}.attention.key_length": config.head_dim, f"{arch}.rope.freq_base": config.rope_theta,
-            f"{arch}.vocab_size": config.vocab_size}
-
-
-async def tags(request: Request) -> Response:
-    """Every name this server answers to (aliases included), loaded or not."""
-    state: ServerState = request.app.state.tessera
-    models = []
-    for name, served in state.router.names():
-        facts = await asyncio.to_thread(_model_facts, served)
-        models.append({"name": name, "model": name, **facts})
-    return JSONResponse({"models": models})
-
-
-async def show(body: OllamaShowRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.tessera
-    served = _served(state, body.model or body.name)
-    facts = await asyncio.to_thread(_model_facts, served)
-    config, template = await asyncio.to_thread(_config_and_template, served)
-    capabilities = ["completion"] + (["tools"] if template else [])
-    parameters = ""
-    if served.engine is not None:
-        tokenizer = served.engine.tokenizer
-        stops = [tokenizer.token_text(i) for i in tokenizer.eos_token_ids]
-        parameters = "".join(f'stop "{s}"\n' for s in stops)
-    return JSONResponse({
-        "license": "", "modelfile": f"# Served by Tessera {__version__}\nFROM {served.spec.model}\n",
-        "parameters": parameters, "template": template or "", "details": facts["details"],
-        "model_info": _model_info(config) if config is not None else {}, "capabilities": capabilities,
-        "modified_at": facts["modified_at"]})
-
-
-def _expires_at(served: ServedModel, engine: ServingEngine) -> str:
-    now = datetime.now(timezone.utc)
-    keep = served.keep_alive
-    if keep is None or served.fixed or served.pinned:
-        expiry = now + _FOREVER
-    else:
-        idle = 0.0 if engine.num_active() > 0 else time.monotonic() - served.last_used
-        expiry = now + timedelta(seconds=max(0.0, keep - idle))
-    return expiry.isoformat().replace("+00:00", "Z")
-
-
-async def ps(request: Request) -> Response:
-    """The models loaded now; `size` is the weights' file plus the KV cache, all in CPU memory."""
-    state: ServerState = request.app.state.tessera
-    models = []
-    for served in state.router.loaded():
-        engine = served.engine
-        if engine is None:
-            continue
-        facts = await asyncio.to_thread(_model_facts, served)
-        size = facts["size"] + int(engine.kv_cache_info().get("bytes") or 0)
-        models.append({"name": served.name, "model": served.name, "size": size, "digest": facts["digest"],
-                       "details": facts["details"], "expires_at": _expires_at(served, engine), "size_vram": 0,
-                       "context_length": engine.config.max_model_len})
-    return JSONResponse({"models": models})
-
-
-OLLAMA_REQUESTS: list[type[BaseModel]] = [OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest]
-
-
-def install_ollama_api(app: FastAPI, parse: Parser, json_body: Callable[[type[BaseModel]], dict[str, Any]],
-                       root: bool) -> None:
-    """Add Ollama's endpoints; `parse` reads and validates a body (app._parse_then), `json_body`
-    describes it for /docs (the schemas are OLLAMA_REQUESTS). `root`: also answer GET/HEAD /
-    with "Ollama is running", as Ollama does (when the chat page is not there)."""
-
-    def post(path: str, model: type[RequestModel], handler: Callable[[RequestModel, Request], Awaitable[Response]]
-             ) -> None:
-        async def endpoint(request: Request) -> Response:
-            return await _guarded(request, parse(request, model, handler))
-
-        app.add_api_route(path, endpoint, methods=["POST"], name=f"ollama_{path.rsplit('/', 1)[-1]}",
-                          tags=["ollama"], openapi_extra=json_body(model))
-
-    post("/api/chat", OllamaChatRequest, chat)
-    post("/api/generate", OllamaGenerateRequest, generate)
-    post("/api/show", OllamaShowRequest, show)
-
-    @app.get("/api/tags", tags=["ollama"])
-    async def ollama_tags(request: Request) -> Response:
-        return await _guarded(request, tags(request))
-
-    @app.get("/api/ps", tags=["ollama"])
-    async def ollama_ps(request: Request) -> Response:
-        return await _guarded(request, ps(request))
-
-    @app.get("/api/version", tags=["ollama"])
-    async def ollama_version() -> Response:
-        return JSONResponse({"version": OLLAMA_VERSION, "tessera": __version__})
-
-    if root:
-        @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-        async def ollama_root() -> Response:
-            return PlainTextResponse("Ollama is running")

@@ -5,7 +5,7 @@ scheduler batches them as prefill-only chunks, the runner returns each one's poo
 and nothing is sampled or kept. The whole API request passes the queue bound once (a
 batch of inputs is one request of the client's) and shares one deadline, so a full queue
 is a 429 and a slow one a 504, as for completions. `embed` is what the Ollama routes
-(server/ollama_embed.py) call too.
+(server/ollama/embed.py) call too.
 """
 from __future__ import annotations
 
@@ -13,23 +13,20 @@ import base64
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Literal, Optional, Protocol, Union, runtime_checkable
+from typing import Literal, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from tessera.engine.errors import QueueFullError
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server.errors import APIError
-from tessera.server.protocol import OpenAIModel, Prompt, UsageInfo, prompt_list
-from tessera.server.router import Route
+from tessera.server.openai.protocol import OpenAIModel, Prompt, prompt_list
+from tessera.server.openai.response_models import UsageInfo
+from tessera.server.model_router import Route
 from tessera.server.serving import Run, ServerState, record_usage
-
-if TYPE_CHECKING:
-    from tessera.server.ollama_embed import ParseThen
 
 # OpenAI's own limit on inputs per request; also what keeps one body from queueing 10,000 requests.
 MAX_INPUTS = 2048
@@ -122,16 +119,3 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
             for i, v in enumerate(result.vectors)]
     return result.run.json({"object": "list", "data": data, "model": route.reported,
                             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}})
-
-
-def add_embedding_routes(app: FastAPI, guarded: Callable[[Request, Awaitable[Response]], Awaitable[Response]],
-                         parse_then: ParseThen, json_body: Callable[[type], dict]) -> list[type[BaseModel]]:
-    """Register POST /v1/embeddings (errors in OpenAI's shape through `guarded`) and Ollama's
-    embedding routes; returns the request models for the API docs."""
-    from tessera.server.ollama_embed import add_ollama_embed_routes
-
-    @app.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
-    async def embeddings(request: Request) -> Response:
-        return await guarded(request, parse_then(request, EmbeddingRequest, create_embedding))
-
-    return [EmbeddingRequest, *add_ollama_embed_routes(app, parse_then)]

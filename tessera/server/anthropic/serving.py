@@ -22,11 +22,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tessera.engine.outputs import RequestOutput
-from tessera.server.chat import chat_run
+from tessera.server.openai.chat import chat_run
 from tessera.server.errors import APIError
 from tessera.server.output import parse_whole, typed_sse
-from tessera.server.protocol import UsageInfo
-from tessera.server.protocol_anthropic import CountTokensRequest, MessageResponse, MessagesRequest, Usage, error_body
+from tessera.server.openai.response_models import UsageInfo
+from tessera.server.anthropic.protocol import CountTokensRequest, MessageResponse, MessagesRequest, Usage, error_body
 from tessera.server.serving import StreamRenderer, record_usage, usage_of
 from tessera.server.tools import OutputParser, ParserEvent
 

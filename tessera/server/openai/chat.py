@@ -11,10 +11,10 @@ from fastapi.responses import Response
 
 from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError, SamplingParams
-from tessera.server.protocol import (
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    IGNORED_TOOLS_HEADER, ChatResponseMessage, ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-    ToolCall, TopLogprob, UsageInfo,
+from tessera.server.openai.protocol import ChatCompletionRequest, IGNORED_TOOLS_HEADER, ToolCall
+from tessera.server.openai.response_models import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+    ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, TopLogprob, UsageInfo,
 )
 from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
 

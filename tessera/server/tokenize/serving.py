@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse, Response
 
 from tessera.engine.input_processor import check_token_ids
 from tessera.sampling_params import InvalidRequestError
-from tessera.server.chat import chat_prompt_text
+from tessera.server.openai.chat import chat_prompt_text
 from tessera.server.errors import APIError
-from tessera.server.protocol import ChatCompletionRequest, ChatMessage, ChatTool, OpenAIModel
+from tessera.server.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool, OpenAIModel
 from tessera.server.tools import OutputParsing
 
 if TYPE_CHECKING:

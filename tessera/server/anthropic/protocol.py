@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Discriminator, Field, Tag
 
 from tessera.sampling_params import InvalidRequestError
-from tessera.server.protocol import ChatCompletionRequest, OpenAIModel
-from tessera.server.protocol_responses import chat_request
+from tessera.server.errors import validated
+from tessera.server.openai.protocol import ChatCompletionRequest, OpenAIModel
 
 # ----------------------------------------------------------------------------- content blocks
 
@@ -254,7 +254,7 @@ class CountTokensRequest(OpenAIModel):
                 {"type": "function", "function": {"name": tc.name}}
             parallel = not tc.disable_parallel_tool_use
         fmt = self.output_config.format if self.output_config is not None else None
-        return chat_request({
+        return validated(ChatCompletionRequest, {
             "model": self.model, "messages": messages, "parallel_tool_calls": parallel, "tool_choice": choice,
             "response_format": None if fmt is None else {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": fmt.schema_}},

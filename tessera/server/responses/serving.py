@@ -27,11 +27,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tessera.engine.outputs import RequestOutput
-from tessera.server.chat import chat_run
+from tessera.server.openai.chat import chat_run
 from tessera.server.errors import APIError
 from tessera.server.output import parse_whole, typed_sse
-from tessera.server.protocol import FREEFORM_ARGUMENT, OpenAIModel, UsageInfo, freeform_input
-from tessera.server.protocol_responses import (
+from tessera.server.openai.protocol import FREEFORM_ARGUMENT, OpenAIModel, freeform_input
+from tessera.server.openai.response_models import UsageInfo
+from tessera.server.responses.protocol import (
     CallNames, CustomToolCallOutput, FunctionCallOutput, IncompleteDetails, OutputItem, OutputMessage, OutputText,
     ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, items_to_messages,
 )

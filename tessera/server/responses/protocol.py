@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
-    Discriminator, Field, SerializerFunctionWrapHandler, Tag, ValidationError, field_validator, model_serializer,
+    Discriminator, Field, SerializerFunctionWrapHandler, Tag, field_validator, model_serializer,
 )
 
 from tessera.sampling_params import InvalidRequestError
-from tessera.server.errors import validation_error
-from tessera.server.protocol import FREEFORM_ARGUMENT, ChatCompletionRequest, OpenAIModel
+from tessera.server.errors import validated
+from tessera.server.openai.protocol import FREEFORM_ARGUMENT, ChatCompletionRequest, OpenAIModel
 
 # ----------------------------------------------------------------------------- input items
 
@@ -316,7 +316,7 @@ class ResponsesRequest(OpenAIModel):
                                                                                            choice.namespace)}}
         elif isinstance(choice, OtherToolChoice):
             choice = {"type": "allowed_tools"}
-        return chat_request({
+        return validated(ChatCompletionRequest, {
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "user": self.user, "response_format": response_format, "parallel_tool_calls": self.parallel_tool_calls,
@@ -346,15 +346,6 @@ class ResponsesRequest(OpenAIModel):
                       for tool in self.tools or [] if isinstance(tool, NamespaceTool) for t in tool.tools}
         freeform = frozenset(tool.name for tool in self.tools or [] if isinstance(tool, CustomTool))
         return CallNames(namespaced, freeform)
-
-
-def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
-    """A chat completion request from another API's translated fields; a value the chat request
-    refuses (a tool name it does not allow, say) is a 400 like any other."""
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
 
 
 def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
