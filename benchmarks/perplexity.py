@@ -10,7 +10,7 @@ int8 activations against bfloat16 activations on the same weights.
 The text is tests/data/gfdl-1.3-head.txt (the GNU FDL 1.3's opening, ~2,500 tokens), cut to
 --tokens tokens and scored in one forward pass (prefill-sized, so quantized layers multiply by
 their dequantized weights: the weights' values are what is compared here; the kernels' agreement
-is tests/test_quantization.py's job).
+is tests/layers/test_quantization.py's job).
 
 `--activations` loads each model twice in bfloat16 with `--quantization auto`, with and without
 int8 activations (Q6_K and Q4_K tensors through kquant_gemm.c against int8 groups and int4 tiles

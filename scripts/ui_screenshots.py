@@ -5,7 +5,7 @@
 Starts `tessera serve` for the chat model, asks one question in the chat page and waits for the
 whole reply; then starts a server for the dashboard model, runs `--clients` streaming clients
 against it for `--load-s` seconds and captures the dashboard. Needs chromium, chromedriver and
-selenium (as tests/test_web_ui.py).
+selenium (as tests/server/test_web_ui.py).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ online softmax in float32 (FlashAttention's recurrence), so no context is gather
 padded and prefill chunks with prefix-cache hits need no special case.
 
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors in Triton's interpreter, so CI (no
-GPU) tests the very code the GPU compiles, at small shapes (tests/test_triton_attention.py; the
+GPU) tests the very code the GPU compiles, at small shapes (tests/kernels/test_triton_attention.py; the
 tests' conftest sets the variable where torch sees no GPU). The interpreter is far too slow to
 serve with.
 """
