@@ -5,7 +5,7 @@ MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test pull clean
+.PHONY: install serve test test-fast pull clean
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -18,6 +18,10 @@ serve: pull
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# For iteration: everything but the tests that need a real packaged model (marked `model`).
+test-fast: install
+	$(PY) -m pytest -m "not model" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

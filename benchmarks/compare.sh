@@ -26,7 +26,7 @@
 #
 # Peers are built by benchmarks/peers/setup_peers.sh (default location /work/peers).
 # Results: $RESULTS/<server>_<dataset>_c<N>.json, <server>_<dataset>_capacity.json, PNG plots
-# beside them, summary_<dataset>.md (the table for benchmarks/README.md) and compare_<dataset>.png.
+# beside them, summary_<dataset>.md (the table for docs/performance.md) and compare_<dataset>.png.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)

@@ -14,7 +14,7 @@ SMALL`, `when = ["queue_full", "queue_wait > W"]`. The load is `tessera bench se
 BIG=a,SMALL=b --request-rate R` (same seed in both arms: the same requests ask for the same model
 at the same times); its JSON records, per request, the model asked for, who answered
 (`x-tessera-model`) and why (`x-tessera-fallback-cause`). Writes <arm>.json, fallback.json and
-prints the table for benchmarks/README.md.
+prints the table for docs/serving.md ("Several models").
 """
 from __future__ import annotations
 

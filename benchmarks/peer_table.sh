@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The peer table in one run, on one host: the figures benchmarks/README.md's "Serving speed"
-# compares Tessera on, against llama.cpp server and vLLM's CPU build (benchmarks/peers):
+# The peer table in one run, on one host: the rows of docs/performance.md's per-machine tables,
+# Tessera against llama.cpp server and vLLM's CPU build (benchmarks/peers):
 #   1. smollm2-135m, random workload, 1/4/16/32 concurrent users: Tessera, llama.cpp, vLLM;
 #   2. qwen2.5-coder-1.5b, code-edit prompts, one user: Tessera, Tessera with n-gram
 #      speculation, llama.cpp (vLLM's CPU build cannot run the Q4_K_M file);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding by method and concurrency, Tessera and vLLM's CPU build side by side
-# (the table in benchmarks/README.md, "Speculative decoding: methods"). About an hour on 2 cores.
+# (the table in docs/performance.md, "Speculative decoding"). About an hour on 2 cores.
 #
 #   benchmarks/speculative_methods.sh            # everything below, into $OUT
 #   PARTS="tessera-c1 vllm-c1" benchmarks/speculative_methods.sh

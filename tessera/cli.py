@@ -63,7 +63,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "(default: tracing off)")
     g.add_argument("--config", default=None, metavar="TOML",
                    help="models to serve with per-model engine options, aliases, keep_alive and fallback rules "
-                        "(see README, 'Several models'); replaces the MODEL arguments")
+                        "(see docs/serving.md, 'Several models'); replaces the MODEL arguments")
     g.add_argument("--preload", action="store_true",
                    help="with several models: load them all at start instead of on their first request")
     g.add_argument("--keep-alive", default=None, metavar="DURATION",
@@ -78,7 +78,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "32 concurrent requests, the same latency alone), and a crash of the engine fails only its "
                         "requests and restarts it; --no-engine-process steps it on the server's main thread "
                         "(default: on; always on with several models)")
-    g = parser.add_argument_group("replicas and Ray (see README, 'Scale-out on Ray')")
+    g = parser.add_argument_group("replicas and Ray (see docs/scale-out.md, 'Ray')")
     g.add_argument("--replicas", type=int, default=1,
                    help="engine replicas per model behind one API, each an engine core with its own KV cache; "
                         "requests are spread by --router-policy (default: %(default)s)")
@@ -116,7 +116,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="do not log periodic engine statistics (throughput, KV cache use)")
     from tessera.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 
-    g = parser.add_argument_group("tool calls and reasoning (see README, 'Tool calls and reasoning')")
+    g = parser.add_argument_group("tool calls and reasoning (see docs/apis.md, 'Tool calling')")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the syntax the model writes tool calls in, parsed and enforced by the grammar "
                         "(default: detected from the chat template; hermes when it shows none)")
@@ -125,7 +125,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template text itself) used instead of the "
                         "model's own")
-    g = parser.add_argument_group("network access (see README, 'Serving on a network')")
+    g = parser.add_argument_group("network access (see docs/security.md)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="a key clients must send (Authorization: Bearer KEY, or x-api-key), with every scope; "
                         "repeatable; also read from TESSERA_API_KEY")
@@ -150,7 +150,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", type=int, default=1024,
                    help="open connections at most; past it a new one closes the longest-idle connection "
                         "(default: %(default)s)")
-    g = parser.add_argument_group("traffic recording and SLO (see README, 'Record, replay and tune')")
+    g = parser.add_argument_group("traffic recording and SLO (see docs/operations.md, 'Record, replay and tune')")
     g.add_argument("--record-traffic", default=None, metavar="PATH",
                    help="append every request to this JSONL trace (arrival, endpoint, token counts, sampling "
                         "settings, prefix-block hashes, how it ended), written off the request path; replay it "

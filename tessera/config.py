@@ -111,7 +111,7 @@ DEFAULT_PROFILE = "bursty"  # what `auto` means for a server; `tessera chat` pic
 # An encoder's step size where no flag sets it: its steps are whole inputs and nothing decodes, so
 # the profiles' decode-latency budgets do not apply, and larger steps amortise the per-step work
 # (all-MiniLM-L6-v2, 32 texts of 64 tokens: 1.49x sentence-transformers' texts/s in steps of 1,024
-# tokens, 2.1x in one step; benchmarks/README.md, "Embeddings").
+# tokens, 2.1x in one step; docs/performance.md, "Embeddings").
 ENCODER_MAX_NUM_BATCHED_TOKENS = 8192
 ENCODER_MAX_NUM_SEQS = 256
 PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "min_prefill_chunk",

@@ -248,7 +248,7 @@ class KeyBias:
     norm is over KEY_BIAS_OUTLIER times the head's median, zero elsewhere), whose channels are
     alike, and attention adds q . RoPE_p(b_out) back in float32 -- on a dense read as keys
     (prefill), in the decode kernel as a term of each score -- so q.k is what the model computed
-    up to the rounding of the residual (benchmarks/README.md, "int8 KV cache"). Only the outlier
+    up to the rounding of the residual (docs/models.md, "int8 KV cache"). Only the outlier
     pairs are carried so that the decode term costs a few multiply-adds per key (carrying all of
     them, a second q.k in PyTorch, made qwen2.5-coder-1.5b's decode step 1.2x slower).
 

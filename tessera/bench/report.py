@@ -1,7 +1,7 @@
 """`tessera bench report`: markdown tables (and a comparison plot) from saved result files.
 
-Used to turn the side-by-side runs of benchmarks/compare.sh into the table in
-benchmarks/README.md, so that the published numbers are exactly those in the JSON.
+Used to turn the side-by-side runs of benchmarks/compare.sh into the tables in
+docs/performance.md, so that the published numbers are exactly those in the JSON.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ class GatedMLP(nn.Module):
                                    prefix=prefix + ".gate_up_proj")
         # The product act(gate) * up carries the block's outlier channels: rounded to int8 per group
         # of 32 (int4 weights' int8-activation kernel) it cost SmolLM2-135M +1.2 % perplexity alone,
-        # the other projections together +0.6 % (benchmarks/README.md, "int8 activations for int4").
+        # the other projections together +0.6 % (docs/models.md, "int8 activations").
         self.down_proj = Linear(intermediate_size, hidden_size, quant, prefix=prefix + ".down_proj",
                                 int8_inputs=False)
         # SiLU x up in one C pass (kernels.silu_mul) where the AVX512-BF16 kernels run; decided on

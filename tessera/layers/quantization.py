@@ -82,7 +82,7 @@ INT8_REQUANT_GROUP = 32
 INT4_GEMM_MAX_ROWS = 64
 # Dense bf16 matmuls go to oneDNN, which JIT-compiles and caches one kernel per row count (M): a
 # server meeting ever new step sizes grows by ~0.3 MiB of code and buffers per new (M, N, K) until
-# the primitive cache (1,024 entries) is full (benchmarks/README.md, "soak"). Rows above
+# the primitive cache (1,024 entries) is full (docs/operations.md, "Reliability"). Rows above
 # ROW_BUCKET_MIN are padded to a few sizes per octave so the shapes repeat: at most 1/8 more rows.
 ROW_BUCKET_MIN = 16
 ROW_BUCKETS_PER_OCTAVE = 8

@@ -70,7 +70,7 @@ def make_workload(seed: int = 0, steps: int = 60) -> list[tuple[SchedulerStats, 
 
 
 def expected_observations(workload) -> dict[str, list[float]]:
-    """What each histogram must have seen, computed from the definitions in the README."""
+    """What each histogram must have seen, computed from the definitions in docs/operations.md."""
     obs: dict[str, list[float]] = {name: [] for name in HISTOGRAMS}
     for _, it in workload:
         obs["iteration_tokens_total"].append(it.num_prompt_tokens + it.num_generation_tokens)

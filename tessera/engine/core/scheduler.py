@@ -14,7 +14,7 @@ C call, so fewer, larger chunks serve the prompts at the matmuls' best rate and 
 the other steps decode-only), and when more requests
 wait for their first token than are decoding (the queue is then the larger
 latency: a 32-request burst waited behind 64-token chunks for up to 15 s; see
-benchmarks/README.md, latency and capacity). Waiting requests are admitted
+docs/performance.md, "Capacity and tuning"). Waiting requests are admitted
 first-come first-served while blocks, budget and the target allow; a newcomer's whole
 prompt must fit beside what the running requests' prompts still need (`_prompt_fits`),
 so admitting it does not preempt them later. When a running request cannot get a block
@@ -280,7 +280,7 @@ class Scheduler:
         blocks from requests that were already computed, and each recompute preemption costs a
         whole prompt again: Gemma 3's windowed layers left room to start three 2,000-token prompts
         that did not fit together (42 preemptions, 2.1x the time of a plain cache;
-        benchmarks/README.md). Sliding groups count their window here; a step's chunk, which they
+        docs/models.md, "Sliding-window layers"). Sliding groups count their window here; a step's chunk, which they
         hold until the window moves on, is fitted to the free blocks when it is scheduled. Decode
         growth is not reserved (a block every block_size tokens; preemption handles it, as in
         vLLM); with nothing running, a request is always admitted."""
