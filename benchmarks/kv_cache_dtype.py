@@ -23,15 +23,18 @@ from pathlib import Path
 
 import torch
 
+from tessera.engine.worker.model_executor import ModelExecutor
+
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "gfdl-1.3-head.txt"
 
 
-def decode_rows_forward(loaded, backend, caches, ids: list[int], table: list[int], start: int,
-                        block_size: int) -> torch.Tensor:
-    """Feed ids at positions start.. as decode rows of growing length; log-probs [n, vocab] float32."""
+def decode_rows_forward(loaded, executor: ModelExecutor, backend, caches, ids: list[int], table: list[int],
+                        start: int, block_size: int) -> torch.Tensor:
+    """Feed ids at positions start.. as decode rows of growing length, through the path the engine's
+    runner would take (the C decode step where it applies); log-probs [n, vocab] float32."""
     n = len(ids)
     meta = backend.build_metadata([1] * n, list(range(start + 1, start + n + 1)), [table] * n, block_size)
-    hidden = loaded.model(torch.tensor(ids), torch.arange(start, start + n), caches, meta)
+    hidden = executor.forward(torch.tensor(ids), torch.arange(start, start + n), caches, meta)
     return torch.log_softmax(loaded.model.compute_logits(hidden).float(), dim=-1)
 
 
@@ -40,11 +43,12 @@ def perplexity(loaded, backend, ids: list[int], block_size: int, chunk: int) -> 
     nblocks = -(-len(ids) // block_size)
     caches = backend.allocate(c.num_layers, nblocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
     table = list(range(nblocks))
+    executor = ModelExecutor(loaded.model)
     total, count = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, chunk):
             piece = ids[start:min(start + chunk, len(ids) - 1)]
-            lp = decode_rows_forward(loaded, backend, caches, piece, table, start, block_size)
+            lp = decode_rows_forward(loaded, executor, backend, caches, piece, table, start, block_size)
             target = torch.tensor(ids[start + 1:start + 1 + len(piece)])
             total -= lp.gather(1, target.unsqueeze(1)).sum().item()
             count += len(piece)
@@ -58,6 +62,7 @@ class DecodeBench:
         c = loaded.config
         per = -(-(len(ids) + 1) // block_size)
         self.loaded, self.backend, self.block_size = loaded, backend, block_size
+        self.executor = ModelExecutor(loaded.model)  # decode steps as the engine's runner runs them
         self.caches = backend.allocate(c.num_layers, per * batch, block_size, c.num_kv_heads, c.head_dim,
                                        loaded.dtype)
         self.tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
@@ -75,7 +80,7 @@ class DecodeBench:
         with torch.inference_mode():
             t0 = time.perf_counter()
             meta = self.backend.build_metadata([1] * b, [self.context + 1] * b, self.tables, self.block_size)
-            hidden = self.loaded.model(self.next_ids, torch.full((b,), self.context), self.caches, meta)
+            hidden = self.executor.forward(self.next_ids, torch.full((b,), self.context), self.caches, meta)
             self.loaded.model.compute_logits(hidden)
             return time.perf_counter() - t0
 

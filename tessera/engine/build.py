@@ -335,7 +335,7 @@ def _build_proposer(config: EngineConfig, loaded, draft, backend: AttentionBacke
     logger.info("draft model %s: %d layers, its KV cache in the same %d blocks", draft.path.name,
                 dc.num_layers, num_blocks)
     return DraftModelProposer(draft.model, caches, backend, config.block_size, mc.vocab_size, sampler,
-                              config.max_num_batched_tokens)
+                              config.max_num_batched_tokens, config.enforce_eager)
 
 
 def _ranges(ids: list[int]) -> str:

@@ -35,6 +35,7 @@ from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import SpeculativeConfig
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.request import Request
+from tessera.engine.worker.model_executor import ModelExecutor
 from tessera.engine.worker.sampler import Sampler
 from tessera.models.base import CausalLM
 
@@ -176,18 +177,21 @@ class ModelProposer:
 
 
 class DraftModelProposer(ModelProposer):
-    """A separate draft model, with its own KV cache addressed by the target's block ids."""
+    """A separate draft model, with its own KV cache addressed by the target's block ids. Its
+    steps take the execution paths the target's runner would (`ModelExecutor`): its decode steps
+    are the C decode step's where the draft offers one, unless `enforce_eager`."""
 
     def __init__(self, draft: CausalLM, caches: list[torch.Tensor], backend: AttentionBackend, block_size: int,
-                 vocab_size: int, sampler: Sampler, max_chunk: int) -> None:
+                 vocab_size: int, sampler: Sampler, max_chunk: int, enforce_eager: bool = False) -> None:
         self.draft, self.caches, self.backend = draft, caches, backend
+        self.executor = ModelExecutor(draft, enforce_eager)  # draft: a loaded model, also a ModelBase
         self.block_size, self.vocab_size = block_size, vocab_size
         super().__init__(self._forward, sampler, max_chunk, catch_up=True)
 
     def _forward(self, ids, pos, tables, qlens, seqlens, rows) -> torch.Tensor:
         # The draft's own cache, one layer per tensor, addressed by the target's group 0 (full attention).
         meta = self.backend.build_metadata(qlens, seqlens, [t[0] for t in tables], self.block_size)
-        hidden = self.draft(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
+        hidden = self.executor.forward(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
         logits = self.draft.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long)))
         return _fit_vocab(logits, self.vocab_size)
 
@@ -198,7 +202,8 @@ class LayerSkipProposer(ModelProposer):
     The drafting layers read the target's cache for every position before the request's last
     token (exactly what they would compute themselves, as they are the target's own layers)
     and write their guesses' K/V at positions the verification step then overwrites, so the
-    target never reads a drafted slot.
+    target never reads a drafted slot. A subset of layers runs through the target's modules (the
+    C decode step takes whole models only).
     """
 
     def __init__(self, target: CausalLM, caches: list[torch.Tensor], backend: AttentionBackend, block_size: int,

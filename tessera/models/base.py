@@ -1,6 +1,15 @@
-"""What the engine may ask of a model: the interface every architecture implements."""
+"""What the engine may ask of a model: the interface every architecture implements.
+
+Two parts. `CausalLM` is the call surface of a decoder (forward over a packed batch, logits).
+`ModelBase` says which execution paths a model offers beside its modules' forward; the model
+runner (tessera/engine/worker) decides which path each step takes, so a model's forward never
+switches paths on its own and one model object can serve an engine that takes the C decode step
+beside one that runs every step through the modules.
+"""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from enum import Enum
 from typing import Optional, Protocol, Sequence
 
 from torch import Tensor
@@ -25,3 +34,48 @@ class CausalLM(Protocol):
                  attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor: ...
 
     def compute_logits(self, hidden: Tensor) -> Tensor: ...
+
+
+class ExecutionPath(Enum):
+    """A way to compute a step's final hidden states. Every path gives the same result (up to
+    float32 sum order); they differ in cost, and in which steps they can take."""
+
+    # The model's own forward through its modules: every model, every step.
+    MODULES = "modules"
+    # A decode-only step as one native call over the loaded weights (`FusedDecodeStep`): at a few
+    # rows the modules' per-operator dispatch costs more than their arithmetic.
+    C_DECODE = "c_decode"
+
+
+class FusedDecodeStep(Protocol):
+    """A model's decode step planned as one native call, bound to its loaded weights."""
+
+    def applies(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
+        """Whether the call can take this step (its rows, cache format and backend)."""
+        ...
+
+    def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+            meta: AttentionMetadata) -> Optional[Tensor]:
+        """The step's final hidden states, as the modules' forward returns them, or None when a
+        kernel refused at run time: the caller then runs the modules, which rewrite every cache
+        slot the refused call wrote."""
+        ...
+
+
+class ModelBase(ABC):
+    """The execution paths a model offers its runner. Every model class derives from it (beside
+    torch.nn.Module); the runner picks a path per step from what `execution_paths` lists."""
+
+    config: ModelConfig
+
+    @abstractmethod
+    def execution_paths(self) -> frozenset[ExecutionPath]:
+        """The paths this architecture offers; always MODULES. A path offered here may still be
+        unavailable for the loaded weights or this host (see `plan_fused_decode`)."""
+
+    def plan_fused_decode(self) -> Optional[FusedDecodeStep]:
+        """The C_DECODE step over the loaded weights, or None where some part of it has no native
+        kernel here (weight format, dtype, host). Asked only of a model that offers C_DECODE, once
+        its weights are loaded and on their device: the plan holds their addresses, so weights
+        loaded again need a new plan."""
+        raise NotImplementedError(f"{type(self).__name__} offers no {ExecutionPath.C_DECODE.value} path")

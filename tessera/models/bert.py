@@ -23,6 +23,7 @@ from tessera.errors import ModelFormatError
 from tessera.layers import Attention, LayerNorm, Linear, QuantConfig, VocabEmbedding
 from tessera.layers.quantization import Activation
 from tessera.layers.weights import AnyWeight
+from tessera.models.base import ExecutionPath, ModelBase
 from tessera.models.weights import load_named_weights
 
 PACKED_MODULES = {"query": ("qkv", "q"), "key": ("qkv", "k"), "value": ("qkv", "v")}
@@ -118,7 +119,7 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(c, quant, f"encoder.layer.{i}") for i in range(c.num_layers))
 
 
-class BertModel(nn.Module):
+class BertModel(nn.Module, ModelBase):
     """The encoder over a packed batch of whole inputs; returns the final hidden states, one row
     per token (the engine pools them). `kv_caches` is accepted for the engine's model interface
     and unused: nothing is cached."""
@@ -144,3 +145,7 @@ class BertModel(nn.Module):
         for i in (range(len(self.encoder.layer)) if layers is None else layers):
             h = self.encoder.layer[i](h, attn_meta.for_layer(i))
         return h
+
+    def execution_paths(self) -> frozenset[ExecutionPath]:
+        """The modules only: an encoder computes each input whole, in one step, with no decode."""
+        return frozenset({ExecutionPath.MODULES})

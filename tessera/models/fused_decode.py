@@ -11,27 +11,53 @@ else (prefill, mixed steps, other weight formats, int8 caches) runs the modules.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from tessera import kernels
 from tessera.attention.base import AttentionMetadata
-
-if TYPE_CHECKING:
-    from tessera.models.llama import LlamaForCausalLM
+from tessera.config import ModelConfig
+from tessera.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 
 # Rows per step taken in C: int4_gemm_bf16's limit, past which the module path's dense matmuls win.
 MAX_ROWS = 64
 
 
-class FusedDecode:
-    """The weights' addresses, laid out once as decode_step.c reads them; `run` per step."""
+@dataclass(frozen=True)
+class DecoderLayerParts:
+    """One pre-norm decoder layer's modules in the order decode_step.c runs them. A model names
+    its own modules here, so this plan needs no knowledge of any model class."""
 
-    def __init__(self, model: "LlamaForCausalLM", layers: "ctypes.Array[kernels.DecodeLayer]",
+    input_norm: RMSNorm
+    qkv_proj: Linear  # fused Q, K, V rows; the only projection that may carry a bias
+    attn: Attention
+    o_proj: Linear
+    post_norm: RMSNorm
+    mlp: GatedMLP  # fused gate and up rows, then down
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """A llama-shaped decoder's modules, as the C step reads them."""
+
+    config: ModelConfig
+    dtype: torch.dtype  # the compute dtype the model was built for
+    embed: VocabEmbedding
+    rotary: RotaryEmbedding
+    layers: Sequence[DecoderLayerParts]
+    final_norm: RMSNorm
+
+
+class FusedDecode:
+    """The weights' addresses, laid out once as decode_step.c reads them; `run` per step
+    (a `tessera.models.base.FusedDecodeStep`)."""
+
+    def __init__(self, parts: DecoderParts, layers: "ctypes.Array[kernels.DecodeLayer]",
                  dims: kernels.DecodeDims, max_rows: int = MAX_ROWS) -> None:
-        self.model = model
+        self.parts = parts
         self.layers = layers
         self.dims = dims
         self.max_rows = max_rows  # past it some projection's module path multiplies another way
@@ -39,32 +65,32 @@ class FusedDecode:
         self._workspace = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
-    def build(cls, model: "LlamaForCausalLM") -> Optional["FusedDecode"]:
-        """The plan for `model`, or None where some part has no C kernel here."""
-        c = model.config
-        if model.dtype != torch.bfloat16 or not kernels.bf16_matmuls():
+    def build(cls, parts: DecoderParts) -> Optional["FusedDecode"]:
+        """The plan for a decoder's loaded weights, or None where some part has no C kernel here."""
+        c = parts.config
+        if parts.dtype != torch.bfloat16 or not kernels.bf16_matmuls():
             return None
         if c.hidden_size > kernels.MAX_NORM_HIDDEN or c.head_dim > kernels.MAX_HEAD_DIM or c.head_dim % 32:
             return None
         rows, max_rows = [], MAX_ROWS
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.attn.sliding_window is not None or mlp.activation != "silu":
+        for layer in parts.layers:
+            mlp = layer.mlp
+            if layer.attn.sliding_window is not None or mlp.activation != "silu":
                 return None
-            if any(lin.bias is not None for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            if any(lin.bias is not None for lin in (layer.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 return None
-            ops = [lin.kernel_operand() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            ops = [lin.kernel_operand() for lin in (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_norm.weight, layer.post_norm.weight)
             if any(op is None for op in ops) or any(w.dtype != torch.bfloat16 for w in norms):
                 return None
             max_rows = min([max_rows] + [op.max_rows for op in ops if op.max_rows])
             rows.append(kernels.DecodeLayer(norms[0].data_ptr(), norms[1].data_ptr(), *ops, None))
-        if model.model.norm.weight.dtype != torch.bfloat16:
+        if parts.final_norm.weight.dtype != torch.bfloat16:
             return None
         dims = kernels.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                   head_dim=c.head_dim, intermediate=c.intermediate_size,
-                                  eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.attn.scale)
-        return cls(model, (kernels.DecodeLayer * len(rows))(*rows), dims, max_rows)
+                                  eps=c.rms_norm_eps, scale=parts.layers[0].attn.scale)
+        return cls(parts, (kernels.DecodeLayer * len(rows))(*rows), dims, max_rows)
 
     def applies(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step is one the C step takes: decode rows only, few enough, every layer
@@ -89,11 +115,11 @@ class FusedDecode:
             meta: AttentionMetadata) -> Optional[Tensor]:
         """The final hidden states [M, H] of a decode step, or None if a kernel refused (the caller
         then runs the modules, which rewrite every cache slot this step wrote)."""
-        model = self.model
+        parts = self.parts
         self._bind_caches(kv_caches)
         m = input_ids.shape[0]
-        x = model.model.embed_tokens.embed(input_ids).contiguous()
-        cos, sin = model.rotary_emb(positions)
+        x = parts.embed.embed(input_ids).contiguous()
+        cos, sin = parts.rotary(positions)
         cos, sin = cos.view(m, -1).contiguous(), sin.view(m, -1).contiguous()
         cached = meta._cache.get("paged_decode_c")
         if cached is None:
@@ -105,7 +131,7 @@ class FusedDecode:
         need = kernels.decode_step_workspace_bytes(self.layers, self.dims, m, max_len)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(max(need, 2 * self._workspace.numel()), dtype=torch.uint8)
-        ok = kernels.decode_step_bf16(self.layers, self.dims, model.model.norm.weight, x, cos, sin,
-                                      model.rotary_emb.half, meta.slot_mapping.contiguous(), tables, seq_lens,
+        ok = kernels.decode_step_bf16(self.layers, self.dims, parts.final_norm.weight, x, cos, sin,
+                                      parts.rotary.half, meta.slot_mapping.contiguous(), tables, seq_lens,
                                       max_len, self._workspace)
         return x if ok else None

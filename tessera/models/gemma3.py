@@ -19,6 +19,7 @@ from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from tessera.layers.weights import AnyWeight
+from tessera.models.base import ExecutionPath, ModelBase
 from tessera.models.weights import load_named_weights
 
 
@@ -78,7 +79,7 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, offset=1.0, prefix="model.norm")
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(nn.Module, ModelBase):
     def __init__(self, config: ModelConfig, quant: QuantConfig):
         super().__init__()
         c = config
@@ -125,3 +126,8 @@ class Gemma3ForCausalLM(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def execution_paths(self) -> frozenset[ExecutionPath]:
+        """The modules only: the C decode step is llama-shaped (one norm per sublayer, no
+        sliding-window layers, no embedding scale)."""
+        return frozenset({ExecutionPath.MODULES})

@@ -17,7 +17,8 @@ from tessera.attention.base import AttentionMetadata, KeyBias
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from tessera.layers.weights import AnyWeight
-from tessera.models.fused_decode import FusedDecode
+from tessera.models.base import ExecutionPath, ModelBase
+from tessera.models.fused_decode import DecoderLayerParts, DecoderParts, FusedDecode
 from tessera.models.weights import load_named_weights, as_float_tensor
 
 
@@ -71,8 +72,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, prefix="model.norm")
 
 
-class LlamaForCausalLM(nn.Module):
-    """Decoder for `llama` and `qwen2` checkpoints (qwen2 adds a QKV bias)."""
+class LlamaForCausalLM(nn.Module, ModelBase):
+    """Decoder for `llama` and `qwen2` checkpoints (qwen2 adds a QKV bias). Besides its modules'
+    forward it offers decode steps as one C call (models/fused_decode.py), which the runner takes
+    where the plan applies."""
 
     def __init__(self, config: ModelConfig, quant: QuantConfig):
         super().__init__()
@@ -85,8 +88,6 @@ class LlamaForCausalLM(nn.Module):
         # from the packed-weight cache (models/weight_cache.py) has the same modules.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, self.dtype, None)
-        # The C decode step's plan (None: not planned yet; False: this model or host has none).
-        self._fused: Optional[FusedDecode | bool] = None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
@@ -98,20 +99,11 @@ class LlamaForCausalLM(nn.Module):
         if freqs is not None:
             self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
                                               self.dtype, as_float_tensor(freqs))
-        self._fused = None  # the weights moved: plan again
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:
-        """Final hidden states of the packed batch; `layers` runs only those decoder layers
-        (self-speculative drafting), each still with its own cache. Decode steps the C decode
-        step takes (models/fused_decode.py) run there, the rest through the modules."""
-        if layers is None and self._fused is not False:
-            if self._fused is None:  # planned on the first step: the weights are loaded by then
-                self._fused = FusedDecode.build(self) or False
-            if self._fused and self._fused.applies(input_ids, kv_caches, attn_meta):
-                hidden = self._fused.run(input_ids, positions, kv_caches, attn_meta)
-                if hidden is not None:
-                    return hidden
+        """Final hidden states of the packed batch through the modules; `layers` runs only those
+        decoder layers (self-speculative drafting), each still with its own cache."""
         cos, sin = self.rotary_emb(positions)
         half = self.rotary_emb.half
         x = self.model.embed_tokens.embed(input_ids)
@@ -128,9 +120,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer.mlp(h)
         return self.model.norm(x, residual)[0]
 
-    def set_fused_decode(self, enabled: bool) -> None:
-        """Whether decode steps may run as one C call (on by default; `--enforce-eager` turns it off)."""
-        self._fused = None if enabled else False
+    def execution_paths(self) -> frozenset[ExecutionPath]:
+        return frozenset({ExecutionPath.MODULES, ExecutionPath.C_DECODE})
+
+    def plan_fused_decode(self) -> Optional[FusedDecode]:
+        """The C decode step over these weights (see ModelBase), or None where some part has no
+        C kernel here."""
+        layers = [DecoderLayerParts(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.attn,
+                                    layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp)
+                  for layer in self.model.layers]
+        return FusedDecode.build(DecoderParts(self.config, self.dtype, self.model.embed_tokens, self.rotary_emb,
+                                              layers, self.model.norm))
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()

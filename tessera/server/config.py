@@ -186,7 +186,7 @@ class ServingSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServingSpec":
-        """The spec of `tessera serve`'s flags (tessera/cli.py's add_serve_args): the one place a
+        """The spec of `tessera serve`'s flags (tessera/serve_flags.py): the one place a
         parsed command line becomes server settings."""
         from tessera.engine.args import engine_options
 

@@ -1,4 +1,5 @@
-"""The C decode step (models/fused_decode.py, kernels/decode_step.c) against the module path."""
+"""The C decode step (models/fused_decode.py, kernels/decode_step.c) against the module path, and
+the runner's choice between them (engine/worker/model_executor.py)."""
 from __future__ import annotations
 
 import random
@@ -9,6 +10,8 @@ import torch
 from tessera import LLM, SamplingParams, kernels
 from tessera.attention.paged import PagedBackend
 from tessera.attention.sdpa import SdpaBackend
+from tessera.engine.worker.model_executor import ModelExecutor
+from tessera.models.base import ExecutionPath
 from tessera.models.fused_decode import FusedDecode
 
 from tiny_model import make_tiny_model
@@ -45,25 +48,20 @@ def _prefill_then_decode(model, backend, lens: list[int], use_c: bool, seed: int
     ids = [rng.randrange(3, 300) for n in lens for _ in range(n)]
     pos = [p for n in lens for p in range(n)]
     meta = backend.build_metadata(list(lens), list(lens), tables, BLOCK)
-    model._fused = False
-    model(torch.tensor(ids), torch.tensor(pos), caches, meta)
-    model._fused = None if use_c else False
+    model(torch.tensor(ids), torch.tensor(pos), caches, meta)  # a model's forward runs the modules
+    meta = backend.build_metadata([1] * len(lens), [n + 1 for n in lens], tables, BLOCK)
+    dec_ids = torch.tensor([rng.randrange(3, 300) for _ in lens])
+    executor = ModelExecutor(model, enforce_eager=not use_c)
     ran = []
-    if use_c:
-        real_run = FusedDecode.run
+    if executor.c_decode is not None:
+        real_run = executor.c_decode.run
 
-        def spy(self, *args):
-            out = real_run(self, *args)
+        def spy(*args):
+            out = real_run(*args)
             ran.append(out is not None)
             return out
-        FusedDecode.run = spy
-    try:
-        meta = backend.build_metadata([1] * len(lens), [n + 1 for n in lens], tables, BLOCK)
-        dec_ids = torch.tensor([rng.randrange(3, 300) for _ in lens])
-        hidden = model(dec_ids, torch.tensor(lens), caches, meta)
-    finally:
-        if use_c:
-            FusedDecode.run = real_run
+        executor.c_decode.run = spy
+    hidden = executor.forward(dec_ids, torch.tensor(lens), caches, meta)
     return hidden, caches, ran == [True]
 
 
@@ -86,7 +84,7 @@ def test_c_decode_step_matches_the_modules(folder, quantization, lens):
 
 def test_steps_it_does_not_take_run_the_modules(folder):
     _, model = _model(folder, "int4")
-    plan = FusedDecode.build(model)
+    plan = model.plan_fused_decode()
     assert plan is not None
     c = model.config
     sdpa = SdpaBackend()
@@ -103,9 +101,10 @@ def test_steps_it_does_not_take_run_the_modules(folder):
 
 
 def test_no_plan_for_float32_or_dense_weights(folder):
-    assert FusedDecode.build(_model(folder, "none")[1]) is None
+    assert _model(folder, "none")[1].plan_fused_decode() is None
     llm = LLM(str(folder), dtype="float32", quantization="int4", max_model_len=256)
-    assert FusedDecode.build(llm.engine.runner.model) is None
+    assert llm.engine.runner.model.plan_fused_decode() is None
+    assert llm.engine.runner.executor.paths == {ExecutionPath.MODULES}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -113,14 +112,22 @@ def test_greedy_generation_is_unchanged(arch, tmp_path):
     """Whole requests through the engine: the same tokens with the C step on as with it off (sharp
     logits, as in the other greedy tests, so that bfloat16 sum order does not decide near-ties)."""
     folder = make_tiny_model(tmp_path / arch, arch=arch, shape=SHAPE, std=0.25)
-    llm, model = _model(folder, "int4")
+    llm, _ = _model(folder, "int4")
+    executor = llm.engine.runner.executor
+    assert executor.paths == {ExecutionPath.MODULES, ExecutionPath.C_DECODE}
+    taken = []
+    real_run = executor.c_decode.run
+    executor.c_decode.run = lambda *args: taken.append(1) or real_run(*args)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 40))] for _ in range(6)]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with_c = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    assert model._fused, "the engine's decode steps did not plan a C step"
-    model._fused = False  # a fresh engine on the same weights: no prefix-cache hits from the first run
-    again = LLM(str(folder), loaded=llm.engine.loaded, dtype="bfloat16", quantization="int4", max_model_len=256)
+    assert taken, "no decode step of the engine took the C step"
+    # A fresh engine on the same model object, every step through the modules (and no prefix-cache
+    # hits from the first run).
+    again = LLM(str(folder), loaded=llm.engine.loaded, dtype="bfloat16", quantization="int4", max_model_len=256,
+                enforce_eager=True)
+    assert again.engine.runner.executor.c_decode is None
     without = [o.outputs[0].token_ids for o in again.generate(prompts, greedy)]
     assert with_c == without
 
@@ -134,8 +141,10 @@ def test_enforce_eager_runs_the_modules(folder):
     assert config_from_args(parser.parse_args(["--enforce-eager"]), str(folder)).enforce_eager
     assert not config_from_args(parser.parse_args([]), str(folder)).enforce_eager
     llm = LLM(str(folder), dtype="bfloat16", quantization="int4", max_model_len=256, enforce_eager=True)
+    executor = llm.engine.runner.executor
+    assert executor.c_decode is None and executor.paths == {ExecutionPath.MODULES}
+    assert llm.engine.runner.model.plan_fused_decode() is not None  # offered, but not taken
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert llm.engine.runner.model._fused is False
 
 
 @pytest.mark.model
@@ -147,8 +156,8 @@ def test_c_decode_step_takes_kquant_projections(model_path, lens):
         pytest.skip("no vector path for the K-quant kernels here")
     llm = LLM(str(model_path("qwen2.5-coder-0.5b")), dtype="bfloat16", max_model_len=256)
     model = llm.engine.runner.model
-    plan = FusedDecode.build(model)
-    assert plan is not None
+    plan = model.plan_fused_decode()
+    assert isinstance(plan, FusedDecode)
     kinds = {layer.down.kind for layer in plan.layers}
     assert kinds == {kernels.LINEAR_Q4K, kernels.LINEAR_Q6K}
     assert plan.max_rows == model.model.layers[0].mlp.down_proj.quant_method.config.small_batch_max

@@ -19,8 +19,10 @@ from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from tessera.engine.worker.model_executor import ModelExecutor
 from tessera.engine.worker.sampler import Sampler
 from tessera.engine.worker.structured_output import GrammarState, MaskJob, StructuredOutputManager
+from tessera.models.base import ModelBase
 
 
 @dataclass
@@ -64,16 +66,16 @@ class ModelRunnerBase(ABC):
 class ModelRunner(ModelRunnerBase):
     """The PyTorch runner: the model and its paged KV cache on one device, the attention
     backend's (host memory, or a GPU's with the triton backend: inputs are copied there once a
-    step and only the sampled ids come back)."""
+    step and only the sampled ids come back). Which execution path each step's forward takes
+    is the runner's choice (`ModelExecutor`), from what the model offers."""
 
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+    def __init__(self, model: ModelBase, model_config: ModelConfig, config: EngineConfig,
                  backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
                  groups: KVCacheGroups, structured: Optional[StructuredOutputManager] = None) -> None:
         self.model = model
         self.config = config
         self.backend = backend
-        if config.enforce_eager and hasattr(model, "set_fused_decode"):  # models with a C decode step
-            model.set_fused_decode(False)
+        self.executor = ModelExecutor(model, enforce_eager=config.enforce_eager)
         self.block_size = config.block_size
         self.groups = groups
         self.device = backend.device
@@ -175,8 +177,9 @@ class ModelRunner(ModelRunnerBase):
                 sample_chunks.append(s)
         masks = self._start_masks(sample_chunks, spec_chunks)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                            torch.tensor(positions, dtype=torch.long, device=self.device), self.kv_caches, meta)
+        hidden = self.executor.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                                       torch.tensor(positions, dtype=torch.long, device=self.device),
+                                       self.kv_caches, meta)
         pooled = pool(hidden, pool_chunks) if pool_chunks else {}
         rows = sample_rows + spec_rows
         if not rows:
