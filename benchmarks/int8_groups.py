@@ -38,10 +38,11 @@ def old_library(rev: str) -> ctypes.CDLL:
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True).stdout.strip())
     tmp = Path(tempfile.mkdtemp())
-    for name in ("int8_gemv.c", "bf16.h"):
-        text = subprocess.run(["git", "show", f"{rev}:tessera/kernels/{name}"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout
-        (tmp / name).write_text(text)
+    for name in ("int8_gemv.c", *kernels.HEADERS):  # the headers `rev` has
+        shown = subprocess.run(["git", "show", f"{rev}:tessera/kernels/{name}"], cwd=root, capture_output=True,
+                               text=True, check=name == "int8_gemv.c")
+        if shown.returncode == 0:
+            (tmp / name).write_text(shown.stdout)
     subprocess.run(["cc", *kernels.CFLAGS, str(tmp / "int8_gemv.c"), "-o", str(tmp / "old.so"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "old.so"))
     p, i64 = ctypes.c_void_p, ctypes.c_int64

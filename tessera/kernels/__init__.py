@@ -7,170 +7,30 @@ PyTorch's own OpenMP thread pool: the library asks for `libgomp.so.1`, which
 torch has already loaded, so both share one team of threads. Where no compiler
 is found, callers fall back to PyTorch operators (and say so in the log).
 
+The interface is declared once in C, in `tessera_kernels.h` (every exported function, the limits
+and kinds callers must respect, the decode step's structs), and mirrored once in Python, in
+`bindings.py`; tests/test_kernel_bindings.py holds the two together. `library.py` builds and
+loads the library; this module wraps each kernel for tensors.
+
     python -m tessera.kernels build    # compile now (what install.sh runs)
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from functools import lru_cache
-from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
+from tessera.kernels.bindings import (INT4_F32_MAX_ROWS, INT4_GEMM_MAX_ROWS, INT8_GEMM_MAX_ROWS,  # noqa: F401
+                                      INT8_GEMV_MAX_ROWS, KQUANT_MAX_ROWS, LINEAR_INT4, LINEAR_INT4_I8, LINEAR_INT8,
+                                      LINEAR_Q4K, LINEAR_Q6K, MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM,
+                                      MAX_KEY_BIAS_PAIRS, MAX_NORM_HIDDEN, PREFILL_MAX_HEAD_DIM, ROT_HADAMARD,
+                                      ROT_MATRIX, ROT_NONE, DecodeDims, DecodeLayer, LinearOperand)
+from tessera.kernels.library import (CFLAGS, HEADERS, SOURCES, KernelUnavailable, available, build,  # noqa: F401
+                                     calls, kernel_dir, library_path, load, main)
+
 logger = logging.getLogger(__name__)
-
-SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c",
-           "int4_avx2.c", "kquant_gemm.c", "decode_step.c")
-HEADERS = ("bf16.h", "softmax.h")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
-MAX_HEAD_DIM = 512
-MAX_GROUP = 16
-MAX_BLOCK_SIZE = 64
-
-
-class KernelUnavailable(RuntimeError):
-    pass
-
-
-def kernel_dir() -> Path:
-    home = os.environ.get("TESSERA_HOME")
-    return (Path(home) if home else Path.home() / ".cache" / "tessera") / "kernels"
-
-
-def _source_text() -> str:
-    return "".join((Path(__file__).parent / name).read_text() for name in SOURCES + HEADERS)
-
-
-def _host_cpu() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags (a home directory
-    shared by machines of different CPUs must not hand one's build to the other)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-        return platform.processor() or platform.machine()
-    keep = [line for line in text.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(sorted(set(keep)))
-
-
-def library_path(compiler: str) -> Path:
-    digest = hashlib.sha256((_source_text() + " ".join(CFLAGS) + compiler + _host_cpu()).encode()).hexdigest()[:16]
-    return kernel_dir() / f"tessera_kernels-{digest}.so"
-
-
-def build(verbose: bool = False) -> Path:
-    """Compile the kernels if they are not built yet; return the library's path."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise KernelUnavailable("no C compiler (cc/gcc) found")
-    path = library_path(compiler)
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sources = [str(Path(__file__).parent / name) for name in SOURCES]
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.partial", delete=False) as tmp:
-        partial = Path(tmp.name)
-    cmd = [compiler, *CFLAGS, *sources, "-o", str(partial), "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        partial.unlink(missing_ok=True)
-        raise KernelUnavailable(f"compiling the kernels failed: {exc}") from None
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise KernelUnavailable(f"compiling the kernels failed: {done.stderr.strip()[:2000]}")
-    os.replace(partial, path)  # atomic: concurrent builders never load a half-written file
-    if verbose:
-        print(f"built {path}")
-    return path
-
-
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL:
-    """The kernel library, compiled on first use; raises KernelUnavailable if that cannot work."""
-    lib = ctypes.CDLL(str(build()))
-    f = lib.paged_decode_attention
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [p, i64, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
-    f.restype = None
-    pf = lib.paged_prefill_attention_bf16
-    pf.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
-    pf.restype = ctypes.c_int
-    w8 = lib.kv_write_int8
-    w8.argtypes = [p, p, i64, p, i64, ctypes.c_int, p, i64, i64, i64, i64, i64, p, ctypes.c_int, p, p, p, i64, p, p]
-    w8.restype = ctypes.c_int
-    a8 = lib.paged_decode_attention_int8
-    a8.argtypes = [p, i64, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i64,
-                   p, ctypes.c_int, p, p, p, i64, p, p, p]
-    a8.restype = None
-    for g in (lib.rms_norm_bf16, lib.rms_norm_f32):
-        g.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
-        g.restype = None
-    h = lib.int8_gemv
-    h.argtypes = [p, p, p, p, p, i64, i64, i64, i64, ctypes.c_int, p]
-    h.restype = ctypes.c_int
-    h8 = lib.int8_gemm_bf16
-    h8.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
-    h8.restype = ctypes.c_int
-    m4 = lib.int4_gemm_bf16
-    m4.argtypes = [p, p, p, p, i64, i64, i64, i64, p]
-    m4.restype = ctypes.c_int
-    lib.tessera_avx512_bf16.argtypes = []
-    lib.tessera_avx512_bf16.restype = ctypes.c_int
-    i8 = lib.int4_gemm_i8
-    i8.argtypes = [p, p, p, p, i64, i64, i64, i64, p]
-    i8.restype = ctypes.c_int
-    lib.int4_i8_scratch_bytes.argtypes = [i64, i64]
-    lib.int4_i8_scratch_bytes.restype = i64
-    lib.tessera_int4_i8.argtypes = []
-    lib.tessera_int4_i8.restype = ctypes.c_int
-    f32 = lib.int4_gemm_f32
-    f32.argtypes = [p, p, p, p, i64, i64, i64, i64]
-    f32.restype = ctypes.c_int
-    lib.tessera_avx2_fma.argtypes = []
-    lib.tessera_avx2_fma.restype = ctypes.c_int
-    for kq in (lib.q6k_gemm, lib.q4k_gemm):
-        kq.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int, p]
-        kq.restype = ctypes.c_int
-    for dq in (lib.q6k_dequant_bf16, lib.q4k_dequant_bf16):
-        dq.argtypes = [p, p, p, p, i64, i64]
-        dq.restype = None
-    for dq in (lib.q6k_dequant_int8, lib.q4k_dequant_int8):
-        dq.argtypes = [p, p, p, p, p, p, i64, i64]
-        dq.restype = None
-    lib.silu_mul_bf16.argtypes = [p, p, i64, i64]
-    lib.silu_mul_bf16.restype = None
-    lib.int8_quantize_rows.argtypes = [p, ctypes.c_int, p, p, p, i64, i64]
-    lib.int8_quantize_rows.restype = None
-    lib.int8_scale_products.argtypes = [p, p, p, p, ctypes.c_int, i64, i64]
-    lib.int8_scale_products.restype = None
-    lib.kquant_scratch_bytes.argtypes = [i64, i64]
-    lib.kquant_scratch_bytes.restype = i64
-    lib.tessera_kquant_vector.argtypes = []
-    lib.tessera_kquant_vector.restype = ctypes.c_int
-    ds = lib.decode_step_bf16
-    ds.argtypes = [p, i64, p, p, i64, p, p, p, i64, p, p, p, i64, p]
-    ds.restype = ctypes.c_int
-    lib.decode_step_workspace_bytes.argtypes = [p, i64, p, i64, i64]
-    lib.decode_step_workspace_bytes.restype = i64
-    return lib
-
-
-def available() -> Optional[str]:
-    """None when the kernels load, else why not."""
-    try:
-        load()
-        return None
-    except (KernelUnavailable, OSError) as exc:
-        return str(exc)
 
 
 def bf16_matmuls() -> bool:
@@ -238,31 +98,27 @@ class KeyBiasArgs(NamedTuple):
     row_sin: torch.Tensor
 
 
-MAX_KEY_BIAS_PAIRS = 256  # kv_int8.c's KB_MAX: every pair of a head up to MAX_HEAD_DIM
-
-
-def _key_bias_ptrs(kb: Optional[KeyBiasArgs], write: bool) -> tuple:
-    """The pointer arguments of kv_write_int8 (`write`) or paged_decode_attention_int8."""
+def _key_bias_ptrs(kb: Optional[KeyBiasArgs], write: bool) -> dict:
+    """The kb_* arguments of kv_write_int8 (`write`) or paged_decode_attention_int8."""
+    tables = ("kb_row_cos", "kb_row_sin") if write else ("kb_freqs", "kb_basis", "kb_step")
     if kb is None:
-        return (None, None, None, 0, None, None) if write else (None, None, None, 0, None, None, None)
+        return dict(kb_lo=None, kb_hi=None, kb_pairs=None, kb_m=0, **dict.fromkeys(tables))
     m = kb.pairs.shape[-1]
     if m > MAX_KEY_BIAS_PAIRS:
         raise KernelUnavailable(f"at most {MAX_KEY_BIAS_PAIRS} key-bias pairs per head, not {m}")
     for t in kb:
         if not t.is_contiguous():
             raise ValueError("KeyBiasArgs tensors must be contiguous")
-    head = (kb.lo.data_ptr(), kb.hi.data_ptr(), kb.pairs.data_ptr(), m)
-    if write:
-        return head + (kb.row_cos.data_ptr(), kb.row_sin.data_ptr())
-    return head + (kb.freqs.data_ptr(), kb.basis.data_ptr(), kb.step.data_ptr())
+    return dict(kb_lo=kb.lo.data_ptr(), kb_hi=kb.hi.data_ptr(), kb_pairs=kb.pairs.data_ptr(), kb_m=m,
+                **{name: getattr(kb, name[3:]).data_ptr() for name in tables})
 
 
 def _rotation(rot: Optional[torch.Tensor], hadamard: bool) -> tuple:
     """kv_int8.c's (rot, rot_kind): the normalized Sylvester Hadamard matrix is applied by
     butterflies (`rot` unused), any other [D, D] float32 matrix as a product, None not at all."""
     if hadamard:
-        return None, 2
-    return (None, 0) if rot is None else (rot.data_ptr(), 1)
+        return None, ROT_HADAMARD
+    return (None, ROT_NONE) if rot is None else (rot.data_ptr(), ROT_MATRIX)
 
 
 def kv_write_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -274,15 +130,18 @@ def kv_write_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     (float32 [D, D]) if given, or by the normalized Hadamard matrix if `hadamard`."""
     if key_bias is not None and key_bias.row_cos.shape[0] != k.shape[0]:
         raise ValueError("a key bias needs one row of cos/sin per key")
-    lib = load()
+    lib = calls()
     t, hkv, d = k.shape
     if v.dtype != k.dtype or k.dtype not in (torch.bfloat16, torch.float32):
         k, v = k.float(), v.float()
     k, v = _rows(k), _rows(v)
     slots = slots.contiguous()
-    if lib.kv_write_int8(kv_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                         int(k.dtype == torch.bfloat16), slots.data_ptr(), t, hkv, d, kv_cache.shape[2],
-                         block_size, *_rotation(k_rot, hadamard), *_key_bias_ptrs(key_bias, write=True)) != 0:
+    k_rot, rot_kind = _rotation(k_rot, hadamard)
+    if lib.kv_write_int8(
+            cache=kv_cache.data_ptr(), k=k.data_ptr(), k_stride=k.stride(0), v=v.data_ptr(), v_stride=v.stride(0),
+            is_bf16=int(k.dtype == torch.bfloat16), slots=slots.data_ptr(), T=t, Hkv=hkv, D=d,
+            num_blocks=kv_cache.shape[2], block_size=block_size, k_rot=k_rot, rot_kind=rot_kind,
+            **_key_bias_ptrs(key_bias, write=True)) != 0:
         raise KernelUnavailable(f"kv_write_int8 takes head_dim <= {MAX_HEAD_DIM}, not {d}")
 
 
@@ -302,7 +161,7 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
     q is first transformed like the stored keys, q @ q_rot (float32 [D, D]) or by the normalized
     Hadamard matrix if `hadamard`; `key_bias`'s share of the keys (kept out of the cache) is added
     back to each score."""
-    lib = load()
+    lib = calls()
     b, hq, d = q.shape
     hkv = kv_cache.shape[1]
     if d > MAX_HEAD_DIM or d % 2 or block_size % 2 or hq // hkv > MAX_GROUP:
@@ -315,11 +174,13 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
     out = torch.empty(b, hq, d, dtype=q.dtype)
     if scratch is None or scratch.nbytes < b * hq * 4 * (-(-max_len // block_size) * block_size):
         scratch = decode_int8_scratch(b, hq, max_len, block_size)
+    q_rot, rot_kind = _rotation(q_rot, hadamard)
     lib.paged_decode_attention_int8(
-        q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), kv_cache.data_ptr(), tables.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, kv_cache.shape[2], block_size, tables.shape[1],
-        scale, window or 0, scratch.data_ptr(), max_len, *_rotation(q_rot, hadamard),
-        *_key_bias_ptrs(key_bias, write=False))
+        q=q.data_ptr(), q_stride=q.stride(0), q_is_bf16=int(q.dtype == torch.bfloat16), cache=kv_cache.data_ptr(),
+        block_tables=tables.data_ptr(), seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=b, Hq=hq, Hkv=hkv, D=d,
+        num_blocks=kv_cache.shape[2], block_size=block_size, max_blocks=tables.shape[1], scale=scale,
+        window=window or 0, scratch=scratch.data_ptr(), max_len=max_len, q_rot=q_rot, rot_kind=rot_kind,
+        **_key_bias_ptrs(key_bias, write=False))
     return out
 
 
@@ -333,7 +194,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     [B, max_blocks] int64, seq_lens [B] int64 (context including the new token); `scratch`, if given,
     holds at least B * Hq * max_len float32 (callers reuse one across the layers of a step).
     """
-    lib = load()
+    lib = calls()
     b, hq, d = q.shape
     hkv = kv_cache.shape[1]
     if not supports(hq, kv_cache):
@@ -346,13 +207,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if scratch is None or scratch.numel() < b * hq * max_len:
         scratch = torch.empty(b * hq * max_len, dtype=torch.float32)
     lib.paged_decode_attention(
-        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, kv_cache.shape[2], kv_cache.shape[3], tables.shape[1],
-        scale, window or 0, scratch.data_ptr(), max_len)
+        q=q.data_ptr(), q_stride=q.stride(0), cache=kv_cache.data_ptr(), is_bf16=int(kv_cache.dtype == torch.bfloat16),
+        block_tables=tables.data_ptr(), seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=b, Hq=hq, Hkv=hkv, D=d,
+        num_blocks=kv_cache.shape[2], block_size=kv_cache.shape[3], max_blocks=tables.shape[1], scale=scale,
+        window=window or 0, scratch=scratch.data_ptr(), max_len=max_len)
     return out
-
-
-PREFILL_MAX_HEAD_DIM = 256
 
 
 def prefill_supported(num_heads: int, kv_cache: torch.Tensor) -> bool:
@@ -389,7 +248,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: Prefi
     place) over their requests' cached context, the step's own keys and values already written
     (prefill_attention.c) -> [T, Hq, D] bfloat16, into `out` (contiguous) if given. Row i of
     request b sits at position seq_lens[b] - (its row count) + i."""
-    lib = load()
+    lib = calls()
     t, hq, d = q.shape
     hkv = kv_cache.shape[1]
     if not prefill_supported(hq, kv_cache) or q.dtype != torch.bfloat16:
@@ -402,17 +261,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: Prefi
     if int(plan.q_start[-1]) != t:
         raise ValueError(f"the plan covers {int(plan.q_start[-1])} rows, the queries {t}")
     rc = lib.paged_prefill_attention_bf16(
-        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), plan.tables.data_ptr(), plan.tables.shape[1],
-        plan.q_start.data_ptr(), plan.seq_lens.data_ptr(), out.data_ptr(), len(plan.seq_lens), hq, hkv, d,
-        kv_cache.shape[2], kv_cache.shape[3], scale, plan.window)
+        q=q.data_ptr(), q_stride=q.stride(0), cache=kv_cache.data_ptr(), block_tables=plan.tables.data_ptr(),
+        max_blocks=plan.tables.shape[1], q_start=plan.q_start.data_ptr(), seq_lens=plan.seq_lens.data_ptr(),
+        out=out.data_ptr(), B=len(plan.seq_lens), Hq=hq, Hkv=hkv, D=d, num_blocks=kv_cache.shape[2],
+        block_size=kv_cache.shape[3], scale=scale, window=plan.window)
     if rc == -2:
         raise MemoryError("paged_prefill_attention: no memory for the threads' buffers")
     if rc != 0:
         raise KernelUnavailable("paged_prefill_attention needs AVX512-BF16 on the build machine")
     return out
-
-
-MAX_NORM_HIDDEN = 8192
 
 
 NORM_DTYPES = (torch.bfloat16, torch.float32)
@@ -439,11 +296,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, i), dtype=torch.bfloat16)
     load().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, i)
     return out
-
-
-INT8_GEMV_MAX_ROWS = 8
-INT8_GEMM_MAX_ROWS = 8
-INT4_F32_MAX_ROWS = 64
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -517,9 +369,6 @@ def int4_gemm_f32(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Ten
         raise KernelUnavailable(f"int4_gemm_f32 needs AVX2 + FMA, at most {INT4_F32_MAX_ROWS} rows and K a "
                                 f"multiple of 32 (got {m} x {k})")
     return out
-
-
-KQUANT_MAX_ROWS = 8
 
 
 def _kquant(fn_name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, floats: torch.Tensor,
@@ -605,36 +454,6 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,
     return out
 
 
-LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8, LINEAR_Q4K, LINEAR_Q6K = 1, 2, 3, 4, 5  # decode_step.c's linear_t kinds
-
-
-class LinearOperand(ctypes.Structure):
-    """A projection's weight as decode_step.c reads it (its linear_t); built by
-    QuantMethod.kernel_operand, which knows the storage."""
-
-    _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_pad", ctypes.c_int64),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64), ("int8_gemm", ctypes.c_int64),
-                ("max_rows", ctypes.c_int64)]
-
-
-class DecodeLayer(ctypes.Structure):
-    """One decoder layer for decode_step_bf16 (decode_step.c's layer_t)."""
-
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearOperand),
-                ("o", LinearOperand), ("gate_up", LinearOperand), ("down", LinearOperand),
-                ("kv_cache", ctypes.c_void_p)]
-
-
-class DecodeDims(ctypes.Structure):
-    """The decoder's shapes and the cache's (decode_step.c's dims_t)."""
-
-    _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
-                ("block_size", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_double),
-                ("scale", ctypes.c_double)]
-
-
 def decode_step_workspace_bytes(layers: "ctypes.Array[DecodeLayer]", dims: DecodeDims, rows: int, max_len: int) -> int:
     return load().decode_step_workspace_bytes(ctypes.addressof(layers), len(layers), ctypes.byref(dims), rows, max_len)
 
@@ -647,19 +466,8 @@ def decode_step_bf16(layers: "ctypes.Array[DecodeLayer]", dims: DecodeDims, fina
     the final norm's output out); see decode_step.c. cos/sin [M, D] bfloat16, slots [M] and seq_lens
     [M] int64, block_tables [M, max_blocks] int64, all contiguous; `workspace` at least
     decode_step_workspace_bytes. False when a kernel refused its arguments."""
-    return load().decode_step_bf16(
-        ctypes.addressof(layers), len(layers), ctypes.byref(dims), final_norm.data_ptr(), x.shape[0], x.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), half, slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        max_len, workspace.data_ptr()) == 0
-
-
-def main(argv: list[str]) -> int:
-    if argv[1:] != ["build"]:
-        print("usage: python -m tessera.kernels build", file=sys.stderr)
-        return 2
-    try:
-        build(verbose=True)
-    except KernelUnavailable as exc:
-        print(f"warning: {exc}; Tessera will use PyTorch operators instead", file=sys.stderr)
-        return 1
-    return 0
+    return calls().decode_step_bf16(
+        layers=ctypes.addressof(layers), L=len(layers), d=ctypes.byref(dims), final_norm=final_norm.data_ptr(),
+        M=x.shape[0], x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), half=half, slots=slots.data_ptr(),
+        block_tables=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(), max_len=max_len,
+        workspace=workspace.data_ptr()) == 0

@@ -20,58 +20,13 @@
 
 #include "bf16.h"
 #include "softmax.h"
+#include "tessera_kernels.h"
 
-int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
-                   int64_t N_pad, int64_t N_out, int64_t K, float *scratch);
-int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
-                 int64_t N_pad, int64_t N_out, int64_t K, void *scratch);
-int64_t int4_i8_scratch_bytes(int64_t M, int64_t K);
-int q4k_gemm(const void *x, const uint8_t *codes, const uint8_t *scale_min, const float *dm, void *out, int64_t M,
-             int64_t N, int64_t K, int is_bf16, void *scratch);
-int q6k_gemm(const void *x, const uint8_t *codes, const int8_t *sc, const float *d, void *out, int64_t M,
-             int64_t N, int64_t K, int is_bf16, void *scratch);
-int64_t kquant_scratch_bytes(int64_t M, int64_t K);
-int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M, int64_t N,
-              int64_t K, int64_t G, int is_bf16, float *scratch);
-int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
-                   int64_t M, int64_t N, int64_t K, int64_t G);
-void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
-                   int64_t hidden, float eps);
-void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
-                            const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
-                            int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, float *scratch, int64_t max_len);
-
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3, LINEAR_Q4K = 4, LINEAR_Q6K = 5 };
-#define INT4_ROWS_PER_CALL 64 /* int4_gemm_bf16's row limit (quantization.py's INT4_GEMM_MAX_ROWS) */
-#define INT8_ROWS_PER_CALL 8  /* int8_gemv / int8_gemm_bf16's row limit */
-#define KQ_ROWS_PER_CALL 8    /* q4k_gemm / q6k_gemm's row limit (kernels.KQUANT_MAX_ROWS) */
-
-/* One projection's weight as its QuantMethod stores it (all fields 8 bytes: ctypes mirrors it). */
-typedef struct {
-    int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT8, LINEAR_Q4K, LINEAR_Q6K */
-    const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8; K-quants: code blocks */
-    const void *scales;    /* int4: [K/32][N_pad][2] bf16 (scale, zero); int8: [N][K/G] float32; K-quants:
-                              the sub-blocks' integer scales (and Q4_K's minimums) */
-    const float *zeros;    /* int8: [N][K/G] float32 or NULL; K-quants: the super-blocks' d (and dmin) */
-    const uint16_t *bias;  /* [N] bf16 or NULL */
-    int64_t n_pad, n, k;   /* int4: rows padded to the tile, real rows, columns */
-    int64_t group;         /* int8: values per scale */
-    int64_t int8_gemm;     /* int8: int8_gemm_bf16 may take steps of 3+ rows */
-    int64_t max_rows;      /* rows past which the module path multiplies another way (0: none); more refused */
-} linear_t;
-
-typedef struct {
-    const uint16_t *input_norm, *post_norm; /* [H] bf16 */
-    linear_t qkv, o, gate_up, down;
-    uint16_t *kv_cache; /* [2][Hkv][num_blocks][block_size][D] bf16 */
-} layer_t;
-
-typedef struct {
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t num_blocks, block_size, max_blocks;
-    double eps, scale;
-} dims_t;
+/* Rows per call of each product: its kernel's limit (int8: the smaller of int8_gemv's and
+ * int8_gemm_bf16's, as a chunk may go to either); int4 chunks as the module path splits them. */
+#define INT4_ROWS_PER_CALL INT4_GEMM_MAX_ROWS
+#define INT8_ROWS_PER_CALL (INT8_GEMV_MAX_ROWS < INT8_GEMM_MAX_ROWS ? INT8_GEMV_MAX_ROWS : INT8_GEMM_MAX_ROWS)
+#define KQ_ROWS_PER_CALL KQUANT_MAX_ROWS
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 

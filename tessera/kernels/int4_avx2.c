@@ -17,12 +17,12 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "tessera_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2_FMA 1
 #endif
 
-#define INT4_F32_MAX_ROWS 64
 #define INT4_F32_FEW_ROWS 2 /* up to here rows go through few_rows_tile (3-4 rows in pairs: 0.93x) */
 
 /* 1 when this build has the AVX2 + FMA float32 path of int4_gemm_f32, else 0. */

@@ -16,6 +16,7 @@
 #endif
 
 #include "bf16.h"
+#include "tessera_kernels.h"
 
 /* 1 when this build has the AVX512-BF16 paths of the few-row matrix kernels (int4_gemm_bf16,
  * int8_gemm_bf16), 0 when they would return -1 (an AVX2 host, say). */

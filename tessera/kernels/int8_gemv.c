@@ -18,9 +18,8 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_ROWS 8
-
 #include "bf16.h"
+#include "tessera_kernels.h"
 
 /* One weight row against M activation rows: sums[m] = sum_k xf[m, k] * (wr[k] * sr[k / G] + zr[k / G]).
  * Inlined with G and the presence of zeros as constants (int8_gemv's dispatch), so the group loop
@@ -46,7 +45,7 @@ static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, cons
         sums[0] = _mm512_reduce_add_ps(acc);
         return;
     }
-    __m512 acc[MAX_ROWS];
+    __m512 acc[INT8_GEMV_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const __m512 s = _mm512_set1_ps(sr[g]);
@@ -84,7 +83,7 @@ static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, cons
         sums[0] = hsum_ps256(acc);
         return;
     }
-    __m256 acc[MAX_ROWS];
+    __m256 acc[INT8_GEMV_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const __m256 s = _mm256_set1_ps(sr[g]);
@@ -107,11 +106,11 @@ static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, cons
 }
 
 /* x: [M][K] (bf16 if is_bf16 else f32), w: [N][K] int8, scale and zero (NULL: none): [N][K/G] f32,
- * out: [M][N] like x. xf: scratch of M*K floats. Returns 0, or -1 if M > MAX_ROWS or K is not a
+ * out: [M][N] like x. xf: scratch of M*K floats. Returns 0, or -1 if M > INT8_GEMV_MAX_ROWS or K is not a
  * whole number of groups of 16 or 32 values. */
 int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M,
               int64_t N, int64_t K, int64_t G, int is_bf16, float *xf) {
-    if (M > MAX_ROWS || (G != 16 && G != 32) || K % G != 0) return -1;
+    if (M > INT8_GEMV_MAX_ROWS || (G != 16 && G != 32) || K % G != 0) return -1;
     const int64_t groups = K / G;
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
@@ -120,7 +119,7 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *z
         const int8_t *wr = w + n * K;
         const float *sr = scale + n * groups;
         const float *zr = zero ? zero + n * groups : NULL;
-        float sums[MAX_ROWS];
+        float sums[INT8_GEMV_MAX_ROWS];
         if (G == 32 && !zr) row_dot(wr, sr, zr, xf, M, K, 32, 0, sums);
         else if (G == 32) row_dot(wr, sr, zr, xf, M, K, 32, 1, sums);
         else if (!zr) row_dot(wr, sr, zr, xf, M, K, 16, 0, sums);
@@ -139,7 +138,6 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *z
  * 32 multiply-adds an instruction, against the rows' bfloat16 activations; float32
  * accumulation, one rounding of the result. Four weight rows at a time share each activation load.
  */
-#define INT8_GEMM_MAX_ROWS 8
 #define INT8_GEMM_NB 4
 
 int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,

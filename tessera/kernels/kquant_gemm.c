@@ -34,11 +34,11 @@
 #endif
 
 #include "bf16.h"
+#include "tessera_kernels.h"
 
 #define KQ_BLOCK 256
 #define Q6K_CODE_BYTES 192
 #define Q4K_CODE_BYTES 128
-#define KQ_MAX_ROWS 8
 /* Code bytes read ahead of the block being multiplied: on the 2-vCPU EPYC hosts a one-row
  * product over a model's Q4_K matrices streamed 24-25 GB/s without, 26-28 with 1-2 KiB (the
  * hardware prefetcher alone leaves the two cores waiting on memory). */
@@ -159,7 +159,7 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     const int8_t *sc = (const int8_t *)row.scales;
     const float *d = row.d;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512 facc[KQ_MAX_ROWS];
+    __m512 facc[KQUANT_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
     __m512i pick[4];
@@ -194,14 +194,14 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     }
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
 #elif defined(__AVX2__)
-    __m256 facc[KQ_MAX_ROWS];
+    __m256 facc[KQUANT_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
     for (int64_t b = 0; b < NB; b++) {
         const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
         const int8_t *sb = sc + b * 16;
-        int32_t isum[KQ_MAX_ROWS] = {0};
-        __m256i acc[KQ_MAX_ROWS];
+        int32_t isum[KQUANT_MAX_ROWS] = {0};
+        __m256i acc[KQUANT_MAX_ROWS];
         for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) { /* bytes 32 * half .. + 31 of each 64-byte row */
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * half));
@@ -265,8 +265,8 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     const float *d = row.d;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const float *xmin = acts->xmin;
-    __m512 facc[KQ_MAX_ROWS];
-    __m256 fmin[KQ_MAX_ROWS];
+    __m512 facc[KQUANT_MAX_ROWS];
+    __m256 fmin[KQUANT_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps(), fmin[m] = _mm256_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512i pick[4];
@@ -299,13 +299,13 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     }
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
 #elif defined(__AVX2__)
-    __m256 facc[KQ_MAX_ROWS];
+    __m256 facc[KQUANT_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < NB; b++) {
         const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
         const uint8_t *sb = sm + b * 16;
-        __m256i acc[KQ_MAX_ROWS];
+        __m256i acc[KQUANT_MAX_ROWS];
         for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * half));
@@ -371,7 +371,7 @@ typedef void (*kq_row_fn)(kq_row_t, int64_t, const kq_acts_t *, float *);
 static int kquant_gemm(kq_row_fn row_fn, int64_t code_bytes, int64_t scale_bytes, int64_t floats, const void *x,
                        const uint8_t *codes, const void *scales, const float *d, void *out, int64_t M, int64_t N,
                        int64_t K, int is_bf16, void *scratch) {
-    if (M < 1 || M > KQ_MAX_ROWS || K % KQ_BLOCK != 0) return -1;
+    if (M < 1 || M > KQUANT_MAX_ROWS || K % KQ_BLOCK != 0) return -1;
     const int64_t NB = K / KQ_BLOCK;
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(((uintptr_t)(xq + M * K) + 15) & ~(uintptr_t)15);
@@ -382,7 +382,7 @@ static int kquant_gemm(kq_row_fn row_fn, int64_t code_bytes, int64_t scale_bytes
     const kq_acts_t acts = {xq, xd, bsum, xmin, M, K};
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float sums[KQ_MAX_ROWS];
+        float sums[KQUANT_MAX_ROWS];
         const kq_row_t row = {codes + n * NB * code_bytes, (const uint8_t *)scales + n * NB * scale_bytes,
                               d + n * NB * floats};
         row_fn(row, NB, &acts, sums);
@@ -392,7 +392,7 @@ static int kquant_gemm(kq_row_fn row_fn, int64_t code_bytes, int64_t scale_bytes
 }
 
 /* x: [M][K] (bfloat16 if is_bf16 else float32), codes: [N][K/256][192], sc: [N][K/16] int8,
- * d: [N][K/256] float, out: [M][N] like x. Returns 0, or -1 if M > KQ_MAX_ROWS or K is not a
+ * d: [N][K/256] float, out: [M][N] like x. Returns 0, or -1 if M > KQUANT_MAX_ROWS or K is not a
  * multiple of 256. */
 int q6k_gemm(const void *x, const uint8_t *codes, const int8_t *sc, const float *d, void *out, int64_t M,
              int64_t N, int64_t K, int is_bf16, void *scratch) {

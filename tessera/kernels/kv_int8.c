@@ -37,6 +37,7 @@
 
 #include "bf16.h"
 #include "softmax.h"
+#include "tessera_kernels.h"
 
 #ifdef HAVE_AVX512_Q8
 /* acc + the products of a's and b's int16 lanes, summed in pairs into int32 lanes (VPDPWSSD where
@@ -73,12 +74,9 @@ static inline int8_t quantize(float x, float inv) {
 static inline int64_t key_at(int64_t t, int64_t i, int64_t bs) { return (i >> 1) * bs * 2 + t * 2 + (i & 1); }
 static inline int64_t val_at(int64_t t, int64_t i, int64_t D) { return (t >> 1) * D * 2 + i * 2 + (t & 1); }
 
-/* The keys' (and queries') transform before an int8 cache meets them: kind 0 none, 1 x <- x @ rot
- * (row-major [D][D]), 2 the normalized Sylvester Hadamard matrix (rot unused): the same product
- * by butterflies, D log D operations instead of D^2 (a tenth of a 1.5B decode kernel's time). */
-#define ROT_NONE 0
-#define ROT_MATRIX 1
-#define ROT_HADAMARD 2
+/* The keys' (and queries') transform before an int8 cache meets them: kind ROT_NONE none, ROT_MATRIX
+ * x <- x @ rot (row-major [D][D]), ROT_HADAMARD the normalized Sylvester Hadamard matrix (rot unused):
+ * the same product by butterflies, D log D operations instead of D^2 (a tenth of a 1.5B decode kernel's time). */
 static inline void transform_row(float *x, const float *rot, int kind, int64_t D) {
     if (kind == ROT_HADAMARD) {
         for (int64_t h = 1; h < D; h <<= 1)
@@ -95,7 +93,7 @@ static inline void transform_row(float *x, const float *rot, int kind, int64_t D
         return;
     }
     if (kind != ROT_MATRIX) return;
-    float y[512];
+    float y[MAX_HEAD_DIM];
     for (int64_t j = 0; j < D; j++) y[j] = 0.f;
     for (int64_t i = 0; i < D; i++) {
         const float xi = x[i];
@@ -113,7 +111,7 @@ static inline void transform_row(float *x, const float *rot, int kind, int64_t D
  * float64 angles); decode attention makes them 16 positions at a time by rotation (below), from
  * basis [D/2][2][16] = cos, sin(l f_p) for l < 16, step [D/2][2] = cos, sin(16 f_p) and freqs
  * [D/2] = f_p, so that no table of positions is read. m == 0: no key bias. */
-#define KB_MAX 256
+#define KB_MAX MAX_KEY_BIAS_PAIRS
 typedef struct {
     const float *lo, *hi, *row_cos, *row_sin;
     const int64_t *pairs;
@@ -134,7 +132,7 @@ static inline void take_out_key_bias(float *x, const key_bias_t *kb, int64_t h, 
 
 /* k, v: [T] rows of k_stride / v_stride elements, each starting with [Hkv][D] (bf16 if is_bf16,
  * else float32); slots: [T] int64 cache slots (block * block_size + offset), in order of position
- * within each request. Returns 0, or -1 if D > 512 or D or block_size is odd.
+ * within each request. Returns 0, or -1 if D > MAX_HEAD_DIM or D or block_size is odd.
  * k_rot, rot_kind: the keys' transform before rounding (see transform_row); kb_* (kb_m 0 for
  * none): the key bias's share, taken out of each key first (see key_bias_t). Values are stored as
  * they come. */
@@ -143,7 +141,7 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
                   const float *k_rot, int rot_kind, const float *kb_lo, const float *kb_hi,
                   const int64_t *kb_pairs, int64_t kb_m, const float *kb_row_cos, const float *kb_row_sin) {
     const key_bias_t kb = {kb_lo, kb_hi, kb_row_cos, kb_row_sin, kb_pairs, kb_m};
-    if (D > 512 || D % 2 || block_size % 2) return -1;
+    if (D > MAX_HEAD_DIM || D % 2 || block_size % 2) return -1;
     const int64_t bs = block_size, data = bs * D, row = data + 4;
 #pragma omp parallel for schedule(static)
     for (int64_t pair = 0; pair < 2 * Hkv; pair++) {
@@ -151,7 +149,7 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
         const void *src = which ? v : k;
         const int64_t stride = which ? v_stride : k_stride;
         int8_t *plane = cache + (which * Hkv + h) * num_blocks * row;
-        float x[512];
+        float x[MAX_HEAD_DIM];
         for (int64_t t = 0; t < T; t++) {
             const int64_t at = t * stride + h * D;
             for (int64_t i = 0; i < D; i++)
@@ -195,7 +193,8 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
  * sum_i c (q_i lo_i + q_i' hi_i) + s (q_i' lo_i - q_i hi_i) over the outlier pairs (i' = i + D/2;
  * c, s at key position t: each chunk of 16 positions' are the previous chunk's rotated by 16 f_p,
  * re-anchored from float64 angles every KB_ANCHOR chunks, so they stay within ~1e-5 of the writes').
- * Limits (checked by the caller): D <= 512 and even, G <= 16, block_size even, kb_m <= KB_MAX. */
+ * Limits (checked by the caller): D <= MAX_HEAD_DIM and even, G <= MAX_GROUP, block_size even,
+ * kb_m <= KB_MAX. */
 #define KB_ANCHOR 64
 void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16, const int8_t *cache,
                                  const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B,
@@ -219,7 +218,8 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
         const int64_t first_block = start / bs, end_block = (len + bs - 1) / bs;
         const int64_t *table = block_tables + b * max_blocks;
         float *scores = (float *)scratch + pair * G * P;
-        float qf[16 * 512], maxs[16], sums[16], ka[16 * KB_MAX], kbb[16 * KB_MAX];
+        float qf[MAX_GROUP * MAX_HEAD_DIM], maxs[MAX_GROUP], sums[MAX_GROUP], ka[MAX_GROUP * KB_MAX],
+            kbb[MAX_GROUP * KB_MAX];
         const int64_t *hpairs = kb_pairs + h * kb_m;
         for (int64_t g = 0; g < G; g++) {
             for (int64_t i = 0; i < D; i++) {
@@ -356,7 +356,7 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
                 }
 #endif
         }
-        float acc[16 * 512];
+        float acc[MAX_GROUP * MAX_HEAD_DIM];
         memset(acc, 0, sizeof(float) * G * D);
         const int8_t *vplane = cache + (Hkv + h) * plane;
         for (int64_t j = first_block; j < end_block; j++) {

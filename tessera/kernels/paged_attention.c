@@ -25,6 +25,7 @@
 
 #include "bf16.h"
 #include "softmax.h"
+#include "tessera_kernels.h"
 
 /* Widen one cached row of D elements to float32. */
 static inline void load_row(const void *base, int64_t index, int d, int is_bf16, float *dst) {
@@ -64,7 +65,7 @@ static inline __attribute__((always_inline)) void values_f32(const float *vb, co
  * out:          [B][Hq][D] in the cache's dtype
  * window:       sliding window in tokens, 0 for none
  * scratch:      B * Hkv * (G * max_len) floats for the scores
- * Limits (checked by the caller): D <= 512, G <= 16, block_size <= 64.
+ * Limits (checked by the caller): D <= MAX_HEAD_DIM, G <= MAX_GROUP, block_size <= MAX_BLOCK_SIZE.
  */
 void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
                             const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
@@ -81,16 +82,16 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
         const int64_t *table = block_tables + b * max_blocks;
         /* This pair's G query rows, widened to float32 (q is in the cache's dtype; rows of a
          * request are q_stride elements apart, its heads contiguous). */
-        float qh[16 * 512];
+        float qh[MAX_GROUP * MAX_HEAD_DIM];
         for (int64_t i = 0; i < G * D; i++) {
             const int64_t at = b * q_stride + h * G * D + i;
             qh[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
         }
         float *scores = scratch + pair * G * max_len;
-        float row[512];
-        float kt[512 * 64]; /* one block of keys, transposed: kt[i * block_size + t] */
-        float acc[16 * 512];
-        float maxs[16], sums[16];
+        float row[MAX_HEAD_DIM];
+        float kt[MAX_HEAD_DIM * MAX_BLOCK_SIZE]; /* one block of keys, transposed: kt[i * block_size + t] */
+        float acc[MAX_GROUP * MAX_HEAD_DIM];
+        float maxs[MAX_GROUP], sums[MAX_GROUP];
         for (int64_t g = 0; g < G; g++) maxs[g] = -INFINITY;
 #ifdef HAVE_AVX512_BF16
         if (is_bf16 && D % 32 == 0) {

@@ -38,12 +38,11 @@
 
 #include "bf16.h"
 #include "softmax.h"
+#include "tessera_kernels.h"
 
 #define PF_KEYS 64    /* keys per block of the inner loop: 4 registers of 16 lanes */
 #define PF_TILE 16    /* a work item's query rows come in whole tiles of 16 */
-#define PF_MAX_D 256
-#define PF_MAX_G 16
-#define PF_MAX_Q 256  /* query vectors per work item: at least one tile's (PF_TILE * PF_MAX_G) */
+#define PF_MAX_Q 256  /* query vectors per work item: at least one tile's (PF_TILE * MAX_GROUP) */
 
 #ifdef HAVE_AVX512_BF16
 /* One group of R query vectors against one block of 64 keys (kt: the block's 4 key tiles; vp: its
@@ -154,7 +153,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
  * mask drops their scores, and their zero probabilities times zero values add nothing. */
 static void copy_block(uint32_t *kt, uint32_t *vp, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
                        int64_t block_size, int64_t k0, int64_t first, int64_t len, int64_t D) {
-    static const uint16_t zeros[PF_MAX_D] __attribute__((aligned(64))) = {0};
+    static const uint16_t zeros[PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64))) = {0};
     const uint16_t *krow[PF_KEYS], *vrow[PF_KEYS];
     for (int i = 0; i < PF_KEYS; i++) {
         const int64_t t = k0 + i;
@@ -275,7 +274,7 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
                                  int64_t D, int64_t num_blocks, int64_t block_size, float scale, int64_t window) {
 #ifdef HAVE_AVX512_BF16
     const int64_t G = Hq / Hkv;
-    if (D % 32 || D > PF_MAX_D || G > PF_MAX_G || G * Hkv != Hq) return -1;
+    if (D % 32 || D > PREFILL_MAX_HEAD_DIM || G > MAX_GROUP || G * Hkv != Hq) return -1;
     const int NC = (int)(D / 16);
     const int64_t plane = num_blocks * block_size;
     const int nthreads = omp_get_max_threads();

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "tessera_kernels.h"
 
 void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
                    int64_t rows, int64_t hidden, float eps) {
@@ -19,7 +20,7 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight
         const uint16_t *xr = x + r * hidden;
         uint16_t *rr = residual ? residual + r * hidden : 0;
         uint16_t *orow = out + r * hidden;
-        float buf[8192];
+        float buf[MAX_NORM_HIDDEN];
         float ss = 0.f;
         if (rr) {
 #pragma omp simd reduction(+ : ss)

@@ -78,8 +78,9 @@ LOAD_CHUNK_ROWS = 4096  # rows dequantized at a time while loading
 INT8_REQUANT_GROUP = 32
 # The few-row int4 C kernel (int4_gemm_bf16) against the dense bf16 copy, over a whole model's
 # weights as a step reads them (from memory, not cache): 1.7-4x faster at 2-16 rows, 1.3x at
-# 32-64, break-even at 128 (benchmarks/kernels.py, results/int4_gemm.json). Above 64, the dense copy.
-INT4_GEMM_MAX_ROWS = 64
+# 32-64, break-even at 128 (benchmarks/kernels.py, results/int4_gemm.json). Above 64, the dense copy
+# (decode_step.c splits its int4 products at the same count).
+INT4_GEMM_MAX_ROWS = kernels.INT4_GEMM_MAX_ROWS
 # Dense bf16 matmuls go to oneDNN, which JIT-compiles and caches one kernel per row count (M): a
 # server meeting ever new step sizes grows by ~0.3 MiB of code and buffers per new (M, N, K) until
 # the primitive cache (1,024 entries) is full (docs/operations.md, "Reliability"). Rows above

@@ -1,0 +1,138 @@
+/* Every function the kernel library exports, the limits and kinds its callers must respect, and the
+ * structs they pass: one declaration each, included by every source.
+ *
+ * Including it in each .c file makes the compiler check every definition against its prototype;
+ * Python mirrors this file in bindings.py (ctypes argument tables, constants, Structures), and
+ * tests/test_kernel_bindings.py parses it and fails where the two disagree. Arguments are
+ * documented at the definitions. Adding a kernel: its .c file, a prototype here, a row there.
+ */
+#ifndef TESSERA_KERNELS_H
+#define TESSERA_KERNELS_H
+#include <stdint.h>
+
+/* ---- Shared constants (bindings.py holds the same names and values) ---- */
+
+/* linear_t.kind: how a projection's weight is stored. */
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3, LINEAR_Q4K = 4, LINEAR_Q6K = 5 };
+/* rot_kind of the int8 cache: the keys' (and queries') transform (kv_int8.c's transform_row). */
+enum { ROT_NONE = 0, ROT_MATRIX = 1, ROT_HADAMARD = 2 };
+
+#define MAX_HEAD_DIM 512         /* paged decode attention (bfloat16/float32 and int8 caches) */
+#define MAX_GROUP 16             /* query heads per KV head, every attention kernel */
+#define MAX_BLOCK_SIZE 64        /* paged_decode_attention's cache block (an int8 cache takes any) */
+#define MAX_KEY_BIAS_PAIRS 256   /* kb_m of the int8 cache: every pair of a head up to MAX_HEAD_DIM */
+#define PREFILL_MAX_HEAD_DIM 256 /* paged_prefill_attention_bf16 */
+#define MAX_NORM_HIDDEN 8192     /* rms_norm_bf16's row buffer */
+#define INT8_GEMV_MAX_ROWS 8
+#define INT8_GEMM_MAX_ROWS 8
+#define INT4_F32_MAX_ROWS 64
+#define INT4_GEMM_MAX_ROWS 64    /* rows past which the module path takes the dense copy (decode_step follows) */
+#define KQUANT_MAX_ROWS 8
+
+/* ---- Structs (bindings.py's LinearOperand, DecodeLayer, DecodeDims: same fields, same order) ---- */
+
+/* One projection's weight as its QuantMethod stores it (all fields 8 bytes). */
+typedef struct {
+    int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT8, LINEAR_Q4K, LINEAR_Q6K */
+    const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8; K-quants: code blocks */
+    const void *scales;    /* int4: [K/32][N_pad][2] bf16 (scale, zero); int8: [N][K/G] float32; K-quants:
+                              the sub-blocks' integer scales (and Q4_K's minimums) */
+    const float *zeros;    /* int8: [N][K/G] float32 or NULL; K-quants: the super-blocks' d (and dmin) */
+    const uint16_t *bias;  /* [N] bf16 or NULL */
+    int64_t n_pad, n, k;   /* int4: rows padded to the tile, real rows, columns */
+    int64_t group;         /* int8: values per scale */
+    int64_t int8_gemm;     /* int8: int8_gemm_bf16 may take steps of 3+ rows */
+    int64_t max_rows;      /* rows past which the module path multiplies another way (0: none); more refused */
+} linear_t;
+
+/* One decoder layer of decode_step_bf16. */
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* [H] bf16 */
+    linear_t qkv, o, gate_up, down;
+    uint16_t *kv_cache; /* [2][Hkv][num_blocks][block_size][D] bf16 */
+} layer_t;
+
+/* The decoder's shapes and the cache's. */
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t num_blocks, block_size, max_blocks;
+    double eps, scale;
+} dims_t;
+
+/* ---- paged_attention.c ---- */
+void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
+                            const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                            float scale, int64_t window, float *scratch, int64_t max_len);
+
+/* ---- prefill_attention.c ---- */
+int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache,
+                                 const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
+                                 const int64_t *seq_lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv,
+                                 int64_t D, int64_t num_blocks, int64_t block_size, float scale, int64_t window);
+
+/* ---- kv_int8.c ---- */
+int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v, int64_t v_stride, int is_bf16,
+                  const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size,
+                  const float *k_rot, int rot_kind, const float *kb_lo, const float *kb_hi,
+                  const int64_t *kb_pairs, int64_t kb_m, const float *kb_row_cos, const float *kb_row_sin);
+void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16, const int8_t *cache,
+                                 const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B,
+                                 int64_t Hq, int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size,
+                                 int64_t max_blocks, float scale, int64_t window, void *scratch, int64_t max_len,
+                                 const float *q_rot, int rot_kind, const float *kb_lo, const float *kb_hi,
+                                 const int64_t *kb_pairs, int64_t kb_m, const float *kb_freqs,
+                                 const float *kb_basis, const float *kb_step);
+
+/* ---- rms_norm.c ---- */
+void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                   int64_t hidden, float eps);
+void rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t hidden,
+                  float eps);
+
+/* ---- int8_gemv.c ---- */
+int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M, int64_t N,
+              int64_t K, int64_t G, int is_bf16, float *xf);
+int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
+                   int64_t M, int64_t N, int64_t K, int64_t G);
+
+/* ---- int4_gemv.c ---- */
+int tessera_avx512_bf16(void);
+int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
+                   int64_t N_pad, int64_t N_out, int64_t K, float *scratch);
+int tessera_int4_i8(void);
+int64_t int4_i8_scratch_bytes(int64_t M, int64_t K);
+int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
+                 int64_t N_pad, int64_t N_out, int64_t K, void *scratch);
+
+/* ---- int4_avx2.c ---- */
+int tessera_avx2_fma(void);
+int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
+                  int64_t N_out, int64_t K);
+
+/* ---- kquant_gemm.c ---- */
+int64_t kquant_scratch_bytes(int64_t M, int64_t K);
+int q6k_gemm(const void *x, const uint8_t *codes, const int8_t *sc, const float *d, void *out, int64_t M,
+             int64_t N, int64_t K, int is_bf16, void *scratch);
+int q4k_gemm(const void *x, const uint8_t *codes, const uint8_t *scale_min, const float *dm, void *out, int64_t M,
+             int64_t N, int64_t K, int is_bf16, void *scratch);
+int tessera_kquant_vector(void);
+void q6k_dequant_bf16(const uint8_t *codes, const int8_t *sc, const float *d, uint16_t *out, int64_t N, int64_t K);
+void q4k_dequant_bf16(const uint8_t *codes, const uint8_t *scale_min, const float *dm, uint16_t *out, int64_t N,
+                      int64_t K);
+void q6k_dequant_int8(const uint8_t *codes, const int8_t *sc, const float *d, const float *col, int8_t *out,
+                      float *rs, int64_t N, int64_t K);
+void q4k_dequant_int8(const uint8_t *codes, const uint8_t *scale_min, const float *dm, const float *col,
+                      int8_t *out, float *rs, int64_t N, int64_t K);
+void int8_quantize_rows(const void *x, int is_bf16, const float *col, int8_t *xq, float *ts, int64_t M, int64_t K);
+void int8_scale_products(const int32_t *acc, const float *ts, const float *rs, void *out, int is_bf16, int64_t M,
+                         int64_t N);
+
+/* ---- decode_step.c ---- */
+int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims_t *d, int64_t M, int64_t max_len);
+void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I);
+int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const uint16_t *final_norm, int64_t M,
+                     uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
+                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace);
+
+#endif
