@@ -84,11 +84,11 @@ def main() -> None:
     from tessera import LLM, kernels
     from tessera.bench.machine import machine_info
     from tessera.layers import Linear
-    from tessera.layers.quantization import _KQuantMethod
+    from tessera.layers.quantization import KQuantMethod
 
     llm = LLM(args.model, max_num_seqs=1, enable_prefix_caching=False)
     layers = [(name, m.quant_method.name, m) for name, m in llm.engine.runner.model.named_modules()
-              if isinstance(m, Linear) and isinstance(m.quant_method, _KQuantMethod)]
+              if isinstance(m, Linear) and isinstance(m.quant_method, KQuantMethod)]
     if not layers:
         raise SystemExit(f"{args.model} has no Q4_K/Q6_K layers here (bfloat16 and --int8-activations needed)")
     libs = {"this tree": _bind(kernels.load())}

@@ -225,7 +225,7 @@ class EngineConfig:
     # Map the weights as an earlier start packed them ($TESSERA_HOME/packed), or write them there.
     weight_cache: bool = True
     # Q6_K and Q4_K tensors at the file's width times int8-quantized activations
-    # (layers/quantization.py _KQuantMethod), bfloat16 only; off keeps them int8 / int4.
+    # (layers/quantization/kquant.py), bfloat16 only; off keeps them int8 / int4.
     int8_activations: bool = True
     # Every step through the model's modules (vLLM's flag): no one-call C decode step
     # (models/fused_decode.py); for measuring it against the modules, or ruling it out.

@@ -109,31 +109,41 @@ class PrometheusStatLogger:
         token_buckets = buckets_1_2_5(max_model_len or UNKNOWN_MAX_MODEL_LEN)
         self.families = families if families is not None else MetricFamilies(registry)
         self.registry = self.families.registry
-        fam, labels = self.families.get, ["model_name"] + ([] if replica is None else ["replica"])
+        self._labels = ["model_name"] + ([] if replica is None else ["replica"])
         self._label_values = (model_name,) + (() if replica is None else (replica,))
-        values = self._label_values
+        self._scheduler_metrics()
+        self._request_metrics()
+        self._latency_histograms(token_buckets, max_num_batched_tokens)
+        self._spec_decode_metrics()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return fam(Gauge, PREFIX + name, doc, labels).labels(*values)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return self.families.get(Gauge, PREFIX + name, doc, self._labels).labels(*self._label_values)
 
-        def counter(name: str, doc: str) -> Counter:
-            return fam(Counter, PREFIX + name, doc, labels).labels(*values)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return self.families.get(Counter, PREFIX + name, doc, self._labels).labels(*self._label_values)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return fam(Histogram, PREFIX + name, doc, labels, buckets=buckets).labels(*values)
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return self.families.get(Histogram, PREFIX + name, doc, self._labels,
+                                 buckets=buckets).labels(*self._label_values)
 
+    def _labelled(self, kind: type, name: str, doc: str, label: str):
+        """A family with one more label than the model's (finish reason, endpoint, ...)."""
+        return self.families.get(kind, PREFIX + name, doc, self._labels + [label])
+
+    def _scheduler_metrics(self) -> None:
+        """What the scheduler and the KV cache are doing (vLLM's names)."""
+        gauge, counter, values = self._gauge, self._counter, self._label_values
         self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.num_requests_swapped = gauge("num_requests_swapped", "Number of requests swapped out to host memory.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         # Created on the first stats from a GPU engine, so a CPU server exports no zero-valued GPU series.
-        self._gauge = gauge
         self.gpu_memory: Optional[tuple[Gauge, Gauge]] = None
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self._request_success = fam(Counter, PREFIX + "request_success", "Count of finished requests by finish "
-                                    "reason.", labels + ["finished_reason"])
+        self._request_success = self._labelled(Counter, "request_success",
+                                               "Count of finished requests by finish reason.", "finished_reason")
         self.request_success = {r: self._request_success.labels(*values, r) for r in FINISH_REASONS}
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions by the scheduler.")
         self.prefix_cache_queries = counter(
@@ -142,8 +152,8 @@ class PrometheusStatLogger:
         self.external_prefix_cache_hits = counter(
             "external_prefix_cache_hits", "Prefix cache hits in the disk tier (--kv-offload-dir), in tokens loaded "
             "instead of recomputed (prefix_cache_hits counts both tiers).")
-        self._kv_offload_bytes = fam(Counter, PREFIX + "kv_offload_bytes", "Bytes moved to and from the disk tier.",
-                                     labels + ["direction"])
+        self._kv_offload_bytes = self._labelled(Counter, "kv_offload_bytes", "Bytes moved to and from the disk tier.",
+                                                "direction")
         self.kv_offload_bytes_read = self._kv_offload_bytes.labels(*values, "read")
         self.kv_offload_bytes_written = self._kv_offload_bytes.labels(*values, "write")
         self.kv_offload_saved_seconds = counter(
@@ -155,9 +165,13 @@ class PrometheusStatLogger:
         self.predicted_queue_wait = gauge(
             "predicted_queue_wait_seconds", "Forecast (step-cost model) of how long a request arriving now "
                                             "would wait for its prompt to be computed, in seconds.")
-        self._structured_requests = fam(
-            Counter, PREFIX + "structured_output_requests", "Finished sequences whose output was constrained, by "
-            "kind (json, json_object, regex, choice, grammar, structural_tag: tool calls).", labels + ["kind"])
+
+    def _request_metrics(self) -> None:
+        """Requests by outcome and kind: constrained output, aborts, API endpoints."""
+        counter, histogram = self._counter, self._histogram
+        self._structured_requests = self._labelled(
+            Counter, "structured_output_requests", "Finished sequences whose output was constrained, by "
+            "kind (json, json_object, regex, choice, grammar, structural_tag: tool calls).", "kind")
         self.grammar_compile_time = histogram(
             "grammar_compile_seconds", "Histogram of the time to compile a request's output constraint (cached "
             "grammars take microseconds), in seconds.", GRAMMAR_BUCKETS)
@@ -165,12 +179,15 @@ class PrometheusStatLogger:
             "structured_output_mask_seconds", "Histogram of the time per engine step spent computing and applying "
             "grammar token masks (steps with constrained requests), in seconds.", GRAMMAR_BUCKETS)
         self.request_aborts = counter("request_aborts", "Requests aborted before finishing (client gone or cancelled).")
-        self._endpoint_requests = fam(Counter, PREFIX + "endpoint_requests", "API requests answered, by endpoint "
-                                      "(embeddings: /v1/embeddings, /api/embed, /api/embeddings).",
-                                      labels + ["endpoint"])
-        self._endpoint_prompt_tokens = fam(Counter, PREFIX + "endpoint_prompt_tokens", "Input tokens of the API "
-                                           "requests answered, by endpoint.", labels + ["endpoint"])
+        self._endpoint_requests = self._labelled(
+            Counter, "endpoint_requests", "API requests answered, by endpoint (embeddings: /v1/embeddings, "
+            "/api/embed, /api/embeddings).", "endpoint")
+        self._endpoint_prompt_tokens = self._labelled(
+            Counter, "endpoint_prompt_tokens", "Input tokens of the API requests answered, by endpoint.", "endpoint")
 
+    def _latency_histograms(self, token_buckets: list, max_num_batched_tokens: int) -> None:
+        """Per-request latencies and sizes, and per-step time and tokens (vLLM's names)."""
+        histogram = self._histogram
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.inter_token_latency = histogram(
@@ -196,25 +213,29 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Number of generation tokens processed per request.",
             token_buckets)
-        self.spec_decode_num_drafts = counter(
-            "spec_decode_num_drafts", "Runs of proposed tokens verified (speculative decoding).")
-        self.spec_decode_num_draft_tokens = counter(
-            "spec_decode_num_draft_tokens", "Proposed tokens verified by the target model.")
-        self.spec_decode_num_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
-        self._spec_accepted_per_pos = fam(
-            Counter, PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted proposed tokens by position in their run (0 = first proposal).", labels + ["position"])
-        self.spec_decode_request_acceptance_rate = histogram(
-            "spec_decode_request_acceptance_rate",
-            "Per finished request that verified proposals: accepted / proposed tokens.",
-            [0.1 * i for i in range(1, 11)])
         self.step_time = histogram(
             "step_time_seconds", "Histogram of engine step time (schedule to outputs), in seconds.",
             TOKEN_LATENCY_BUCKETS)
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Histogram of the number of tokens per engine step.",
             buckets_pow2(max_num_batched_tokens))
+
+    def _spec_decode_metrics(self) -> None:
+        """Speculative decoding: runs verified, tokens proposed and accepted (vLLM's names)."""
+        counter, histogram = self._counter, self._histogram
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Runs of proposed tokens verified (speculative decoding).")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified by the target model.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
+        self._spec_accepted_per_pos = self._labelled(
+            Counter, "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in their run (0 = first proposal).", "position")
+        self.spec_decode_request_acceptance_rate = histogram(
+            "spec_decode_request_acceptance_rate",
+            "Per finished request that verified proposals: accepted / proposed tokens.",
+            [0.1 * i for i in range(1, 11)])
 
     # -- StatLogger ---------------------------------------------------------------------------
 

@@ -52,14 +52,21 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=True).encode()
 
 
+_COMPLETIONS = "/v1/completions"
+_CHAT = "/v1/chat/completions"
+
+
 def hostile_cases(model: str) -> list[HostileCase]:
-    """The corpus, for a server that serves `model`."""
-    cmpl = "/v1/completions"
-    chat = "/v1/chat/completions"
+    """The corpus, for a server that serves `model`: bad values for completions, then for chat,
+    then bodies that are not JSON objects and requests on the wrong method or path."""
+    cases = _completion_cases(model) + _chat_cases(model)
+    return [HostileCase(name, path, _json(body)) for name, path, body in cases] + _raw_cases(model)
+
+
+def _completion_cases(model: str) -> list[tuple[str, str, Any]]:
+    cmpl = _COMPLETIONS
     base = {"model": model, "prompt": "hello", "max_tokens": 4}
-    msgs = [{"role": "user", "content": "hello"}]
-    cbase = {"model": model, "messages": msgs, "max_tokens": 4}
-    cases: list[tuple[str, str, Any]] = [
+    return [
         ("max_tokens huge", cmpl, {**base, "max_tokens": _BIG}),
         ("max_tokens negative", cmpl, {**base, "max_tokens": -5}),
         ("max_tokens zero", cmpl, {**base, "max_tokens": 0}),
@@ -110,6 +117,14 @@ def hostile_cases(model: str) -> list[HostileCase]:
         ("unknown fields", cmpl, {**base, "frobnicate": True, "x" * 1000: [1] * 1000}),
         ("model unknown", cmpl, {**base, "model": "no-such-model"}),
         ("model wrong type", cmpl, {**base, "model": 5}),
+    ]
+
+
+def _chat_cases(model: str) -> list[tuple[str, str, Any]]:
+    chat = _CHAT
+    msgs = [{"role": "user", "content": "hello"}]
+    cbase = {"model": model, "messages": msgs, "max_tokens": 4}
+    return [
         ("messages empty", chat, {**cbase, "messages": []}),
         ("messages not a list", chat, {**cbase, "messages": "hello"}),
         ("message without role", chat, {**cbase, "messages": [{"content": "x"}]}),
@@ -144,7 +159,11 @@ def hostile_cases(model: str) -> list[HostileCase]:
         ("guided_grammar matches nothing", chat, {**cbase, "guided_grammar": 'root ::= root "a"'}),
         ("two constraints", chat, {**cbase, "guided_regex": "a", "guided_choice": ["b"]}),
     ]
-    out = [HostileCase(name, path, _json(body)) for name, path, body in cases]
+
+
+def _raw_cases(model: str) -> list[HostileCase]:
+    cmpl, chat = _COMPLETIONS, _CHAT
+    base = {"model": model, "prompt": "hello", "max_tokens": 4}
     raw: list[tuple[str, str, bytes]] = [
         ("empty body", cmpl, b""),
         ("not JSON", cmpl, b"hello there"),
@@ -159,7 +178,7 @@ def hostile_cases(model: str) -> list[HostileCase]:
         ("NaN literal", cmpl, b'{"prompt": "a", "temperature": NaN}'),
         ("body 20 MB", cmpl, b'{"prompt": "' + b"a" * (20 * 2**20) + b'"}'),
     ]
-    out += [HostileCase(name, path, body) for name, path, body in raw]
+    out = [HostileCase(name, path, body) for name, path, body in raw]
     out += [
         HostileCase("form content type", cmpl, _json(base), content_type="application/x-www-form-urlencoded"),
         HostileCase("GET on a POST endpoint", cmpl, b"", method="GET"),

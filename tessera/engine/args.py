@@ -23,8 +23,17 @@ def parse_size(text: str) -> int:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags every command shares, in one help group: where the model runs and how its
+    weights are kept, the KV cache, scheduling, then speculation, pooling and threads."""
     d = EngineConfig()
     g = parser.add_argument_group("engine")
+    _weight_args(g, d)
+    _kv_cache_args(g, d)
+    _scheduling_args(g, d)
+    _other_args(g, d)
+
+
+def _weight_args(g: Any, d: EngineConfig) -> None:
     g.add_argument("--device", default="auto", choices=DEVICES,
                    help="where the model runs: cpu, or cuda (an NVIDIA GPU: bfloat16 weights, the triton attention "
                         "backend); auto: cuda when PyTorch sees a GPU (default: %(default)s)")
@@ -51,6 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="keep the weights as the kernels use them in $TESSERA_HOME/packed and map that file on "
                         "later starts: seconds instead of tens of seconds, pages shared by every server of the "
                         "model (default: on)")
+
+
+def _kv_cache_args(g: Any, d: EngineConfig) -> None:
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV cache element format: auto (the compute dtype), bfloat16, float32, or int8 (one "
@@ -68,6 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "included; by default those keep only their window's blocks, a long sequence then "
                         "holding about a fifth of the cache (off by itself with --kv-offload-dir, which stores "
                         "whole-context blocks)")
+
+
+def _scheduling_args(g: Any, d: EngineConfig) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt+output in tokens (default: min(model limit, 4096))")
     g.add_argument("--profile", choices=PROFILES, default=d.profile,
@@ -100,6 +115,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), "
                         "reference (a plain loop, for checking), triton (the GPU's kernel reading the paged cache in "
                         "place); auto: triton on a GPU, else paged where its kernel builds (default: %(default)s)")
+
+
+def _other_args(g: Any, d: EngineConfig) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 4}' (prompt lookup), '{\"model\": \"qwen2.5-coder-0.5b\", "

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from tessera import kernels
 from tessera.errors import ModelFormatError
-from tessera.layers.quantization import Activation, QuantConfig, QuantMethod
+from tessera.layers.quantization import Activation, QuantConfig, QuantMethod, method_for
 from tessera.layers.weights import AnyWeight, as_source
 
 
@@ -74,7 +74,7 @@ class Linear(nn.Module):
         self._pending[shard] = src
         if len(self._pending) == len(self.shard_names):
             sources = [self._pending.pop(n) for n in self.shard_names]
-            self.quant_method = self.quant.method_for(sources)
+            self.quant_method = method_for(self.quant, sources)
             self.quant_method.load(self, sources)
 
     def bias_loader(self, bias: Tensor, shard: Optional[str] = None) -> None:

@@ -98,7 +98,7 @@ class BertIntermediate(nn.Module):
         self.activation = gelu_activation(c.hidden_act or "gelu")
 
     def forward(self, h: Tensor) -> Tensor:
-        return self.dense(h, self.activation)  # the GELU applied by the product (layers/quantization.py)
+        return self.dense(h, self.activation)  # the GELU applied by the product (layers/quantization/base.py, dense_linear)
 
 
 class BertLayer(nn.Module):

@@ -67,93 +67,102 @@ class TransportSettings:
                    timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections)
 
 
+class HTTPGuard:
+    """What guarded_protocol adds to uvicorn's HTTP protocol: a clock on each request's headers
+    and body (408 and close when it runs out) and a cap on open connections (the one idle the
+    longest is closed to make room). The limits are class attributes of the protocol made."""
+
+    timeout_header: float
+    timeout_body: float
+    max_connections: int
+    # uvicorn's protocol provides these
+    loop: Any
+    transport: Any
+    connections: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._guard: Optional[asyncio.TimerHandle] = None
+        self._guarding: Optional[str] = None  # "header" or "body"
+        self._body_cycle: Any = None
+        self._idle_since = self.loop.time()
+        super().connection_made(transport)
+        self._arm("header")
+        if len(self.connections) > self.max_connections:
+            self._make_room()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        cycle = self._cycle()
+        if cycle is None:
+            if self._guarding != "header":
+                self._arm("header")  # a new request has begun arriving on a kept-alive connection
+        elif getattr(cycle, "more_body", False):
+            if self._body_cycle is not cycle:  # the headers are in: now the body's clock runs
+                self._body_cycle = cycle
+                self._arm("body")
+        elif self._guarding is not None:
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
+        self._disarm()
+        super().on_response_complete()  # uvicorn's keep-alive timer takes over the idle socket
+
+    def busy(self) -> bool:
+        return self._cycle() is not None
+
+    def _cycle(self) -> Any:
+        """The request being served now (its headers are in), or None."""
+        cycle = getattr(self, "cycle", None)
+        return None if cycle is None or cycle.response_complete else cycle
+
+    def _arm(self, what: str) -> None:
+        self._disarm()
+        delay = self.timeout_header if what == "header" else self.timeout_body
+        self._guarding = what
+        self._guard = self.loop.call_later(delay, self._timed_out, what)
+
+    def _disarm(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+        self._guard, self._guarding = None, None
+
+    def _timed_out(self, what: str) -> None:
+        self._guard, self._guarding = None, None
+        if self.transport.is_closing():
+            return
+        cycle = self._cycle()
+        if what == "header" and cycle is None:
+            self.transport.write(_TIMEOUT_408)
+            self.transport.close()
+        elif what == "body" and cycle is not None and getattr(cycle, "more_body", False):
+            if not getattr(cycle, "response_started", True):
+                self.transport.write(_TIMEOUT_408)
+            self.transport.close()
+
+    def _make_room(self) -> None:
+        """Over the cap: close the connection idle (no request running) the longest."""
+        idle = [c for c in self.connections if isinstance(c, HTTPGuard) and not c.busy()
+                and not c.transport.is_closing()]
+        victim = min(idle, key=lambda c: c._idle_since) if idle else self
+        victim._disarm()
+        victim.transport.close()
+
+
 def guarded_protocol(settings: TransportSettings) -> type:
     """uvicorn's HTTP protocol class (httptools' or h11's, whichever uvicorn would pick) with the
-    header and body timeouts and the connection cap of `settings`."""
+    header and body timeouts and the connection cap of `settings` (HTTPGuard)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    base: Any = AutoHTTPProtocol
-
-    class GuardedHTTPProtocol(base):  # type: ignore[misc, valid-type]
-        timeout_header = settings.timeout_header
-        timeout_body = settings.timeout_body
-        max_connections = settings.max_connections
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._guard: Optional[asyncio.TimerHandle] = None
-            self._guarding: Optional[str] = None  # "header" or "body"
-            self._body_cycle: Any = None
-            self._idle_since = self.loop.time()
-            super().connection_made(transport)
-            self._arm("header")
-            if len(self.connections) > self.max_connections:
-                self._make_room()
-
-        def connection_lost(self, exc: Optional[Exception]) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            cycle = self._cycle()
-            if cycle is None:
-                if self._guarding != "header":
-                    self._arm("header")  # a new request has begun arriving on a kept-alive connection
-            elif getattr(cycle, "more_body", False):
-                if self._body_cycle is not cycle:  # the headers are in: now the body's clock runs
-                    self._body_cycle = cycle
-                    self._arm("body")
-            elif self._guarding is not None:
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            self._idle_since = self.loop.time()
-            self._disarm()
-            super().on_response_complete()  # uvicorn's keep-alive timer takes over the idle socket
-
-        def busy(self) -> bool:
-            return self._cycle() is not None
-
-        def _cycle(self) -> Any:
-            """The request being served now (its headers are in), or None."""
-            cycle = getattr(self, "cycle", None)
-            return None if cycle is None or cycle.response_complete else cycle
-
-        def _arm(self, what: str) -> None:
-            self._disarm()
-            delay = self.timeout_header if what == "header" else self.timeout_body
-            self._guarding = what
-            self._guard = self.loop.call_later(delay, self._timed_out, what)
-
-        def _disarm(self) -> None:
-            if self._guard is not None:
-                self._guard.cancel()
-            self._guard, self._guarding = None, None
-
-        def _timed_out(self, what: str) -> None:
-            self._guard, self._guarding = None, None
-            if self.transport.is_closing():
-                return
-            cycle = self._cycle()
-            if what == "header" and cycle is None:
-                self.transport.write(_TIMEOUT_408)
-                self.transport.close()
-            elif what == "body" and cycle is not None and getattr(cycle, "more_body", False):
-                if not getattr(cycle, "response_started", True):
-                    self.transport.write(_TIMEOUT_408)
-                self.transport.close()
-
-        def _make_room(self) -> None:
-            """Over the cap: close the connection idle (no request running) the longest."""
-            idle = [c for c in self.connections if isinstance(c, GuardedHTTPProtocol) and not c.busy()
-                    and not c.transport.is_closing()]
-            victim = min(idle, key=lambda c: c._idle_since) if idle else self
-            victim._disarm()
-            victim.transport.close()
-
-    return GuardedHTTPProtocol
+    return type("GuardedHTTPProtocol", (HTTPGuard, AutoHTTPProtocol),
+                {"timeout_header": settings.timeout_header, "timeout_body": settings.timeout_body,
+                 "max_connections": settings.max_connections})
 
 
 def uvicorn_config(app: Any, settings: TransportSettings, *, log_level: str = "info",

@@ -16,8 +16,8 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 
 from tessera.layers import FloatWeight, GGUFWeight, Linear, QuantConfig
-from tessera.layers.quantization import (ROW_BUCKET_MIN, Int4Method, Int8Method, dense_linear, quantize_int4,
-                                        row_bucket)
+from tessera.layers.quantization import (ROW_BUCKET_MIN, Int4Method, Int8Method, dense_linear, method_for,
+                                        quantize_int4, row_bucket)
 from tessera.llm import LLM
 from tessera.sampling_params import SamplingParams
 
@@ -116,7 +116,7 @@ def test_bfloat16_int4_scales_and_kernels():
 
 
 def _auto(*sources) -> str:
-    return QuantConfig("auto", torch.float32).method_for(list(sources)).name
+    return method_for(QuantConfig("auto", torch.float32), list(sources)).name
 
 
 def test_auto_keeps_each_checkpoints_precision_class():
@@ -127,9 +127,9 @@ def test_auto_keeps_each_checkpoints_precision_class():
     assert _auto(gguf_weight(w, Q.Q8_0)) == "int8"
     assert _auto(gguf_weight(w, Q.Q4_0), gguf_weight(w, Q.Q8_0)) == "int8"  # a merged weight: the finer class
     assert _auto(FloatWeight(torch.from_numpy(w))) == "dense"
-    assert QuantConfig("none").method_for([gguf_weight(w, Q.Q4_1)]).name == "dense"
-    assert QuantConfig("int4").method_for([gguf_weight(w, Q.Q8_0)]).name == "int4"
-    assert QuantConfig("int4").method_for([FloatWeight(torch.zeros(8, 48))]).name == "int8"  # 48 % 32 != 0
+    assert method_for(QuantConfig("none"), [gguf_weight(w, Q.Q4_1)]).name == "dense"
+    assert method_for(QuantConfig("int4"), [gguf_weight(w, Q.Q8_0)]).name == "int4"
+    assert method_for(QuantConfig("int4"), [FloatWeight(torch.zeros(8, 48))]).name == "int8"  # 48 % 32 != 0
     with pytest.raises(ValueError, match="quantization must be one of"):
         QuantConfig("fp8")
 
@@ -221,7 +221,7 @@ def test_loading_in_row_chunks_gives_the_same_weight(monkeypatch, method_cls):
     rng = np.random.default_rng(3)
     q41 = gguf_weight(rng.standard_normal((200, 64)) * 0.05, Q.Q4_1)
     whole = [m.dequantize(l) for m, l in (_layer(method_cls, w), _layer(method_cls, None, source=q41))]
-    monkeypatch.setattr("tessera.layers.quantization.LOAD_CHUNK_ROWS", 64)
+    monkeypatch.setattr(f"{method_cls.__module__}.LOAD_CHUNK_ROWS", 64)  # where the method reads it
     chunked = [m.dequantize(l) for m, l in (_layer(method_cls, w), _layer(method_cls, None, source=q41))]
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)

@@ -16,12 +16,15 @@ layer pattern and local RoPE base a GGUF file does not record.
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from tessera.attention import get_backend
 from tessera.models.loader import LoadedModel, forward_single, load_model
+from tessera.models.registry import tessera_home
 
 pytestmark = pytest.mark.model
 
@@ -37,16 +40,56 @@ BF16_ATOL = 1.0
 GREEDY_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def models(request, model_path):
+def load_oracle(path: Path):
+    """transformers' model of the GGUF file, dequantized, in float32. Reading a GGUF file through
+    transformers is slow (its reader walks the metadata in Python: 35 s for SmolLM2, two minutes
+    for Gemma 3's 262k-token vocabulary on 2 cores), so the converted model is kept, as
+    safetensors, under $TESSERA_HOME/test-oracles by file name and size; later runs load that."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    path = model_path(request.param)
+    cached = tessera_home() / "test-oracles" / f"{path.name}-{path.stat().st_size}"
+    if (cached / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
     oracle = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True),
         dtype=torch.float32,
     ).eval()
-    yield request.param, oracle, load_model(path, "float32", quantization="none"), load_model(path, "bfloat16", quantization="none")
+    partial = cached.with_name(cached.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    oracle.save_pretrained(str(partial))
+    partial.rename(cached)  # whole or absent: an interrupted save is never read
+    return oracle
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def models(request, model_path):
+    path = model_path(request.param)
+    yield (request.param, OracleModel(load_oracle(path)), load_model(path, "float32", quantization="none"),
+           load_model(path, "bfloat16", quantization="none"))
+
+
+class OracleModel:
+    """The oracle, with what it computed kept: the float32 and bfloat16 tests ask for the same
+    prompts' logits, the float32 and file-weights tests for the same greedy continuations."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+        self._greedy: dict[tuple[int, ...], list[int]] = {}
+
+    def last_logits(self, ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in self._logits:
+            with torch.no_grad():
+                self._logits[key] = self.model(torch.tensor([ids])).logits[0, -1].float()
+        return self._logits[key]
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """The first n greedy tokens after `ids` (a longer run's prefix when one was computed)."""
+        known = self._greedy.get(tuple(ids), [])
+        if len(known) < n:
+            known = self._greedy[tuple(ids)] = _greedy_oracle(self.model, ids, n)
+        return known[:n]
 
 
 LONG_PROMPT = " ".join(
@@ -54,17 +97,12 @@ LONG_PROMPT = " ".join(
 ) + " The box with the most coins is"
 
 
-def _oracle_logits(oracle, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return oracle(torch.tensor([ids])).logits[0, -1].float()
-
-
 def test_last_logits_float32(models):
     name, oracle, f32, _ = models
     worst = 0.0
     for prompt in PROMPTS:
         ids = f32.tokenizer.encode(prompt)
-        ref = _oracle_logits(oracle, ids)
+        ref = oracle.last_logits(ids)
         ours = forward_single(f32, ids)[-1]
         worst = max(worst, (ours - ref).abs().max().item())
         assert ours.argmax() == ref.argmax()
@@ -77,7 +115,7 @@ def test_last_logits_bfloat16(models):
     worst = 0.0
     for prompt in PROMPTS:
         ids = bf16.tokenizer.encode(prompt)
-        ref = _oracle_logits(oracle, ids)
+        ref = oracle.last_logits(ids)
         ours = forward_single(bf16, ids)[-1]
         worst = max(worst, (ours - ref).abs().max().item())
         assert ours.argmax().item() in ref.topk(5).indices.tolist()
@@ -89,7 +127,7 @@ def test_long_prompt_float32(models):
     name, oracle, f32, _ = models
     ids = f32.tokenizer.encode(LONG_PROMPT)
     assert len(ids) > 600
-    diff = (forward_single(f32, ids)[-1] - _oracle_logits(oracle, ids)).abs().max().item()
+    diff = (forward_single(f32, ids)[-1] - oracle.last_logits(ids)).abs().max().item()
     print(f"\n{name} float32 {len(ids)}-token prompt max |logit diff| = {diff:.2e}")
     assert diff < F32_ATOL
 
@@ -131,7 +169,7 @@ def test_greedy_continuation_float32(models):
     for prompt in PROMPTS[:2]:
         ids = f32.tokenizer.encode(prompt)
         ours = _greedy_tessera(f32, ids, GREEDY_TOKENS)
-        assert ours == _greedy_oracle(oracle, ids, GREEDY_TOKENS), f"{name}: {f32.tokenizer.decode(ours)!r}"
+        assert ours == oracle.greedy(ids, GREEDY_TOKENS), f"{name}: {f32.tokenizer.decode(ours)!r}"
 
 
 def test_the_files_quantized_weights_are_the_oracles(models, model_path):
@@ -142,4 +180,4 @@ def test_the_files_quantized_weights_are_the_oracles(models, model_path):
     for prompt in PROMPTS:
         ids = auto.tokenizer.encode(prompt)
         ours = _greedy_tessera(auto, ids, 24)
-        assert ours == _greedy_oracle(oracle, ids, 24), f"{name}: {auto.tokenizer.decode(ours)!r}"
+        assert ours == oracle.greedy(ids, 24), f"{name}: {auto.tokenizer.decode(ours)!r}"
