@@ -175,8 +175,8 @@ class LLMEngine:
     def _step(self) -> tuple[list[RequestOutput], IterationStats]:
         t0 = time.perf_counter()
         if self.proposer is not None and self.spec_policy is not None:
-            propose_all(self.proposer, self.spec_policy, self.scheduler.running, len(self.scheduler.waiting),
-                        self.config.max_model_len, self.kv)
+            self.scheduler.set_proposals(propose_all(self.proposer, self.spec_policy, self.scheduler.running,
+                                                     len(self.scheduler.waiting), self.config.max_model_len, self.kv))
         t_step = time.perf_counter()  # drafting is not part of the step the cost model predicts
         sched = self.scheduler.schedule()
         # What a failure from here on touched: the scheduled requests and any swapped this step.

@@ -71,11 +71,6 @@ class Request:
         # target in that step, never part of all_token_ids unless accepted.
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Optional[torch.Tensor] = None  # [len, vocab] q of drafted ones, when sampled
-        # A draft model's K/V for this request (same block ids as the target's): valid for the
-        # first `draft_num_valid` tokens, then for `draft_tail` (guesses fed back) as far as
-        # they match what was then accepted.
-        self.draft_num_valid = 0
-        self.draft_tail: list[int] = []
         self.stop_reason: int | str | None = None
         # Where this sequence stands in its structured-output grammar (None: unconstrained);
         # advanced by the tokens each step appends, so it survives preemption.
@@ -101,11 +96,6 @@ class Request:
     def clear_speculation(self) -> None:
         self.spec_token_ids = []
         self.spec_draft_probs = None
-
-    def forget_draft_kv(self) -> None:
-        """The request's blocks were freed or moved (preemption): a draft model starts over."""
-        self.draft_num_valid = 0
-        self.draft_tail = []
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

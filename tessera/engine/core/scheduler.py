@@ -32,7 +32,7 @@ from tessera.config import EngineConfig
 from tessera.engine.core.cost_model import StepCostPredictor, StepShape
 from tessera.engine.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from tessera.engine.core.request import Request, RequestStatus
-from tessera.engine.core.scheduler_output import SamplingInputs, ScheduledChunk, SchedulerOutput
+from tessera.engine.core.scheduler_output import Proposal, SamplingInputs, ScheduledChunk, SchedulerOutput
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
 
 
@@ -55,6 +55,15 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def set_proposals(self, proposals: dict[str, Proposal]) -> None:
+        """Take a proposer's answer for the coming step: each running request verifies its own
+        proposal, if any, and none left from an earlier step (the proposer sees plain inputs and
+        returns plain data; only the scheduler writes its requests)."""
+        for req in self.running:
+            p = proposals.get(req.request_id)
+            req.spec_token_ids = list(p.token_ids) if p is not None else []
+            req.spec_draft_probs = p.draft_probs if p is not None else None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -144,7 +153,6 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         victim.clear_speculation()
-        victim.forget_draft_kv()
         pairs = None
         if self.config.preemption_mode == "swap" and victim.num_computed_tokens > 0:
             pairs = self.kv.swap_out(victim)

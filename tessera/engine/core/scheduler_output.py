@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Proposal:
+    """Guessed tokens for one request, as a proposer hands them to the scheduler (which puts
+    them in the request's next chunk); `draft_probs` [len, vocab] is the distribution each was
+    drawn from (rejection sampling needs it), None when they were fixed (lookup or greedy)."""
+
+    token_ids: list[int]
+    draft_probs: Optional[torch.Tensor] = None
+
+
+@dataclass
 class SamplingInputs:
     """What sampling a request's next token reads: its parameters, its own generator when it is
     seeded, and its tokens so far when penalties need them (empty otherwise)."""
