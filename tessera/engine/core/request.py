@@ -17,7 +17,7 @@ from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tessera.engine.worker.structured_output import GrammarState
+    from tessera.engine.core.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):

@@ -26,20 +26,27 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from tessera.config import EngineConfig
 from tessera.engine.core.cost_model import StepCostPredictor, StepShape
 from tessera.engine.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from tessera.engine.core.request import Request, RequestStatus
-from tessera.engine.core.scheduler_output import Proposal, SamplingInputs, ScheduledChunk, SchedulerOutput
+from tessera.engine.core.scheduler_output import (
+    GrammarBitmask, Proposal, SamplingInputs, ScheduledChunk, SchedulerOutput)
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
+
+if TYPE_CHECKING:
+    from tessera.engine.core.structured_output import StructuredOutputManager
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
-                 cost_model: Optional[StepCostPredictor] = None) -> None:
+                 cost_model: Optional[StepCostPredictor] = None,
+                 structured: Optional["StructuredOutputManager"] = None) -> None:
+        """`structured`: fills the step's grammar masks from the requests' grammar states."""
         self.config = config
+        self.structured = structured
         self.kv = kv
         self.max_model_len = max_model_len
         self.cost_model = cost_model
@@ -370,7 +377,20 @@ class Scheduler:
         out.prefill_unbounded = step.unbounded if step.has_prefill and step.has_decodes else None
         if self.cost_model is not None and out.scheduled:
             out.predicted_s = self.cost_model.predict(step.shape)
+        out.grammar = self._grammar_bitmask(out)
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> Optional[GrammarBitmask]:
+        """The masks of the step's constrained sampled rows (proposals included), from the grammar
+        states the scheduler keeps: the runner gets a bitmask, never a grammar state."""
+        rows = []
+        for s in out.scheduled:
+            grammar = self.requests[s.request_id].grammar
+            if s.samples and grammar is not None:
+                rows.append((s.request_id, grammar, s.proposal))
+        if not rows or self.structured is None:
+            return None
+        return self.structured.fill_bitmask(rows)
 
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Advance progress, append sampled tokens, and finish requests that hit a limit.
@@ -379,6 +399,8 @@ class Scheduler:
         run of proposals, the accepted ones and the target's next. Returns the tokens actually
         appended (a run stops at a stop token or a length limit).
         """
+        if out.grammar is not None:
+            out.grammar.wait()  # the grammar thread is done with the states before they advance
         appended: dict[str, list[int]] = {}
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
@@ -403,6 +425,8 @@ class Scheduler:
             req.num_computed_tokens += len(kept) if s.num_spec_tokens else s.num_new_tokens - s.num_spec_tokens
             for token in kept:
                 req.append_token(token)
+            if req.grammar is not None and kept:  # the runner's masks came from it: it takes what they allowed
+                req.grammar.advance(kept)
             if s.num_spec_tokens:
                 self.kv.release_tail(req, req.num_tokens)
             self.kv.cache_full_blocks(req)  # before finishing, so a finished request's blocks stay findable
@@ -469,4 +493,4 @@ def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: in
         sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
         is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
         num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        grammar=req.grammar, pooling=req.pooling)
+        pooling=req.pooling)

@@ -8,17 +8,15 @@ scheduler or the engine, and the request objects the scheduler mutates stay on i
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from tessera.engine.core.cost_model import StepShape
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tessera.engine.worker.structured_output import GrammarState
 
 
 @dataclass
@@ -59,7 +57,6 @@ class ScheduledChunk:
     is_decode: bool = False  # continues a generation (one known token) rather than computing a prompt
     num_spec_tokens: int = 0
     draft_probs: Optional[torch.Tensor] = None  # [num_spec_tokens, vocab] q the proposals were drawn from
-    grammar: Optional["GrammarState"] = None  # where the request stands in its grammar, if constrained
     # An embedding request's whole prompt: the runner pools its hidden states instead of sampling.
     pooling: Optional[PoolingParams] = None
 
@@ -70,6 +67,27 @@ class ScheduledChunk:
     @property
     def proposal(self) -> list[int]:
         return self.token_ids[1:] if self.num_spec_tokens else []
+
+
+@dataclass
+class GrammarBitmask:
+    """The step's structured-output masks, filled by the scheduler from its grammar states
+    (engine/core/structured_output.py) so the runner needs none: bit t of a row set means token
+    t is allowed there. A request's rows start at `rows[request_id]`: one for a sampled token,
+    or one per position of a verified run (its proposals + 1), in order."""
+
+    bitmask: torch.Tensor  # int32 [rows, ceil(vocab / 32)], on the host
+    rows: dict[str, int]
+    fill_s: float = 0.0  # seconds the scheduler's grammar thread spent filling it
+    # While the scheduler's grammar thread still fills `bitmask` (alongside the forward pass);
+    # whoever reads the bits calls `wait()` first (a runner elsewhere would be sent it after).
+    pending: Optional[Future] = None
+
+    def wait(self) -> "GrammarBitmask":
+        if self.pending is not None:
+            self.fill_s = self.pending.result()
+            self.pending = None
+        return self
 
 
 @dataclass
@@ -88,6 +106,7 @@ class SchedulerOutput:
     # "past_target" (the decodes left no room under it) or "queue" (more requests waited for
     # prompt work than decoded); None when the target sized them or there was none.
     prefill_unbounded: Optional[str] = None
+    grammar: Optional[GrammarBitmask] = None  # masks for the constrained rows, if any
 
     @property
     def total_tokens(self) -> int:
