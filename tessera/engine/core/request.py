@@ -72,6 +72,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Optional[torch.Tensor] = None  # [len, vocab] q of drafted ones, when sampled
         self.stop_reason: int | str | None = None
+        # Whether the runner holds this request's tokens for its penalties (sent in its first
+        # chunk after admission or preemption; the runner appends what it samples).
+        self.history_sent = False
         # Where this sequence stands in its structured-output grammar (None: unconstrained);
         # advanced by the tokens each step appends, so it survives preemption.
         self.grammar: Optional["GrammarState"] = None

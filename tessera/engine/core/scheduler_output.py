@@ -30,14 +30,23 @@ class Proposal:
 
 
 @dataclass
+class TokenHistory:
+    """A request's tokens so far (copies), sent once so the runner keeps its own for penalties."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
 class SamplingInputs:
-    """What sampling a request's next token reads: its parameters, its own generator when it is
-    seeded, and its tokens so far when penalties need them (empty otherwise)."""
+    """What sampling a request's next token reads: its parameters and its own generator when it
+    is seeded. Penalties read the request's tokens, which the runner keeps
+    (engine/worker/penalty_history.py): `history` brings them in the first chunk after the
+    request's admission or preemption, None otherwise and without penalties."""
 
     params: SamplingParams
     generator: Optional[torch.Generator] = None
-    output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(default_factory=list)
+    history: Optional[TokenHistory] = None
 
 
 @dataclass
@@ -98,6 +107,7 @@ class SchedulerOutput:
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, disk tier payload)
     kv_loaded_shape: StepShape = field(default_factory=StepShape)  # the prefill those loads replace
     preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # since the last step: the runner forgets them
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
     shape: StepShape = field(default_factory=StepShape)  # the step's work, for the cost model

@@ -20,6 +20,7 @@ from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from tessera.engine.worker.model_executor import ModelExecutor
+from tessera.engine.worker.penalty_history import PenaltyHistories
 from tessera.engine.worker.sampler import Sampler
 from tessera.engine.worker.structured_output import apply_grammar_bitmask
 from tessera.models.base import ModelBase
@@ -96,6 +97,7 @@ class ModelRunner(ModelRunnerBase):
                                                mc.num_kv_heads, mc.head_dim, dtype,
                                                host=True) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
+        self.histories = PenaltyHistories()  # the tokens penalties read, for the requests that use them
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
@@ -134,6 +136,9 @@ class ModelRunner(ModelRunnerBase):
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._copy_blocks(out.swap_out, to_host=True)
         self._copy_blocks(out.swap_in, to_host=False)
+        self.histories.drop(out.finished)
+        self.histories.drop(out.preempted)
+        self.histories.start(out.scheduled)
         if out.kv_loads:
             self.write_blocks([b for b, _ in out.kv_loads], [p for _, p in out.kv_loads])
         if out.is_empty:
@@ -189,10 +194,17 @@ class ModelRunner(ModelRunnerBase):
         if out.grammar is not None:
             logits = logits.float()
             mask_time = apply_grammar_bitmask(logits, out.grammar, sample_chunks, spec_chunks)
+        sampled, logprobs, spec_results = self._sample(logits, sample_chunks, spec_chunks)
+        return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time, pooled)
+
+    def _sample(self, logits: torch.Tensor, sample_chunks: list[ScheduledChunk], spec_chunks: list[ScheduledChunk]):
+        """Sample the plain rows (the first len(sample_chunks) of `logits`) and verify the runs
+        (the rest); the emitted tokens extend the penalty histories the runner keeps."""
+        n = len(sample_chunks)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
         if sample_chunks:
-            result = self.sampler(logits[:len(sample_rows)], [c.sampling for c in sample_chunks])
+            result = self.sampler(logits[:n], self.histories.rows(sample_chunks))
             for c, t in zip(sample_chunks, result.token_ids):
                 sampled[c.request_id] = [t]
             if result.logprobs is not None:
@@ -201,14 +213,16 @@ class ModelRunner(ModelRunnerBase):
         spec_results: dict[str, tuple[int, int]] = {}
         if spec_chunks:
             proposals = [c.proposal for c in spec_chunks]
-            spec = self.sampler.speculative(logits[len(sample_rows):], [c.sampling for c in spec_chunks], proposals,
+            spec = self.sampler.speculative(logits[n:], self.histories.rows(spec_chunks), proposals,
                                             [c.draft_probs for c in spec_chunks])
             for c, tokens, proposal, accepted in zip(spec_chunks, spec.token_ids, proposals, spec.num_accepted):
                 sampled[c.request_id] = tokens
                 spec_results[c.request_id] = (len(proposal), accepted)
             if spec.logprobs is not None:
                 logprobs.update({c.request_id: lp for c, lp in zip(spec_chunks, spec.logprobs) if lp is not None})
-        return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time, pooled)
+        if len(self.histories):
+            self.histories.append(sampled)
+        return sampled, logprobs, spec_results
 
 
 def pool(hidden: torch.Tensor, chunks: list[tuple[int, ScheduledChunk]]) -> dict[str, list[float]]:
