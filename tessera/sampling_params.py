@@ -20,6 +20,9 @@ class InvalidRequestError(ValueError):
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 STRUCTURED_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# The most whitespace characters JSON may put between tokens: unbounded whitespace lets a small
+# model loop on newlines forever at temperature > 0, while the schema stays satisfiable.
+MAX_JSON_WHITESPACE = 16
 
 
 @dataclass(frozen=True)

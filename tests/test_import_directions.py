@@ -49,6 +49,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The worker executes what the scheduler's plain output says: no request objects, no scheduler.
     "tessera.engine.worker": ("tessera.engine.core.request", "tessera.engine.core.request", "tessera.engine.core.scheduler",
                               "tessera.engine.core.kv_cache_manager", "tessera.engine.core.block_pool",
+                              # grammar states stay with the scheduler; the runner applies bitmasks
+                              "tessera.engine.core.structured_output",
                               "tessera.engine.frontend") + ENGINE_LOOP + ABOVE_ENGINE,
     **{m: ("tessera.engine.frontend",) + ABOVE_ENGINE for m in ENGINE_LOOP},
     "tessera.engine.frontend": ABOVE_ENGINE,

@@ -31,7 +31,7 @@ from tessera.engine.spec_decode import (
 )
 from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
 from tessera.engine.worker.sampler import Sampler
-from tessera.engine.worker.structured_output import StructuredOutputManager
+from tessera.engine.core.structured_output import StructuredOutputManager
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.kernels import KernelUnavailable
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -149,12 +149,12 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                         num_host_blocks, hash_extra=str(config.model), groups=groups)
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
     inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
-    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups, structured)
+    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups)
     logger.info("%s", config.profile_summary())
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
     cost_model = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
     logger.info("step-cost model: %s", cost_model.summary())
-    scheduler = Scheduler(config, kv, max_model_len, cost_model)
+    scheduler = Scheduler(config, kv, max_model_len, cost_model, structured)
     offload = _build_offload(config, loaded, kv_format, runner)
     kv.offload = offload  # only now: calibration's synthetic blocks are not written
     proposer, policy = None, None
@@ -205,7 +205,7 @@ def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVC
     kv = KVCacheManager(num_blocks, config.block_size, False, 0, hash_extra=str(config.model), groups=groups)
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
     inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
-    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, 0, dtype, groups, structured)
+    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, 0, dtype, groups)
     logger.info("%s", config.profile_summary())
     logger.info("encoder (%s): no KV cache; embeddings by %s pooling%s, inputs truncated at %s tokens, at most %d "
                 "tokens a step", mc.architecture, pooler.pooling, ", normalised" if pooler.normalize else "",
@@ -213,7 +213,7 @@ def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVC
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
     cost_model = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
     logger.info("step-cost model: %s", cost_model.summary())
-    scheduler = Scheduler(config, kv, max_model_len, cost_model)
+    scheduler = Scheduler(config, kv, max_model_len, cost_model, structured)
     return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
                        kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
                        inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=None, proposer=None,

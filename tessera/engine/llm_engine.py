@@ -175,8 +175,8 @@ class LLMEngine:
     def _step(self) -> tuple[list[RequestOutput], IterationStats]:
         t0 = time.perf_counter()
         if self.proposer is not None and self.spec_policy is not None:
-            propose_all(self.proposer, self.spec_policy, self.scheduler.running, len(self.scheduler.waiting),
-                        self.config.max_model_len, self.kv)
+            self.scheduler.set_proposals(propose_all(self.proposer, self.spec_policy, self.scheduler.running,
+                                                     len(self.scheduler.waiting), self.config.max_model_len, self.kv))
         t_step = time.perf_counter()  # drafting is not part of the step the cost model predicts
         sched = self.scheduler.schedule()
         # What a failure from here on touched: the scheduled requests and any swapped this step.
@@ -186,9 +186,6 @@ class LLMEngine:
         load_s = time.perf_counter() - t_exec if sched.kv_loads else 0.0
         self._count_proposals(result.spec_results)  # before the update may finish their requests
         appended = self.scheduler.update_after_step(sched, result.sampled)
-        for s in sched.scheduled:
-            if s.grammar is not None and s.request_id in appended:
-                s.grammar.advance(appended[s.request_id])
         now = time.time()
         stats = IterationStats(
             timestamp=now,
@@ -198,7 +195,7 @@ class LLMEngine:
             prefix_cache_queries=sched.num_prefix_queries,
             prefix_cache_hits=sched.num_prefix_hits,
             spec_results=list(result.spec_results.values()),
-            structured_mask_time=result.mask_time,
+            structured_mask_time=None if sched.grammar is None else sched.grammar.fill_s + (result.mask_time or 0.0),
         )
         if self.offload is not None:
             self._offload_step(sched, stats, load_s)

@@ -25,7 +25,7 @@ threshold or while requests wait: verification rows stop being free once a step 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -35,31 +35,39 @@ from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import SpeculativeConfig
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.request import Request
+from tessera.engine.core.scheduler_output import Proposal
 from tessera.engine.worker.model_executor import ModelExecutor
 from tessera.engine.worker.sampler import Sampler
 from tessera.models.base import CausalLM
-
+from tessera.sampling_params import SamplingParams
 
 @dataclass
-class Proposal:
-    """Guessed tokens for one request; `draft_probs` [len, vocab] is the distribution each was
-    drawn from (rejection sampling needs it), None when they were fixed (lookup or greedy)."""
+class DraftInput:
+    """What a proposer reads of one decoding request. Plain data, so a proposer never holds or
+    writes a `Request`: its answer goes back to the scheduler, which applies it."""
 
-    token_ids: list[int]
-    draft_probs: Optional[torch.Tensor] = None
+    request_id: str
+    token_ids: Sequence[int]  # every token of the request so far (read only)
+    params: SamplingParams
+    generator: Optional[torch.Generator]
+    budget: int  # the most tokens to propose
+    block_tables: list[list[int]]  # the KV manager's tables (drafting models address their cache with them)
 
 
 class Proposer(Protocol):
-    """Guesses up to `budgets[i]` next tokens for each request, from what it has seen so far."""
+    """Guesses up to `budget` next tokens for each request, from what it has seen so far."""
 
     # Whether proposing writes K/V into the request's blocks (drafting models): the lookahead
     # slots are then allocated before proposing rather than when the scheduler grants the run.
     writes_kv: bool
 
-    def propose(self, reqs: Sequence[Request], budgets: Sequence[int],
-                block_tables: Sequence[list[list[int]]]) -> list[Proposal]:
-        """`block_tables[i]`: request i's tables from the KV manager (drafting models address
-        their cache with them)."""
+    def propose(self, inputs: Sequence[DraftInput]) -> dict[str, Proposal]:
+        """Request id -> its proposal (requests with nothing to propose may be left out)."""
+        ...
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        """Forget what it keeps for any other request (finished, or preempted: its blocks were
+        freed or moved, so a draft cache starts over)."""
         ...
 
 
@@ -76,9 +84,11 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, reqs: Sequence[Request], budgets: Sequence[int],
-                block_tables: Sequence[list[list[int]]] = ()) -> list[Proposal]:
-        return [Proposal(self.lookup(r.all_token_ids, k)) for r, k in zip(reqs, budgets)]
+    def propose(self, inputs: Sequence[DraftInput]) -> dict[str, Proposal]:
+        return {d.request_id: Proposal(self.lookup(list(d.token_ids), d.budget)) for d in inputs}
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        """Nothing kept between steps."""
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         length = len(tokens)
@@ -117,28 +127,35 @@ class ModelProposer:
         self.sampler = sampler
         self.max_chunk = max_chunk  # tokens of one request per drafting forward (a long catch-up is chunked)
         self.catch_up = catch_up
+        # Request id -> what the draft's cache holds for it: valid K/V for its first `num_valid`
+        # tokens, then for `tail` (guesses fed back) as far as they match what was then accepted.
+        self._drafted: dict[str, tuple[int, list[int]]] = {}
 
-    def _draft_start(self, req: Request) -> int:
+    def retain(self, request_ids: Iterable[str]) -> None:
+        keep = set(request_ids)
+        self._drafted = {rid: v for rid, v in self._drafted.items() if rid in keep}
+
+    def _draft_start(self, d: DraftInput) -> int:
         """First position whose draft K/V must be (re)computed: past the drafted tokens that turned out right."""
+        num_tokens = len(d.token_ids)
         if not self.catch_up:
-            return req.num_tokens - 1
-        valid = req.draft_num_valid
-        for tok in req.draft_tail:
-            if valid >= req.num_tokens or req.all_token_ids[valid] != tok:
+            return num_tokens - 1
+        valid, tail = self._drafted.get(d.request_id, (0, []))
+        for tok in tail:
+            if valid >= num_tokens or d.token_ids[valid] != tok:
                 break
             valid += 1
-        return min(valid, req.num_tokens - 1)
+        return min(valid, num_tokens - 1)
 
-    def propose(self, reqs: Sequence[Request], budgets: Sequence[int],
-                block_tables: Sequence[list[list[int]]] = ()) -> list[Proposal]:
-        tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        # request index -> (position of the first token to feed, tokens to feed)
+    def propose(self, inputs: Sequence[DraftInput]) -> dict[str, Proposal]:
+        tokens: list[list[int]] = [[] for _ in inputs]
+        probs: list[list[torch.Tensor]] = [[] for _ in inputs]
+        # input index -> (position of the first token to feed, tokens to feed)
         pending: dict[int, tuple[int, list[int]]] = {}
-        for i, (r, k) in enumerate(zip(reqs, budgets)):
-            if k > 0:
-                start = self._draft_start(r)
-                pending[i] = (start, r.all_token_ids[start:])
+        for i, d in enumerate(inputs):
+            if d.budget > 0:
+                start = self._draft_start(d)
+                pending[i] = (start, list(d.token_ids[start:]))
         while pending:
             # Rows of one token first: the attention metadata wants decodes ahead of chunks.
             order = sorted(pending, key=lambda i: len(pending[i][1]) != 1)
@@ -148,7 +165,7 @@ class ModelProposer:
                 take = feed[:self.max_chunk]
                 ids.extend(take)
                 pos.extend(range(start, start + len(take)))
-                tables.append(block_tables[i])
+                tables.append(inputs[i].block_tables)
                 qlens.append(len(take))
                 seqlens.append(start + len(take))
                 if len(take) == len(feed):
@@ -159,21 +176,21 @@ class ModelProposer:
             logits = self.forward(ids, pos, tables, qlens, seqlens, rows)
             if not sampling:  # only chunks of long catch-ups this time
                 continue
-            drafted, q = self.sampler.draft(logits, [reqs[i] for i in sampling])
+            drafted, q = self.sampler.draft(logits, [inputs[i] for i in sampling])
             for row, i in enumerate(sampling):
                 tokens[i].append(drafted[row])
-                if q is not None and not reqs[i].params.greedy:
+                if q is not None and not inputs[i].params.greedy:
                     probs[i].append(q[row])
                 start, feed = pending[i]
-                if len(tokens[i]) < budgets[i]:
+                if len(tokens[i]) < inputs[i].budget:
                     pending[i] = (start + len(feed), [drafted[row]])
                 else:
                     del pending[i]
-        for i, r in enumerate(reqs):
-            if tokens[i] and self.catch_up:
-                r.draft_num_valid = r.num_tokens
-                r.draft_tail = tokens[i][:-1]  # fed back, so their K/V are in the draft's cache
-        return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        for i, d in enumerate(inputs):
+            if tokens[i] and self.catch_up:  # the guesses fed back have their K/V in the draft's cache
+                self._drafted[d.request_id] = (len(d.token_ids), tokens[i][:-1])
+        return {d.request_id: Proposal(t, torch.stack(p) if p else None)
+                for d, t, p in zip(inputs, tokens, probs) if t}
 
 
 class DraftModelProposer(ModelProposer):
@@ -268,28 +285,23 @@ def speculates(req: Request) -> bool:
 
 
 def propose_all(proposer: Proposer, policy: SpeculationPolicy, running: Sequence[Request], num_waiting: int,
-                max_model_len: int, kv: KVCacheManager) -> Optional[int]:
-    """Set `spec_token_ids` (and `spec_draft_probs`) on each decoding request; returns the k
-    used (None when off). Lookahead slots for drafting models are allocated here, and a
-    request that cannot get them simply decodes one token."""
+                max_model_len: int, kv: KVCacheManager) -> dict[str, Proposal]:
+    """The step's proposals for the decoding requests that may speculate, as plain data for the
+    scheduler to apply (`Scheduler.set_proposals`). Lookahead slots for drafting models are
+    allocated here, and a request that cannot get them simply decodes one token."""
+    proposer.retain(r.request_id for r in running)
     k = policy.tokens_for(len(running), num_waiting)
-    chosen: list[Request] = []
-    budgets: list[int] = []
+    if k == 0:
+        return {}
+    inputs: list[DraftInput] = []
     for req in running:
-        req.clear_speculation()
         # Decoding requests only: a prompt's last token (after a chunk or a prefix hit) is prefill
         # work, which the latency target sizes; its first token comes from the target alone.
-        if k == 0 or req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids \
-                or not speculates(req):
+        if req.num_computed_tokens != req.num_tokens - 1 or not req.output_token_ids or not speculates(req):
             continue
         room = min(k, max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
         if room <= 0 or (proposer.writes_kv and not kv.allocate_slots(req, 1 + room)):
             continue
-        chosen.append(req)
-        budgets.append(room)
-    if chosen:
-        tables = [kv.block_tables(r.request_id) for r in chosen]
-        for req, proposal in zip(chosen, proposer.propose(chosen, budgets, tables)):
-            req.spec_token_ids = proposal.token_ids
-            req.spec_draft_probs = proposal.draft_probs
-    return k or None
+        inputs.append(DraftInput(req.request_id, req.all_token_ids, req.params, req.generator, room,
+                                 kv.block_tables(req.request_id)))
+    return proposer.propose(inputs) if inputs else {}

@@ -176,3 +176,40 @@ def test_triton_backend_agrees(loaded, alone):
     assert llm.engine.parts.attn_backend.name == "triton"
     short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)  # the interpreter is slow
     assert texts(llm.generate(prompts(32)[:4], short)) == [t[:8] for t in alone[:4]]
+
+
+PENALTIES = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.6, presence_penalty=0.4)
+
+
+def test_repetition_penalty_reads_the_whole_prompt_and_output(loaded):
+    """The runner's history of a request is its every token: prefix-cache hits (never fed to the
+    runner) and output alike. Token by token, a fresh request over the same tokens (a repetition
+    penalty reads prompt and output alike) picks the same next token."""
+    rep = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.8)
+    llm = make_llm(loaded)
+    prompt = (prompts(1, seed=3)[0] * 60)[:60]  # repeats, and fills whole blocks for the prefix cache
+    got = texts(llm.generate([prompt], rep))[0]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, repetition_penalty=1.8)
+    ref: list[int] = []
+    for _ in range(10):
+        ref += texts(llm.generate([prompt + ref], one))[0]
+    assert got == ref
+    assert llm.engine.kv.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_penalties_survive_batching_and_preemption(loaded, mode):
+    """Penalised greedy text is the request's alone whatever else runs and however often it is
+    preempted (the runner drops its history then and is sent it again on resuming), and the runner
+    keeps no history of a finished request."""
+    ps = [p for p in prompts(12) if len(p) + 16 <= 128]
+    llm = make_llm(loaded, max_model_len=128)
+    alone = [texts(llm.generate([p], PENALTIES))[0] for p in ps]
+    assert alone != texts(llm.generate(ps, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)))
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 16  # as test_preemption_matches
+    small = make_llm(loaded, kv_cache_memory=6 * bytes_per_block, preemption_mode=mode, max_model_len=128)
+    assert texts(small.generate(ps, PENALTIES)) == alone
+    assert small.engine.scheduler.num_preemptions > 0
+    small.engine.step()  # the last finished requests are reported with the next step
+    assert len(small.engine.runner.histories) == 0

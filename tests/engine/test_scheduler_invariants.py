@@ -16,6 +16,7 @@ from tessera.engine.core.cost_model import StepShape
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.request import Request, RequestStatus
 from tessera.engine.core.scheduler import Scheduler
+from tessera.engine.core.scheduler_output import Proposal
 from tessera.sampling_params import SamplingParams
 
 EOS = 0
@@ -124,9 +125,9 @@ def test_scheduler_invariants(w: dict) -> None:
         if live and rng.random() < 0.05:  # abort one at random
             victim = rng.choice(live)
             sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
-        for r in sched.running:  # proposals, as a proposer would set them
-            if w["spec"] and r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids:
-                r.spec_token_ids = [rng.randrange(1, 50) for _ in range(w["spec"])]
+        sched.set_proposals({  # proposals, as a proposer would hand them over
+            r.request_id: Proposal([rng.randrange(1, 50) for _ in range(w["spec"])]) for r in sched.running
+            if w["spec"] and r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids})
         out = sched.schedule()
         assert out.total_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs

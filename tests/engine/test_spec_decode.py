@@ -10,7 +10,7 @@ from test_engine import GREEDY, alone, loaded, make_llm, prompts, texts  # noqa:
 from tiny_model import make_tiny_model
 
 from tessera.config import EngineConfig, SpeculativeConfig
-from tessera.engine.spec_decode import NgramProposer, SpeculationPolicy, default_draft_layers
+from tessera.engine.spec_decode import DraftInput, NgramProposer, SpeculationPolicy, default_draft_layers
 from tessera.engine.worker.sampler import Sampler
 from tessera.errors import ConfigError
 from tessera.sampling_params import SamplingParams
@@ -33,8 +33,10 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert proposer.lookup([1, 2, 3, 4], 3) == []  # nothing repeats
     assert proposer.lookup([4, 1, 2, 4], 5) == [1, 2, 4]  # a 1-gram, cut at the end of the context
     assert NgramProposer(min_n=2, max_n=3).lookup([4, 1, 2, 4], 5) == []
-    out = proposer.propose([_req(tokens), _req([4, 1, 2, 4])], [2, 1])
-    assert [p.token_ids for p in out] == [[9, 2], [1]] and all(p.draft_probs is None for p in out)
+    out = proposer.propose([DraftInput("a", tokens, SamplingParams(), None, 2, []),
+                            DraftInput("b", [4, 1, 2, 4], SamplingParams(), None, 1, [])])
+    assert {rid: p.token_ids for rid, p in out.items()} == {"a": [9, 2], "b": [1]}
+    assert all(p.draft_probs is None for p in out.values())
 
 
 def test_policy_shrinks_k_with_the_batch_and_stops_under_load():

@@ -8,12 +8,14 @@ and after preemption.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from typing import Iterator, Literal, Optional
 
 import jsonschema
 import openai
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
@@ -108,6 +110,34 @@ def test_greedy_is_the_masked_argmax_and_speculation_keeps_it(tiny_folder):
     b = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert a == b
     assert spec.engine.scheduler.kv.num_free_blocks == spec.engine.kv.num_blocks
+
+
+def test_the_runner_gets_a_bitmask_and_plain_chunks(tiny_folder, monkeypatch):
+    """What crosses the step boundary for constrained requests is plain data: an int32 bitmask
+    with a row per sampled position (a verified run's k + 1 among them) and chunks that pickle,
+    no grammar state and no request's lists; the grammars advance on the scheduler's side."""
+    spec = LLM(str(tiny_folder), dtype="float32", max_model_len=256, kv_cache_memory=2 * 2**20,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    seen = []
+    execute = spec.engine.runner.execute
+
+    def spy(out):
+        seen.append(out)
+        return execute(out)
+
+    monkeypatch.setattr(spec.engine.runner, "execute", spy)
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=constrained(regex=r"(ab|ba)+c"))
+    spec.generate(["abababababab", "babababa"], params)
+    words = (spec.engine.model_config.vocab_size + 31) // 32
+    runs = 0
+    for out in (o for o in seen if o.grammar is not None):
+        g = out.grammar
+        assert g.pending is None and g.bitmask.dtype == torch.int32 and g.bitmask.shape[1] == words
+        sizes = {s.request_id: s.num_spec_tokens + 1 for s in out.scheduled if s.samples}
+        assert set(g.rows) <= set(sizes) and sum(sizes[r] for r in g.rows) == g.bitmask.shape[0]
+        runs += sum(1 for s in out.scheduled if s.num_spec_tokens and s.request_id in g.rows)
+        pickle.loads(pickle.dumps((g.bitmask, g.rows, out.scheduled)))
+    assert runs > 0  # some masks covered a verified run of proposals
 
 
 def test_grammar_state_survives_preemption(tiny_folder):

@@ -71,6 +71,22 @@ class StepCostPredictor(Protocol):
         ...
 
 
+def max_fitting(model: StepCostPredictor, base: StepShape, limit_s: float, upper: int,
+                extra: Callable[[int], StepShape]) -> int:
+    """Largest k in [0, upper] with predict(base + extra(k)) <= limit_s; predictions grow with k,
+    so a binary search is exact."""
+    if upper <= 0 or model.predict(base.plus(extra(1))) > limit_s:
+        return 0
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.predict(base.plus(extra(mid))) <= limit_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass
 class CalibrationPoint:
     shape: StepShape

@@ -17,7 +17,7 @@ from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tessera.engine.worker.structured_output import GrammarState
+    from tessera.engine.core.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -71,12 +71,10 @@ class Request:
         # target in that step, never part of all_token_ids unless accepted.
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Optional[torch.Tensor] = None  # [len, vocab] q of drafted ones, when sampled
-        # A draft model's K/V for this request (same block ids as the target's): valid for the
-        # first `draft_num_valid` tokens, then for `draft_tail` (guesses fed back) as far as
-        # they match what was then accepted.
-        self.draft_num_valid = 0
-        self.draft_tail: list[int] = []
         self.stop_reason: int | str | None = None
+        # Whether the runner holds this request's tokens for its penalties (sent in its first
+        # chunk after admission or preemption; the runner appends what it samples).
+        self.history_sent = False
         # Where this sequence stands in its structured-output grammar (None: unconstrained);
         # advanced by the tokens each step appends, so it survives preemption.
         self.grammar: Optional["GrammarState"] = None
@@ -101,11 +99,6 @@ class Request:
     def clear_speculation(self) -> None:
         self.spec_token_ids = []
         self.spec_draft_probs = None
-
-    def forget_draft_kv(self) -> None:
-        """The request's blocks were freed or moved (preemption): a draft model starts over."""
-        self.draft_num_valid = 0
-        self.draft_tail = []
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

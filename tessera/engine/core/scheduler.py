@@ -26,20 +26,27 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from tessera.config import EngineConfig
-from tessera.engine.core.cost_model import StepCostPredictor, StepShape
+from tessera.engine.core.cost_model import StepCostPredictor, StepShape, max_fitting
 from tessera.engine.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from tessera.engine.core.request import Request, RequestStatus
-from tessera.engine.core.scheduler_output import SamplingInputs, ScheduledChunk, SchedulerOutput
+from tessera.engine.core.scheduler_output import (
+    GrammarBitmask, Proposal, SamplingInputs, ScheduledChunk, SchedulerOutput, TokenHistory)
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
+
+if TYPE_CHECKING:
+    from tessera.engine.core.structured_output import StructuredOutputManager
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
-                 cost_model: Optional[StepCostPredictor] = None) -> None:
+                 cost_model: Optional[StepCostPredictor] = None,
+                 structured: Optional["StructuredOutputManager"] = None) -> None:
+        """`structured`: fills the step's grammar masks from the requests' grammar states."""
         self.config = config
+        self.structured = structured
         self.kv = kv
         self.max_model_len = max_model_len
         self.cost_model = cost_model
@@ -50,11 +57,21 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # since the last schedule(), for the runner to forget
 
     # -- bookkeeping --------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def set_proposals(self, proposals: dict[str, Proposal]) -> None:
+        """Take a proposer's answer for the coming step: each running request verifies its own
+        proposal, if any, and none left from an earlier step (the proposer sees plain inputs and
+        returns plain data; only the scheduler writes its requests)."""
+        for req in self.running:
+            p = proposals.get(req.request_id)
+            req.spec_token_ids = list(p.token_ids) if p is not None else []
+            req.spec_draft_probs = p.draft_probs if p is not None else None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,6 +93,7 @@ class Scheduler:
         req.status = status
         req.metrics.finished_time = time.time()
         self.kv.free(req)
+        self._finished_ids.append(req.request_id)
         self.requests.pop(req.request_id, None)
 
     def stats(self) -> SchedulerStats:
@@ -125,7 +143,7 @@ class Scheduler:
         chunk = budget
         if rows and self.target_s is not None and \
                 not _prompts_outnumber_decodes(snap.num_prefilling, snap.num_waiting + 1, snap.free_seq_slots, rows):
-            fitted = _max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
+            fitted = max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
             if fitted >= min(budget, self.config.min_prefill_chunk):
                 chunk = fitted
         tokens = snap.queued_prefill_tokens + prompt_tokens
@@ -144,7 +162,7 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         victim.clear_speculation()
-        victim.forget_draft_kv()
+        victim.history_sent = False  # the runner forgets it now and is sent it again on resuming
         pairs = None
         if self.config.preemption_mode == "swap" and victim.num_computed_tokens > 0:
             pairs = self.kv.swap_out(victim)
@@ -181,7 +199,7 @@ class Scheduler:
             return max(cap, 0)
         assert self.cost_model is not None
         total = req.num_tokens
-        n = _max_fitting(self.cost_model, step.shape, self.target_s, cap,
+        n = max_fitting(self.cost_model, step.shape, self.target_s, cap,
                          lambda k: StepShape.chunk(start, k, start + k == total))
         if not step.has_prefill and n < min(cap, self.config.min_prefill_chunk):
             step.unbounded = "past_target"
@@ -198,7 +216,8 @@ class Scheduler:
         return _prompts_outnumber_decodes(prefilling, len(self.waiting), slots, step.num_decodes)
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
-        chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec)
+        chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec, with_history=not req.history_sent)
+        req.history_sent = req.history_sent or chunk.sampling.history is not None
         out.scheduled.append(chunk)
         step.ids.add(req.request_id)
         step.budget -= n
@@ -290,7 +309,8 @@ class Scheduler:
         return self._finish_need(req, cached) <= self.kv.num_free_blocks - reserved
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished=self._finished_ids)
+        self._finished_ids = []
         static = self.config.scheduler_policy == "static"
         step = _StepState(budget=self.config.max_num_batched_tokens)
 
@@ -362,7 +382,20 @@ class Scheduler:
         out.prefill_unbounded = step.unbounded if step.has_prefill and step.has_decodes else None
         if self.cost_model is not None and out.scheduled:
             out.predicted_s = self.cost_model.predict(step.shape)
+        out.grammar = self._grammar_bitmask(out)
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> Optional[GrammarBitmask]:
+        """The masks of the step's constrained sampled rows (proposals included), from the grammar
+        states the scheduler keeps: the runner gets a bitmask, never a grammar state."""
+        rows = []
+        for s in out.scheduled:
+            grammar = self.requests[s.request_id].grammar
+            if s.samples and grammar is not None:
+                rows.append((s.request_id, grammar, s.proposal))
+        if not rows or self.structured is None:
+            return None
+        return self.structured.fill_bitmask(rows)
 
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Advance progress, append sampled tokens, and finish requests that hit a limit.
@@ -371,6 +404,8 @@ class Scheduler:
         run of proposals, the accepted ones and the target's next. Returns the tokens actually
         appended (a run stops at a stop token or a length limit).
         """
+        if out.grammar is not None:
+            out.grammar.wait()  # the grammar thread is done with the states before they advance
         appended: dict[str, list[int]] = {}
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
@@ -395,6 +430,8 @@ class Scheduler:
             req.num_computed_tokens += len(kept) if s.num_spec_tokens else s.num_new_tokens - s.num_spec_tokens
             for token in kept:
                 req.append_token(token)
+            if req.grammar is not None and kept:  # the runner's masks came from it: it takes what they allowed
+                req.grammar.advance(kept)
             if s.num_spec_tokens:
                 self.kv.release_tail(req, req.num_tokens)
             self.kv.cache_full_blocks(req)  # before finishing, so a finished request's blocks stay findable
@@ -428,37 +465,25 @@ def _prompts_outnumber_decodes(num_prefilling: int, num_waiting: int, free_slots
     return num_prefilling + min(num_waiting, free_slots) > num_decoding
 
 
-def _max_fitting(model: StepCostPredictor, base: StepShape, limit_s: float, upper: int,
-                 extra: Callable[[int], StepShape]) -> int:
-    """Largest k in [0, upper] with predict(base + extra(k)) <= limit_s; predictions grow with k,
-    so a binary search is exact."""
-    if upper <= 0 or model.predict(base.plus(extra(1))) > limit_s:
-        return 0
-    lo, hi = 1, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if model.predict(base.plus(extra(mid))) <= limit_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: int = 0) -> ScheduledChunk:
+def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: int = 0,
+               with_history: bool = False) -> ScheduledChunk:
     """The runner's view of `n` tokens of `req` from its computed ones (`num_spec` of them its
-    proposals): plain data copied off the request, so the runner never reads the request."""
+    proposals): plain data copied off the request, so the runner never reads the request.
+    `with_history`: send the request's tokens for its penalties (if it has any), which the
+    runner then keeps."""
     start = req.num_computed_tokens
     if num_spec:
         token_ids = req.all_token_ids[start:start + 1] + req.spec_token_ids[:num_spec]
     else:
         token_ids = req.all_token_ids[start:start + n]
     params = req.params
-    sampling = SamplingInputs(params, req.generator, req.output_token_ids, req.all_token_ids) \
-        if params.has_penalties else SamplingInputs(params, req.generator)
+    history = TokenHistory(list(req.prompt_token_ids), list(req.output_token_ids)) \
+        if with_history and params.has_penalties else None
+    sampling = SamplingInputs(params, req.generator, history)
     q = req.spec_draft_probs
     return ScheduledChunk(
         request_id=req.request_id, token_ids=token_ids, start=start, block_tables=block_tables,
         sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
         is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
         num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        grammar=req.grammar, pooling=req.pooling)
+        pooling=req.pooling)

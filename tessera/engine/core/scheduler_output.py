@@ -8,8 +8,9 @@ scheduler or the engine, and the request objects the scheduler mutates stay on i
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -17,19 +18,35 @@ from tessera.engine.core.cost_model import StepShape
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from tessera.engine.worker.structured_output import GrammarState
+
+@dataclass
+class Proposal:
+    """Guessed tokens for one request, as a proposer hands them to the scheduler (which puts
+    them in the request's next chunk); `draft_probs` [len, vocab] is the distribution each was
+    drawn from (rejection sampling needs it), None when they were fixed (lookup or greedy)."""
+
+    token_ids: list[int]
+    draft_probs: Optional[torch.Tensor] = None
+
+
+@dataclass
+class TokenHistory:
+    """A request's tokens so far (copies), sent once so the runner keeps its own for penalties."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
 
 @dataclass
 class SamplingInputs:
-    """What sampling a request's next token reads: its parameters, its own generator when it is
-    seeded, and its tokens so far when penalties need them (empty otherwise)."""
+    """What sampling a request's next token reads: its parameters and its own generator when it
+    is seeded. Penalties read the request's tokens, which the runner keeps
+    (engine/worker/penalty_history.py): `history` brings them in the first chunk after the
+    request's admission or preemption, None otherwise and without penalties."""
 
     params: SamplingParams
     generator: Optional[torch.Generator] = None
-    output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(default_factory=list)
+    history: Optional[TokenHistory] = None
 
 
 @dataclass
@@ -49,7 +66,6 @@ class ScheduledChunk:
     is_decode: bool = False  # continues a generation (one known token) rather than computing a prompt
     num_spec_tokens: int = 0
     draft_probs: Optional[torch.Tensor] = None  # [num_spec_tokens, vocab] q the proposals were drawn from
-    grammar: Optional["GrammarState"] = None  # where the request stands in its grammar, if constrained
     # An embedding request's whole prompt: the runner pools its hidden states instead of sampling.
     pooling: Optional[PoolingParams] = None
 
@@ -63,6 +79,27 @@ class ScheduledChunk:
 
 
 @dataclass
+class GrammarBitmask:
+    """The step's structured-output masks, filled by the scheduler from its grammar states
+    (engine/core/structured_output.py) so the runner needs none: bit t of a row set means token
+    t is allowed there. A request's rows start at `rows[request_id]`: one for a sampled token,
+    or one per position of a verified run (its proposals + 1), in order."""
+
+    bitmask: torch.Tensor  # int32 [rows, ceil(vocab / 32)], on the host
+    rows: dict[str, int]
+    fill_s: float = 0.0  # seconds the scheduler's grammar thread spent filling it
+    # While the scheduler's grammar thread still fills `bitmask` (alongside the forward pass);
+    # whoever reads the bits calls `wait()` first (a runner elsewhere would be sent it after).
+    pending: Optional[Future] = None
+
+    def wait(self) -> "GrammarBitmask":
+        if self.pending is not None:
+            self.fill_s = self.pending.result()
+            self.pending = None
+        return self
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledChunk] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
@@ -70,6 +107,7 @@ class SchedulerOutput:
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, disk tier payload)
     kv_loaded_shape: StepShape = field(default_factory=StepShape)  # the prefill those loads replace
     preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # since the last step: the runner forgets them
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
     shape: StepShape = field(default_factory=StepShape)  # the step's work, for the cost model
@@ -78,6 +116,7 @@ class SchedulerOutput:
     # "past_target" (the decodes left no room under it) or "queue" (more requests waited for
     # prompt work than decoded); None when the target sized them or there was none.
     prefill_unbounded: Optional[str] = None
+    grammar: Optional[GrammarBitmask] = None  # masks for the constrained rows, if any
 
     @property
     def total_tokens(self) -> int:

@@ -20,8 +20,9 @@ from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from tessera.engine.worker.model_executor import ModelExecutor
+from tessera.engine.worker.penalty_history import PenaltyHistories
 from tessera.engine.worker.sampler import Sampler
-from tessera.engine.worker.structured_output import GrammarState, MaskJob, StructuredOutputManager
+from tessera.engine.worker.structured_output import apply_grammar_bitmask
 from tessera.models.base import ModelBase
 
 
@@ -33,7 +34,7 @@ class RunnerOutput:
     num_prompt_tokens: int  # tokens computed that were not a decode of the last sampled token
     # request id -> (proposed, accepted), for each request that verified proposals this step
     spec_results: dict[str, tuple[int, int]] = field(default_factory=dict)
-    mask_time: Optional[float] = None  # seconds spent on structured-output masks this step, if any
+    mask_time: Optional[float] = None  # seconds spent applying structured-output masks this step, if any
     # request id -> its embedding (float32 values), for each pooling chunk of the step
     pooled: dict[str, list[float]] = field(default_factory=dict)
 
@@ -71,7 +72,7 @@ class ModelRunner(ModelRunnerBase):
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, config: EngineConfig,
                  backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
-                 groups: KVCacheGroups, structured: Optional[StructuredOutputManager] = None) -> None:
+                 groups: KVCacheGroups) -> None:
         self.model = model
         self.config = config
         self.backend = backend
@@ -96,7 +97,7 @@ class ModelRunner(ModelRunnerBase):
                                                mc.num_kv_heads, mc.head_dim, dtype,
                                                host=True) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
-        self.structured = structured
+        self.histories = PenaltyHistories()  # the tokens penalties read, for the requests that use them
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
@@ -135,6 +136,9 @@ class ModelRunner(ModelRunnerBase):
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._copy_blocks(out.swap_out, to_host=True)
         self._copy_blocks(out.swap_in, to_host=False)
+        self.histories.drop(out.finished)
+        self.histories.drop(out.preempted)
+        self.histories.start(out.scheduled)
         if out.kv_loads:
             self.write_blocks([b for b, _ in out.kv_loads], [p for _, p in out.kv_loads])
         if out.is_empty:
@@ -175,7 +179,6 @@ class ModelRunner(ModelRunnerBase):
             if s.samples and not k:
                 sample_rows.append(len(input_ids) - 1)
                 sample_chunks.append(s)
-        masks = self._start_masks(sample_chunks, spec_chunks)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
         hidden = self.executor.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                                        torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -188,13 +191,20 @@ class ModelRunner(ModelRunnerBase):
             hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
         logits = self.model.compute_logits(hidden)
         mask_time = None
-        if masks is not None:
+        if out.grammar is not None:
             logits = logits.float()
-            mask_time = masks.apply(logits)
+            mask_time = apply_grammar_bitmask(logits, out.grammar, sample_chunks, spec_chunks)
+        sampled, logprobs, spec_results = self._sample(logits, sample_chunks, spec_chunks)
+        return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time, pooled)
+
+    def _sample(self, logits: torch.Tensor, sample_chunks: list[ScheduledChunk], spec_chunks: list[ScheduledChunk]):
+        """Sample the plain rows (the first len(sample_chunks) of `logits`) and verify the runs
+        (the rest); the emitted tokens extend the penalty histories the runner keeps."""
+        n = len(sample_chunks)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
         if sample_chunks:
-            result = self.sampler(logits[:len(sample_rows)], [c.sampling for c in sample_chunks])
+            result = self.sampler(logits[:n], self.histories.rows(sample_chunks))
             for c, t in zip(sample_chunks, result.token_ids):
                 sampled[c.request_id] = [t]
             if result.logprobs is not None:
@@ -203,31 +213,16 @@ class ModelRunner(ModelRunnerBase):
         spec_results: dict[str, tuple[int, int]] = {}
         if spec_chunks:
             proposals = [c.proposal for c in spec_chunks]
-            spec = self.sampler.speculative(logits[len(sample_rows):], [c.sampling for c in spec_chunks], proposals,
+            spec = self.sampler.speculative(logits[n:], self.histories.rows(spec_chunks), proposals,
                                             [c.draft_probs for c in spec_chunks])
             for c, tokens, proposal, accepted in zip(spec_chunks, spec.token_ids, proposals, spec.num_accepted):
                 sampled[c.request_id] = tokens
                 spec_results[c.request_id] = (len(proposal), accepted)
             if spec.logprobs is not None:
                 logprobs.update({c.request_id: lp for c, lp in zip(spec_chunks, spec.logprobs) if lp is not None})
-        return RunnerOutput(sampled, logprobs, num_prompt, spec_results, mask_time, pooled)
-
-    def _start_masks(self, sample_chunks: list[ScheduledChunk],
-                     spec_chunks: list[ScheduledChunk]) -> Optional[MaskJob]:
-        """Start the step's grammar masks (logits rows: sampled rows, then each run's k + 1)."""
-        if self.structured is None:
-            return None
-        plain: list[tuple[int, GrammarState]] = [(i, c.grammar) for i, c in enumerate(sample_chunks)
-                                                 if c.grammar is not None and not c.grammar.done]
-        runs: list[tuple[int, GrammarState, list[int]]] = []
-        row = len(sample_chunks)
-        for c in spec_chunks:
-            if c.grammar is not None and not c.grammar.done:
-                runs.append((row, c.grammar, c.proposal))
-            row += c.num_new_tokens
-        if not plain and not runs:
-            return None
-        return self.structured.start_masks(row, plain, runs)
+        if len(self.histories):
+            self.histories.append(sampled)
+        return sampled, logprobs, spec_results
 
 
 def pool(hidden: torch.Tensor, chunks: list[tuple[int, ScheduledChunk]]) -> dict[str, list[float]]:

@@ -15,8 +15,8 @@ from tessera.sampling_params import SamplingParams
 
 
 class SampledRow(Protocol):
-    """What sampling reads of a request: the runner passes plain `SamplingInputs`
-    (engine/core/scheduler_output.py), a drafting proposer its live requests."""
+    """What sampling reads of a request: the runner passes `SamplingRow`s (with the token
+    histories it keeps, engine/worker/penalty_history.py), a drafting proposer its plain inputs."""
 
     @property
     def params(self) -> SamplingParams: ...
