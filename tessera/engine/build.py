@@ -129,14 +129,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         dc = draft.config
         bytes_per_block += backend.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim,
                                                    config.block_size, draft.dtype)
-    kv_memory = config.kv_cache_memory
-    if kv_memory is None and device.type == "cuda":
-        kv_memory = _gpu_kv_cache_memory(config, mc, dtype, device)
-    elif kv_memory is None:  # what the sequences need at full length, within free memory (tessera/sizing.py)
-        swap = config.swap_space if config.preemption_mode == "swap" else 0
-        others = swap + activation_bytes(mc, config, dtype, loaded.quant.dense_copy)
-        blocks_needed = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size)
-        kv_memory = default_kv_cache_memory(blocks_needed * bytes_per_block, available_memory(), others)
+    kv_memory = _kv_cache_memory(config, loaded, groups, bytes_per_block, max_model_len, device)
     num_blocks = kv_memory // bytes_per_block
     kv_capacity_tokens = groups.max_tokens(num_blocks, config.block_size, config.max_num_batched_tokens)
     if kv_capacity_tokens < 1:
@@ -163,14 +156,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size)
         logger.info("speculative decoding: %s, %d tokens, off above %d running request(s) or with a queue",
                     spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size)
-    # Per sequence of max_model_len tokens (sliding-window groups hold less of a long one).
-    per_sequence = groups.blocks_per_sequence(max_model_len, config.block_size)
-    tokens_per_gib = max_model_len * 2**30 / (per_sequence * bytes_per_block)
-    logger.info(
-        "KV cache: %d blocks of %d tokens (%.0f MiB, %s, %s, %.0f tokens per GiB at max_model_len); "
-        "max concurrency at max_model_len %d: %.1f", num_blocks, config.block_size,
-        num_blocks * bytes_per_block / 2**20, kv_format, groups.describe(), tokens_per_gib,
-        max_model_len, (num_blocks - (1 if groups.hybrid else 0)) / per_sequence)
+    tokens_per_gib = _log_kv_cache(config, groups, num_blocks, bytes_per_block, kv_format)
     if device.type == "cuda":
         _log_gpu_memory(config, device)
     else:
@@ -180,6 +166,36 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                        inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=offload,
                        proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
                        kv_tokens_per_gib=tokens_per_gib)
+
+
+def _kv_cache_memory(config: EngineConfig, loaded, groups: KVCacheGroups, bytes_per_block: int,
+                     max_model_len: int, device: torch.device) -> int:
+    """Bytes for the KV cache: --kv-cache-memory, else on a GPU what its memory leaves, else what the
+    sequences need at full length within free memory (tessera/sizing.py)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    mc, dtype = loaded.config, loaded.dtype
+    if device.type == "cuda":
+        return _gpu_kv_cache_memory(config, mc, dtype, device)
+    swap = config.swap_space if config.preemption_mode == "swap" else 0
+    others = swap + activation_bytes(mc, config, dtype, loaded.quant.dense_copy)
+    blocks_needed = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size)
+    return default_kv_cache_memory(blocks_needed * bytes_per_block, available_memory(), others)
+
+
+def _log_kv_cache(config: EngineConfig, groups: KVCacheGroups, num_blocks: int, bytes_per_block: int,
+                  kv_format: str) -> float:
+    """Log the cache's size and what it holds; returns its tokens per GiB at max_model_len (per
+    sequence of max_model_len tokens: sliding-window groups hold less of a long one)."""
+    max_model_len = config.max_model_len
+    per_sequence = groups.blocks_per_sequence(max_model_len, config.block_size)
+    tokens_per_gib = max_model_len * 2**30 / (per_sequence * bytes_per_block)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.0f MiB, %s, %s, %.0f tokens per GiB at max_model_len); "
+        "max concurrency at max_model_len %d: %.1f", num_blocks, config.block_size,
+        num_blocks * bytes_per_block / 2**20, kv_format, groups.describe(), tokens_per_gib,
+        max_model_len, (num_blocks - (1 if groups.hybrid else 0)) / per_sequence)
+    return tokens_per_gib
 
 
 def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVCacheGroups,

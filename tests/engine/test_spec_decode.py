@@ -264,7 +264,7 @@ def test_server_with_a_draft_model_through_the_openai_client(loaded, other_draft
     each other, a request can opt out, a bad value is a 400, and the spec_decode metrics count."""
     import httpx
     import openai
-    from test_server_unit import serve_in_thread
+    from fakes import serve_in_thread
 
     from tessera.config import EngineConfig
     from tessera.engine.frontend.async_engine import AsyncLLMEngine

@@ -1,5 +1,5 @@
 """API keys, scopes, the route policy and per-key limits, on a live server over the scripted engine
-core of test_server_unit (a real uvicorn, real sockets, the real AsyncLLMEngine).
+core of fakes.py (a real uvicorn, real sockets, the real AsyncLLMEngine).
 
 The route-table walk is the guard for later routes: every route of the app must have an entry in
 ROUTE_SCOPES, and with keys configured each one but /health (and the browser pages' static shells)

@@ -1,6 +1,6 @@
 """Several models behind one server: names and aliases, fallback rules, loading and unloading, config.
 
-Fast tests with in-process fake engines (tests/server/test_server_unit.py's FakeCore); the real-process
+Fast tests with in-process fake engines (tests/fakes.py's FakeCore); the real-process
 checks (two packaged models, engine crash isolation) are in tests/server/test_multi_model_real.py.
 """
 from __future__ import annotations

@@ -153,46 +153,37 @@ class Sampler:
             else:
                 assert probs is not None
                 q = draft_probs[i] if draft_probs is not None else None
-                for j in range(k + 1):
-                    p = probs[row + j]
-                    if j == k:  # every proposal kept: one more token from the target
-                        tokens.append(_invert(p, self._uniform(req)))
-                        break
-                    x = prop[j]
-                    qx = 1.0 if q is None else float(q[j, x])
-                    if qx > 0 and self._uniform(req) < min(1.0, float(p[x]) / qx):
-                        tokens.append(x)
-                        continue
-                    residual = p.clone()
-                    if q is None:
-                        residual[x] = 0.0
-                    else:
-                        residual = (residual - q[j]).clamp_min_(0.0)
-                    if float(residual.sum()) <= 0.0:  # p == q: nothing to correct, draw from p
-                        residual = p
-                    tokens.append(_invert(residual, self._uniform(req)))
-                    break
+                tokens = self._verify_sampled(req, prop, probs[row:row + k + 1], q)
             out_tokens.append(tokens)
             accepted_counts.append(len(tokens) - 1)
             rows_used.append(list(range(row, row + len(tokens))))
             row += k + 1
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = []
-            for req, tokens, rows in zip(reqs, out_tokens, rows_used):
-                if req.params.logprobs is None:
-                    logprobs.append(None)
-                    continue
-                top_k = req.params.logprobs
-                entries = []
-                for t, r in zip(tokens, rows):
-                    top = []
-                    if top_k:
-                        vals, ids = raw_logprobs[r].topk(top_k)
-                        top = list(zip(ids.tolist(), vals.tolist()))
-                    entries.append((float(raw_logprobs[r, t]), top))
-                logprobs.append(entries)
+        logprobs = None if raw_logprobs is None else _verified_logprobs(raw_logprobs, reqs, out_tokens, rows_used)
         return SpeculativeOutput(out_tokens, logprobs, accepted_counts)
+
+    def _verify_sampled(self, req: SampledRow, prop: list[int], probs: torch.Tensor,
+                        q: Optional[torch.Tensor]) -> list[int]:
+        """Rejection sampling of one request's proposals: `probs` the target's k + 1 rows, `q` the
+        draft's k rows (None: a point mass on each proposal). The tokens kept, then the correction
+        drawn at the first rejection, or one more from the target when all are kept."""
+        tokens: list[int] = []
+        for j, x in enumerate(prop):
+            p = probs[j]
+            qx = 1.0 if q is None else float(q[j, x])
+            if qx > 0 and self._uniform(req) < min(1.0, float(p[x]) / qx):
+                tokens.append(x)
+                continue
+            residual = p.clone()
+            if q is None:
+                residual[x] = 0.0
+            else:
+                residual = (residual - q[j]).clamp_min_(0.0)
+            if float(residual.sum()) <= 0.0:  # p == q: nothing to correct, draw from p
+                residual = p
+            tokens.append(_invert(residual, self._uniform(req)))
+            return tokens
+        tokens.append(_invert(probs[len(prop)], self._uniform(req)))  # every proposal kept
+        return tokens
 
     def draft(self, logits: torch.Tensor, reqs: Sequence[SampledRow]) -> tuple[list[int], Optional[torch.Tensor]]:
         """A draft model's next token per request: the argmax for greedy requests, otherwise a
@@ -263,6 +254,26 @@ class Sampler:
                 top = (list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist())) if k else [])
                 logprobs.append((chosen[i], top))
         return SamplerOutput(token_list, logprobs)
+
+
+def _verified_logprobs(raw_logprobs: torch.Tensor, reqs: Sequence[SampledRow], out_tokens: list[list[int]],
+                       rows_used: list[list[int]]) -> list:
+    """Each request's (logprob, top logprobs) per verified token, None where it asked for none."""
+    logprobs: list = []
+    for req, tokens, rows in zip(reqs, out_tokens, rows_used):
+        if req.params.logprobs is None:
+            logprobs.append(None)
+            continue
+        top_k = req.params.logprobs
+        entries = []
+        for t, r in zip(tokens, rows):
+            top = []
+            if top_k:
+                vals, ids = raw_logprobs[r].topk(top_k)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            entries.append((float(raw_logprobs[r, t]), top))
+        logprobs.append(entries)
+    return logprobs
 
 
 def _invert(probs: torch.Tensor, u: float) -> int:

@@ -11,8 +11,6 @@ import time
 import torch
 
 from tessera.engine.core.scheduler_output import GrammarBitmask, ScheduledChunk
-# Re-exported: the server's tool-call grammars cap JSON whitespace as the compiler does.
-from tessera.sampling_params import MAX_JSON_WHITESPACE  # noqa: F401
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, sample_chunks: list[ScheduledChunk],

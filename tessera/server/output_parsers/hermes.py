@@ -98,7 +98,7 @@ class HermesToolParser(JsonCallParser):
     def call_format(cls, specs: list[dict[str, Any]], mode: str, parallel: bool) -> dict[str, Any]:
         import xgrammar as xgr
 
-        from tessera.engine.worker.structured_output import MAX_JSON_WHITESPACE
+        from tessera.sampling_params import MAX_JSON_WHITESPACE
 
         xchoice: Any = {"auto": "auto", "required": "required"}.get(mode) or {
             "type": "function", "function": {"name": specs[0]["name"]}}

@@ -109,7 +109,7 @@ class JsonCallParser(ToolParser):
     def json_call_tags(specs: list[dict[str, Any]], begin: str, end: str,
                        key: str = "arguments") -> list[dict[str, Any]]:
         """One structural tag per tool: `begin{"name": "f", "<key>": ` + its schema + `}end`."""
-        from tessera.engine.worker.structured_output import MAX_JSON_WHITESPACE
+        from tessera.sampling_params import MAX_JSON_WHITESPACE
 
         return [{"type": "tag", "begin": f'{begin}{{"name": {json_text(s["name"])}, "{key}": ',
                  "content": {"type": "json_schema", "json_schema": s["parameters"],

@@ -175,7 +175,7 @@ def _python_value_grammar(schema_json: str) -> str:
     grammar looks ahead for one of ,}]: after a closing quote)."""
     import xgrammar as xgr
 
-    from tessera.engine.worker.structured_output import MAX_JSON_WHITESPACE
+    from tessera.sampling_params import MAX_JSON_WHITESPACE
 
     text = str(xgr.Grammar.from_json_schema(schema_json, max_whitespace_cnt=MAX_JSON_WHITESPACE))
     for name, py in (('"true"', '"True"'), ('"false"', '"False"'), ('"null"', '"None"'), ("[,}\\]:]", "[,}\\]:)]")):

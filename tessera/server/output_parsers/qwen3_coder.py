@@ -162,7 +162,7 @@ class Qwen3CoderToolParser(ToolParser):
     def call_format(cls, specs: list[dict[str, Any]], mode: str, parallel: bool) -> dict[str, Any]:
         import xgrammar as xgr
 
-        from tessera.engine.worker.structured_output import MAX_JSON_WHITESPACE
+        from tessera.sampling_params import MAX_JSON_WHITESPACE
 
         xchoice: Any = {"auto": "auto", "required": "required"}.get(mode) or {
             "type": "function", "function": {"name": specs[0]["name"]}}

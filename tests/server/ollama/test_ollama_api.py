@@ -1,7 +1,7 @@
 """Ollama's API and vLLM's /tokenize and /detokenize, driven by the official `ollama` client and raw HTTP.
 
 The tiny random model runs the real engine in seconds (formats, streamed against whole answers,
-options, keep_alive, hostile bodies); the scripted FakeCore of test_server_unit.py covers the
+options, keep_alive, hostile bodies); the scripted FakeCore of fakes.py covers the
 router's keep_alive and the 429 path. The real packaged models are in test_ollama_real.py.
 """
 from __future__ import annotations
