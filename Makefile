@@ -19,9 +19,10 @@ serve: pull
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# For iteration: everything but the tests that need a real packaged model (marked `model`).
+# For iteration: everything but the tests that need a real packaged model (`model`) and the
+# few that take more than a few seconds each (`slow`); `make test` runs them all.
 test-fast: install
-	$(PY) -m pytest -m "not model" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not model and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

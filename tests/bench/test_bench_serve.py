@@ -319,6 +319,7 @@ def run_cli(argv: list[str]) -> int:
     return args.func(args)
 
 
+@pytest.mark.slow
 def test_serve_command_writes_json_and_plots(server, tmp_path, capsys):
     server.reset(ttft=0.02, itl=0.005)
     out = tmp_path / "fake.json"
@@ -348,6 +349,7 @@ def test_serve_command_writes_json_and_plots(server, tmp_path, capsys):
     assert "| fake | fake random | c=2 |" in table and "| fake | other random | c=1 |" in table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fallback", [None, "small"])
 def test_model_mix_is_seeded_and_broken_down_by_who_answered(server, tmp_path, fallback):
     """`--model big=3,small=1`: sessions draw their model (seeded), the big model's overflow is

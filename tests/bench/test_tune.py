@@ -109,6 +109,7 @@ def test_hopeless_pruner_stops_only_trials_that_cannot_beat_the_best():
     assert not rule.prune(study(), trial(0.5))  # nothing to beat
 
 
+@pytest.mark.slow
 def test_tune_end_to_end_on_a_tiny_budget(tmp_path):
     from tessera.cli import main
 

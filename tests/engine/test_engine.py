@@ -42,15 +42,18 @@ def alone(loaded):
     return [texts(llm.generate([p], GREEDY))[0] for p in prompts(32)]
 
 
+@pytest.mark.slow
 def test_batch_of_32_matches_alone(loaded, alone):
     assert texts(make_llm(loaded).generate(prompts(32), GREEDY)) == alone
 
 
+@pytest.mark.slow
 def test_chunked_prefill_tiny_budget_matches(loaded, alone):
     llm = make_llm(loaded, max_num_batched_tokens=7, max_num_seqs=5)
     assert texts(llm.generate(prompts(32), GREEDY)) == alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_matches(loaded, alone, mode):
     bytes_per_block = 2 * 2 * 2 * 16 * 4 * 16  # 2 layers, 2 kv heads, head_dim 16, fp32, 16 tokens
@@ -63,6 +66,7 @@ def test_preemption_matches(loaded, alone, mode):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_match(loaded, alone):
     llm = make_llm(loaded)
     head = prompts(1, seed=7)[0] * 3
@@ -76,6 +80,7 @@ def test_prefix_cache_hits_match(loaded, alone):
     assert first == again == no_cache
 
 
+@pytest.mark.slow
 def test_static_policy_matches(loaded, alone):
     llm = make_llm(loaded, scheduler_policy="static", max_num_seqs=8)
     assert texts(llm.generate(prompts(32), GREEDY)) == alone
@@ -169,6 +174,7 @@ def test_reference_and_sdpa_backends_agree(loaded, alone):
     assert texts(llm.generate(prompts(32)[:8], GREEDY)) == alone[:8]
 
 
+@pytest.mark.slow
 def test_triton_backend_agrees(loaded, alone):
     """The GPU's attention kernel (in Triton's interpreter here) through the whole engine: mixed
     decode and chunked-prefill steps over cached blocks give the paged backend's greedy tokens."""

@@ -65,6 +65,7 @@ def run_all(engine: AsyncLLMEngine, params: SamplingParams, tag: str) -> list[Re
     SamplingParams(max_tokens=10, temperature=0.9, seed=3, n=2, logprobs=2),
     SamplingParams(max_tokens=16, temperature=0.0, stop=["e"], ignore_eos=True),
 ], ids=["greedy", "seeded-n2-logprobs", "stop-string"])
+@pytest.mark.slow
 def test_same_outputs_as_in_process(config, remote, params):
     local = AsyncLLMEngine(config)
     try:
@@ -121,6 +122,7 @@ def test_abort_frees_the_request_in_the_core(remote):
     assert not remote.engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_killed_core_fails_its_requests_then_restarts(config):
     engine = AsyncLLMEngine(config, engine_process=True)
     try:

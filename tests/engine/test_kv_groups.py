@@ -63,6 +63,7 @@ def test_gemma3_270m_layers_make_six_groups_of_three() -> None:
     {"attention_backend": "paged", "kv_cache_dtype": "int8"},
     {"attention_backend": "paged", "max_num_batched_tokens": 5, "max_num_seqs": 4},  # chunked prefill
 ])
+@pytest.mark.slow
 def test_same_greedy_output_as_whole_context_blocks(gemma, opts):
     ps = prompts(4 if opts["attention_backend"] == "triton" else 12)  # the interpreter is slow
     whole = token_ids(make_llm(gemma, disable_hybrid_kv_cache_manager=True, **opts).generate(ps, GREEDY))

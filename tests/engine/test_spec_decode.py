@@ -147,6 +147,7 @@ def test_greedy_batch_of_32_identical(method, loaded, alone, other_draft):  # no
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_identical_under_chunking_prefix_hits_and_preemption(method, loaded, alone, other_draft):  # noqa: F811
     spec = _spec(method, loaded, other_draft)

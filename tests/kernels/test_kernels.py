@@ -11,6 +11,7 @@ from tessera.layers import RMSNorm
 pytestmark = pytest.mark.skipif(kernels.available() is not None, reason="C kernels unavailable here")
 
 
+@pytest.mark.slow
 def test_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
     path = kernels.build()

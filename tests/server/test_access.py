@@ -130,11 +130,13 @@ def policy_problems(app, url: str) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_every_route_has_a_policy_and_is_closed_without_a_key(srv):
     assert len(route_requests(srv.app)) >= 12
     assert policy_problems(srv.app, srv.url) == []
 
 
+@pytest.mark.slow
 def test_a_route_added_without_a_policy_fails_the_walk_and_is_closed():
     with keyed_server(extra_route=True, metrics_require_key=True) as s:
         problems = policy_problems(s.app, s.url)
@@ -424,6 +426,7 @@ async def _hammer(url: str, secret: str, seconds: float, workers: int, body: dic
     return stats
 
 
+@pytest.mark.slow
 def test_two_keys_are_each_held_to_their_own_limits_under_one_load():
     """Keys with different RPM and TPM limits hammered at once: each gets its own limit (within
     10 % of rate x window + the one-second burst), and an unlimited key beside them is never
@@ -470,6 +473,7 @@ def test_limit_headers_and_concurrency_cap():
         assert 'tessera:api_key_rate_limited_total{key_name="k",limit="concurrency"} 1.0' in metrics
 
 
+@pytest.mark.slow
 def test_one_key_cannot_take_the_whole_queue():
     """A key flooding a contended model with 24 concurrent requests and a key sending 2 at a time:
     the flooding key is held to its share of the queue (429 queue_share_exceeded), the other one's

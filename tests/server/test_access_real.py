@@ -38,6 +38,7 @@ def url(tmp_path_factory) -> Iterator[str]:
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_schemathesis_authenticated_no_5xx(url):
     import schemathesis
     from hypothesis import HealthCheck, given, settings

@@ -71,6 +71,7 @@ def tiny(tmp_path_factory) -> Iterator[Tiny]:
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_hostile_bodies_get_openai_4xx_never_5xx(tiny):
     results = run_hostile(tiny.url, NAME)
     bad = [(r.name, r.status, r.detail) for r in results if not r.ok]
@@ -80,6 +81,7 @@ def test_hostile_bodies_get_openai_4xx_never_5xx(tiny):
     tiny.wait_idle()
 
 
+@pytest.mark.slow
 def test_openapi_fuzzing_positive_and_negative(tiny):
     """schemathesis generates bodies from the server's own OpenAPI schema, valid and invalid."""
     import schemathesis
@@ -125,6 +127,7 @@ def test_openapi_fuzzing_positive_and_negative(tiny):
     tiny.wait_idle()
 
 
+@pytest.mark.slow
 def test_cancel_storm_leaks_no_block(tiny):
     """1,000 streams, most cut by the client at random points: before the response starts, after
     the first token, mid-output. Afterwards every block is free and nothing is left scheduled."""

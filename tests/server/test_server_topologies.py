@@ -65,6 +65,7 @@ def _pd(core: dict, api_pid: int) -> None:
     (["--replicas", "2"], _replicas),
     (["--pd", "prefill=1,decode=1"], _pd),
 ], ids=["in-server", "engine-process", "replicas", "pd"])
+@pytest.mark.slow
 def test_each_topology_serves_and_stops_cleanly(tiny: Path, tmp_path: Path, flags: list[str],
                                                 check: Callable[[dict, int], None]):
     with running_server(tmp_path / "server.log", "--kv-cache-memory", "16MiB", "--dtype", "float32",

@@ -240,6 +240,7 @@ def _gaps(records) -> list[float]:
     return [b.t - a.t for a, b in zip(records, records[1:])]
 
 
+@pytest.mark.slow
 def test_replayed_trace_reproduces_arrivals_lengths_and_prefix_sharing(tiny_server, tmp_path):
     url, app, folder = tiny_server
     target = Target(base_url=url, model="tiny")

@@ -164,6 +164,7 @@ def body_texts(body: dict[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- captured requests, replayed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 @pytest.mark.parametrize("path", CLAUDE_CODE, ids=lambda p: p.stem)
 def test_claude_code_requests_answered(server, path, stream):
