@@ -100,6 +100,76 @@ static inline __attribute__((always_inline)) void few_rows_tile(const float *x, 
         for (int64_t i = 0; i < n; i++) out[r * N_out + row0 + i] = res[i];
     }
 }
+
+/* One group of 32 columns of a tile dequantized into wf[k][row] = (q - 8) * s + z. */
+static inline __attribute__((always_inline)) void dequant_group(const uint8_t *col, const float *pairs,
+                                                                float wf[32][32]) {
+    float s[32] __attribute__((aligned(32))), b[32] __attribute__((aligned(32)));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int r = 0; r < 32; r++) {
+        s[r] = pairs[2 * r];
+        b[r] = pairs[2 * r + 1] - 8.f * pairs[2 * r]; /* w = q * s + (z - 8 s) */
+    }
+    const __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
+    const __m256 s2 = _mm256_load_ps(s + 16), s3 = _mm256_load_ps(s + 24);
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    const __m256 b2 = _mm256_load_ps(b + 16), b3 = _mm256_load_ps(b + 24);
+    for (int kk = 0; kk < 32; kk++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(col + kk * 16));
+        const __m128i lo = _mm_and_si128(bytes, low4);                     /* rows 0..15 */
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  /* rows 16..31 */
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        _mm256_store_ps(wf[kk], _mm256_fmadd_ps(q0, s0, b0));
+        _mm256_store_ps(wf[kk] + 8, _mm256_fmadd_ps(q1, s1, b1));
+        _mm256_store_ps(wf[kk] + 16, _mm256_fmadd_ps(q2, s2, b2));
+        _mm256_store_ps(wf[kk] + 24, _mm256_fmadd_ps(q3, s3, b3));
+    }
+}
+
+/* Two activation rows (xa and the next, K apart) times a dequantized group, added to their 32 sums:
+ * eight independent FMA chains. */
+static inline __attribute__((always_inline)) void two_rows_group(const float *xa, int64_t K, const float wf[32][32],
+                                                                 float *acc_a, float *acc_b) {
+    const float *xb = xa + K;
+    __m256 a0 = _mm256_load_ps(acc_a), a1 = _mm256_load_ps(acc_a + 8);
+    __m256 a2 = _mm256_load_ps(acc_a + 16), a3 = _mm256_load_ps(acc_a + 24);
+    __m256 c0 = _mm256_load_ps(acc_b), c1 = _mm256_load_ps(acc_b + 8);
+    __m256 c2 = _mm256_load_ps(acc_b + 16), c3 = _mm256_load_ps(acc_b + 24);
+    for (int kk = 0; kk < 32; kk++) {
+        const __m256 w0 = _mm256_load_ps(wf[kk]), w1 = _mm256_load_ps(wf[kk] + 8);
+        const __m256 w2 = _mm256_load_ps(wf[kk] + 16), w3 = _mm256_load_ps(wf[kk] + 24);
+        const __m256 xv = _mm256_broadcast_ss(xa + kk), yv = _mm256_broadcast_ss(xb + kk);
+        a0 = _mm256_fmadd_ps(w0, xv, a0); a1 = _mm256_fmadd_ps(w1, xv, a1);
+        a2 = _mm256_fmadd_ps(w2, xv, a2); a3 = _mm256_fmadd_ps(w3, xv, a3);
+        c0 = _mm256_fmadd_ps(w0, yv, c0); c1 = _mm256_fmadd_ps(w1, yv, c1);
+        c2 = _mm256_fmadd_ps(w2, yv, c2); c3 = _mm256_fmadd_ps(w3, yv, c3);
+    }
+    _mm256_store_ps(acc_a, a0); _mm256_store_ps(acc_a + 8, a1);
+    _mm256_store_ps(acc_a + 16, a2); _mm256_store_ps(acc_a + 24, a3);
+    _mm256_store_ps(acc_b, c0); _mm256_store_ps(acc_b + 8, c1);
+    _mm256_store_ps(acc_b + 16, c2); _mm256_store_ps(acc_b + 24, c3);
+}
+
+/* The odd last row times a dequantized group: two chains per vector (even and odd k), summed at the end. */
+static inline __attribute__((always_inline)) void odd_row_group(const float *xa, const float wf[32][32],
+                                                                float *acc) {
+    __m256 a[4], e[4];
+    for (int v = 0; v < 4; v++) {
+        a[v] = _mm256_load_ps(acc + 8 * v);
+        e[v] = _mm256_setzero_ps();
+    }
+    for (int kk = 0; kk < 32; kk += 2) {
+        const __m256 xv = _mm256_broadcast_ss(xa + kk), yv = _mm256_broadcast_ss(xa + kk + 1);
+        for (int v = 0; v < 4; v++) {
+            a[v] = _mm256_fmadd_ps(_mm256_load_ps(wf[kk] + 8 * v), xv, a[v]);
+            e[v] = _mm256_fmadd_ps(_mm256_load_ps(wf[kk + 1] + 8 * v), yv, e[v]);
+        }
+    }
+    for (int v = 0; v < 4; v++) _mm256_store_ps(acc + 8 * v, _mm256_add_ps(a[v], e[v]));
+}
 #endif
 
 /* x: [M][K] float32 (K a multiple of 32, M <= INT4_F32_MAX_ROWS); packed: [N_pad/32][K][16] uint8;
@@ -126,71 +196,13 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float 
         const uint8_t *tile = packed + t * K * 16;
         float acc[INT4_F32_MAX_ROWS][32] __attribute__((aligned(32)));
         float wf[32][32] __attribute__((aligned(32))); /* [k within the group][row of the tile] */
-        float s[32] __attribute__((aligned(32))), b[32] __attribute__((aligned(32)));
         for (int64_t m = 0; m < M; m++)
             for (int r = 0; r < 32; r++) acc[m][r] = 0.f;
-        const __m128i low4 = _mm_set1_epi8(0x0F);
         for (int64_t g = 0; g < G; g++) {
-            const float *pairs = sz + (g * N_pad + t * 32) * 2;
-            for (int r = 0; r < 32; r++) {
-                s[r] = pairs[2 * r];
-                b[r] = pairs[2 * r + 1] - 8.f * pairs[2 * r]; /* w = q * s + (z - 8 s) */
-            }
-            const __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
-            const __m256 s2 = _mm256_load_ps(s + 16), s3 = _mm256_load_ps(s + 24);
-            const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-            const __m256 b2 = _mm256_load_ps(b + 16), b3 = _mm256_load_ps(b + 24);
-            const uint8_t *col = tile + g * 32 * 16;
-            for (int kk = 0; kk < 32; kk++) {
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(col + kk * 16));
-                const __m128i lo = _mm_and_si128(bytes, low4);                     /* rows 0..15 */
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  /* rows 16..31 */
-                const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-                _mm256_store_ps(wf[kk], _mm256_fmadd_ps(q0, s0, b0));
-                _mm256_store_ps(wf[kk] + 8, _mm256_fmadd_ps(q1, s1, b1));
-                _mm256_store_ps(wf[kk] + 16, _mm256_fmadd_ps(q2, s2, b2));
-                _mm256_store_ps(wf[kk] + 24, _mm256_fmadd_ps(q3, s3, b3));
-            }
+            dequant_group(tile + g * 32 * 16, sz + (g * N_pad + t * 32) * 2, wf);
             int64_t m = 0;
-            for (; m + 2 <= M; m += 2) {
-                const float *xa = x + m * K + g * 32, *xb = xa + K;
-                __m256 a0 = _mm256_load_ps(acc[m]), a1 = _mm256_load_ps(acc[m] + 8);
-                __m256 a2 = _mm256_load_ps(acc[m] + 16), a3 = _mm256_load_ps(acc[m] + 24);
-                __m256 c0 = _mm256_load_ps(acc[m + 1]), c1 = _mm256_load_ps(acc[m + 1] + 8);
-                __m256 c2 = _mm256_load_ps(acc[m + 1] + 16), c3 = _mm256_load_ps(acc[m + 1] + 24);
-                for (int kk = 0; kk < 32; kk++) {
-                    const __m256 w0 = _mm256_load_ps(wf[kk]), w1 = _mm256_load_ps(wf[kk] + 8);
-                    const __m256 w2 = _mm256_load_ps(wf[kk] + 16), w3 = _mm256_load_ps(wf[kk] + 24);
-                    const __m256 xv = _mm256_broadcast_ss(xa + kk), yv = _mm256_broadcast_ss(xb + kk);
-                    a0 = _mm256_fmadd_ps(w0, xv, a0); a1 = _mm256_fmadd_ps(w1, xv, a1);
-                    a2 = _mm256_fmadd_ps(w2, xv, a2); a3 = _mm256_fmadd_ps(w3, xv, a3);
-                    c0 = _mm256_fmadd_ps(w0, yv, c0); c1 = _mm256_fmadd_ps(w1, yv, c1);
-                    c2 = _mm256_fmadd_ps(w2, yv, c2); c3 = _mm256_fmadd_ps(w3, yv, c3);
-                }
-                _mm256_store_ps(acc[m], a0); _mm256_store_ps(acc[m] + 8, a1);
-                _mm256_store_ps(acc[m] + 16, a2); _mm256_store_ps(acc[m] + 24, a3);
-                _mm256_store_ps(acc[m + 1], c0); _mm256_store_ps(acc[m + 1] + 8, c1);
-                _mm256_store_ps(acc[m + 1] + 16, c2); _mm256_store_ps(acc[m + 1] + 24, c3);
-            }
-            if (m < M) { /* the odd last row: two chains per vector, summed at the end */
-                const float *xa = x + m * K + g * 32;
-                __m256 a[4], e[4];
-                for (int v = 0; v < 4; v++) {
-                    a[v] = _mm256_load_ps(acc[m] + 8 * v);
-                    e[v] = _mm256_setzero_ps();
-                }
-                for (int kk = 0; kk < 32; kk += 2) {
-                    const __m256 xv = _mm256_broadcast_ss(xa + kk), yv = _mm256_broadcast_ss(xa + kk + 1);
-                    for (int v = 0; v < 4; v++) {
-                        a[v] = _mm256_fmadd_ps(_mm256_load_ps(wf[kk] + 8 * v), xv, a[v]);
-                        e[v] = _mm256_fmadd_ps(_mm256_load_ps(wf[kk + 1] + 8 * v), yv, e[v]);
-                    }
-                }
-                for (int v = 0; v < 4; v++) _mm256_store_ps(acc[m] + 8 * v, _mm256_add_ps(a[v], e[v]));
-            }
+            for (; m + 2 <= M; m += 2) two_rows_group(x + m * K + g * 32, K, wf, acc[m], acc[m + 1]);
+            if (m < M) odd_row_group(x + m * K + g * 32, wf, acc[m]);
         }
         const int64_t row0 = t * 32;
         const int64_t n = N_out - row0 < 32 ? N_out - row0 : 32;

@@ -62,6 +62,17 @@ static inline void store_bf16x16(uint16_t *out, int64_t row, int64_t N_out, __m5
 static inline int row_of(int v, int l) { /* v: 0..3 vector, l: 0..15 lane -> row in the tile */
     return (v >> 1) * 32 + (l < 8 ? 0 : 16) + (v & 1) * 8 + (l & 7);
 }
+
+/* The sum of each group of 32 values of x's M rows of K: xs [M][K/32]. */
+static inline __attribute__((always_inline)) void group_sums(const uint16_t *x, int64_t M, int64_t K, float *xs) {
+    const int64_t G = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < 32; i++) s += bf16_to_f32(x[m * K + g * 32 + i]);
+            xs[m * G + g] = s;
+        }
+}
 #endif
 
 int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
@@ -69,12 +80,7 @@ int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz,
 #ifdef HAVE_AVX512
     const int64_t G = K / 32;
     float *xs = scratch; /* [M][G] sums of x per group */
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            float s = 0.f;
-            for (int64_t i = 0; i < 32; i++) s += bf16_to_f32(x[m * K + g * 32 + i]);
-            xs[m * G + g] = s;
-        }
+    group_sums(x, M, K, xs);
     const int64_t tiles = N_pad / 64;
     const int64_t mblocks = (M + INT4_MB - 1) / INT4_MB;
 #pragma omp parallel for schedule(static) collapse(2)

@@ -56,6 +56,13 @@ typedef struct {
     int64_t M, K;
 } kq_acts_t;
 
+/* One weight row's parts, as each kind stores them: codes, per-sub-block integer scales, floats. */
+typedef struct {
+    const uint8_t *codes;
+    const void *scales;
+    const float *d;
+} kq_row_t;
+
 /* Row m of x (K bfloat16 or float32 values) -> its xq, xd, bsum and xmin rows. A few-row step
  * quantizes every projection's input (a 1.5B model: ~110 a token), so this is vectorized too. */
 static void quantize_row(const void *x, int is_bf16, int64_t m, int64_t K, int8_t *xq, float *xd, int16_t *bsum,
@@ -140,17 +147,10 @@ static void scale_picks(int group, __m512i pick[4]) {
         pick[c] = _mm512_loadu_si512((const void *)idx);
     }
 }
-#endif
-
-/* One weight row's parts, as each kind stores them: codes, per-sub-block integer scales, floats. */
-typedef struct {
-    const uint8_t *codes;
-    const void *scales;
-    const float *d;
-} kq_row_t;
-
-/* One Q6_K weight row (NB super-blocks) against M quantized activation rows -> sums[m]. */
-static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
+#elif defined(__AVX2__)
+/* q6k_row on AVX2: 32 codes a register, the offset term added in scalar integers per block. */
+static inline __attribute__((always_inline)) void q6k_row_avx2(kq_row_t row, int64_t NB, const kq_acts_t *acts,
+                                                                float *sums) {
     const int8_t *xq = acts->xq;
     const float *xd = acts->xd;
     const int16_t *bsum = acts->bsum;
@@ -158,42 +158,6 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     const uint8_t *codes = row.codes;
     const int8_t *sc = (const int8_t *)row.scales;
     const float *d = row.d;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512 facc[KQUANT_MAX_ROWS];
-    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-    __m512i pick[4];
-    scale_picks(16, pick);
-    for (int64_t b = 0; b < NB; b++) {
-        const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
-        for (int line = 0; line < 3; line++) _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64 * line), _MM_HINT_T0);
-        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
-        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
-        const __m512i qh = _mm512_loadu_si512((const void *)(blk + 128));
-        __m512i q[4];
-        q[0] = _mm512_or_si512(_mm512_and_si512(ql0, low4), _mm512_slli_epi16(_mm512_and_si512(qh, low2), 4));
-        q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4),
-                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), low2), 4));
-        q[2] = _mm512_or_si512(_mm512_and_si512(ql1, low4),
-                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), low2), 4));
-        q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
-                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), low2), 4));
-        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sc + b * 16))));
-        __m512i s[4];
-        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
-        /* the -32 of every code as -32 * sc_g per bsum_g: one more pair product a row */
-        const __m512i offset = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(s16, 5));
-        const __m512 dv = _mm512_set1_ps(d[b]);
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
-            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
-            const __m512i acc = block_dot(q, xb, s, madd_acc(_mm512_setzero_si512(), offset, bs));
-            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
-            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
-        }
-    }
-    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
-#elif defined(__AVX2__)
     __m256 facc[KQUANT_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
@@ -233,29 +197,11 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
         }
     }
     for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
-#else
-    for (int64_t m = 0; m < M; m++) {
-        float total = 0.f;
-        for (int64_t b = 0; b < NB; b++) {
-            const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
-            int32_t isum = 0;
-            for (int j = 0; j < KQ_BLOCK; j++) {
-                const int c = j / 64, p = j % 64;
-                const int lo = (blk[(c / 2) * 64 + p] >> (4 * (c % 2))) & 0x0F;
-                const int hi = (blk[128 + p] >> (2 * c)) & 0x03;
-                isum += sc[b * 16 + j / 16] * ((lo | (hi << 4)) - 32) * xq[m * K + b * KQ_BLOCK + j];
-            }
-            total += (float)isum * (d[b] * xd[m * (K / KQ_BLOCK) + b]);
-        }
-        sums[m] = total;
-    }
-    (void)bsum;
-#endif
 }
 
-/* One Q4_K weight row: codes as the header says, scales[b * 16 ..]: 8 scales then 8 minimums,
- * d[2 b], d[2 b + 1]: the block's d and dmin. */
-static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
+/* q4k_row on AVX2: 32 codes a register, the minimum term in scalar integers per block. */
+static inline __attribute__((always_inline)) void q4k_row_avx2(kq_row_t row, int64_t NB, const kq_acts_t *acts,
+                                                                float *sums) {
     const int8_t *xq = acts->xq;
     const float *xd = acts->xd;
     const int16_t *bsum = acts->bsum;
@@ -263,42 +209,6 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     const uint8_t *codes = row.codes;
     const uint8_t *sm = (const uint8_t *)row.scales;
     const float *d = row.d;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    const float *xmin = acts->xmin;
-    __m512 facc[KQUANT_MAX_ROWS];
-    __m256 fmin[KQUANT_MAX_ROWS];
-    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps(), fmin[m] = _mm256_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512i pick[4];
-    scale_picks(32, pick);
-    for (int64_t b = 0; b < NB; b++) {
-        const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
-        _mm_prefetch((const char *)(blk + KQ_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64), _MM_HINT_T0);
-        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
-        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
-        __m512i q[4];
-        q[0] = _mm512_and_si512(ql0, low4);
-        q[1] = _mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4);
-        q[2] = _mm512_and_si512(ql1, low4);
-        q[3] = _mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4);
-        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sm + b * 16))));
-        __m512i s[4];
-        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
-        /* dmin * mn_g, the weight's side of the minimum term; xmin holds the activations' */
-        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + b * 16 + 8)))),
-                                          _mm256_set1_ps(d[2 * b + 1]));
-        const __m512 dv = _mm512_set1_ps(d[2 * b]);
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
-            const __m512i acc = block_dot(q, xb, s, _mm512_setzero_si512());
-            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
-            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
-            fmin[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xmin + m * (K / 32) + b * 8), fmin[m]);
-        }
-    }
-    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
-#elif defined(__AVX2__)
     __m256 facc[KQUANT_MAX_ROWS];
     for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -335,7 +245,46 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
         }
     }
     for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
+}
 #else
+/* q6k_row in plain C, one code at a time. */
+static inline __attribute__((always_inline)) void q6k_row_plain(kq_row_t row, int64_t NB, const kq_acts_t *acts,
+                                                                 float *sums) {
+    const int8_t *xq = acts->xq;
+    const float *xd = acts->xd;
+    const int16_t *bsum = acts->bsum;
+    const int64_t M = acts->M, K = acts->K;
+    const uint8_t *codes = row.codes;
+    const int8_t *sc = (const int8_t *)row.scales;
+    const float *d = row.d;
+    for (int64_t m = 0; m < M; m++) {
+        float total = 0.f;
+        for (int64_t b = 0; b < NB; b++) {
+            const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
+            int32_t isum = 0;
+            for (int j = 0; j < KQ_BLOCK; j++) {
+                const int c = j / 64, p = j % 64;
+                const int lo = (blk[(c / 2) * 64 + p] >> (4 * (c % 2))) & 0x0F;
+                const int hi = (blk[128 + p] >> (2 * c)) & 0x03;
+                isum += sc[b * 16 + j / 16] * ((lo | (hi << 4)) - 32) * xq[m * K + b * KQ_BLOCK + j];
+            }
+            total += (float)isum * (d[b] * xd[m * (K / KQ_BLOCK) + b]);
+        }
+        sums[m] = total;
+    }
+    (void)bsum;
+}
+
+/* q4k_row in plain C, one code at a time. */
+static inline __attribute__((always_inline)) void q4k_row_plain(kq_row_t row, int64_t NB, const kq_acts_t *acts,
+                                                                 float *sums) {
+    const int8_t *xq = acts->xq;
+    const float *xd = acts->xd;
+    const int16_t *bsum = acts->bsum;
+    const int64_t M = acts->M, K = acts->K;
+    const uint8_t *codes = row.codes;
+    const uint8_t *sm = (const uint8_t *)row.scales;
+    const float *d = row.d;
     for (int64_t m = 0; m < M; m++) {
         float total = 0.f;
         for (int64_t b = 0; b < NB; b++) {
@@ -355,6 +304,108 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
         sums[m] = total;
     }
     (void)bsum;
+}
+#endif
+
+/* One Q6_K weight row (NB super-blocks) against M quantized activation rows -> sums[m]. */
+static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const int8_t *xq = acts->xq;
+    const float *xd = acts->xd;
+    const int16_t *bsum = acts->bsum;
+    const int64_t M = acts->M, K = acts->K;
+    const uint8_t *codes = row.codes;
+    const int8_t *sc = (const int8_t *)row.scales;
+    const float *d = row.d;
+    __m512 facc[KQUANT_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+    __m512i pick[4];
+    scale_picks(16, pick);
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
+        for (int line = 0; line < 3; line++) _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64 * line), _MM_HINT_T0);
+        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
+        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
+        const __m512i qh = _mm512_loadu_si512((const void *)(blk + 128));
+        __m512i q[4];
+        q[0] = _mm512_or_si512(_mm512_and_si512(ql0, low4), _mm512_slli_epi16(_mm512_and_si512(qh, low2), 4));
+        q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), low2), 4));
+        q[2] = _mm512_or_si512(_mm512_and_si512(ql1, low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), low2), 4));
+        q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), low2), 4));
+        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sc + b * 16))));
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
+        /* the -32 of every code as -32 * sc_g per bsum_g: one more pair product a row */
+        const __m512i offset = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(s16, 5));
+        const __m512 dv = _mm512_set1_ps(d[b]);
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
+            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
+            const __m512i acc = block_dot(q, xb, s, madd_acc(_mm512_setzero_si512(), offset, bs));
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
+            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
+#elif defined(__AVX2__)
+    q6k_row_avx2(row, NB, acts, sums);
+#else
+    q6k_row_plain(row, NB, acts, sums);
+#endif
+}
+
+/* One Q4_K weight row: codes as the header says, scales[b * 16 ..]: 8 scales then 8 minimums,
+ * d[2 b], d[2 b + 1]: the block's d and dmin. */
+static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const int8_t *xq = acts->xq;
+    const float *xd = acts->xd;
+    const int64_t M = acts->M, K = acts->K;
+    const uint8_t *codes = row.codes;
+    const uint8_t *sm = (const uint8_t *)row.scales;
+    const float *d = row.d;
+    const float *xmin = acts->xmin;
+    __m512 facc[KQUANT_MAX_ROWS];
+    __m256 fmin[KQUANT_MAX_ROWS];
+    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps(), fmin[m] = _mm256_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i pick[4];
+    scale_picks(32, pick);
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
+        _mm_prefetch((const char *)(blk + KQ_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64), _MM_HINT_T0);
+        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
+        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
+        __m512i q[4];
+        q[0] = _mm512_and_si512(ql0, low4);
+        q[1] = _mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4);
+        q[2] = _mm512_and_si512(ql1, low4);
+        q[3] = _mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4);
+        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sm + b * 16))));
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
+        /* dmin * mn_g, the weight's side of the minimum term; xmin holds the activations' */
+        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + b * 16 + 8)))),
+                                          _mm256_set1_ps(d[2 * b + 1]));
+        const __m512 dv = _mm512_set1_ps(d[2 * b]);
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
+            const __m512i acc = block_dot(q, xb, s, _mm512_setzero_si512());
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
+            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
+            fmin[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xmin + m * (K / 32) + b * 8), fmin[m]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
+#elif defined(__AVX2__)
+    q4k_row_avx2(row, NB, acts, sums);
+#else
+    q4k_row_plain(row, NB, acts, sums);
 #endif
 }
 
