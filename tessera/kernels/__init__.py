@@ -401,7 +401,7 @@ def q4k_gemm(x: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor, dm: 
 def kquant_dequant_bf16(kind: str, codes: torch.Tensor, scales: torch.Tensor, floats: torch.Tensor,
                         in_features: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The dense bfloat16 weight [N, K] of a `kind` ("q6_k" or "q4_k") matrix as q6k_gemm /
-    q4k_gemm read it: the float32 values rounded once (see kquant_gemm.c); into `out` if given."""
+    q4k_gemm read it: the float32 values rounded once (see kquant_dequant.c); into `out` if given."""
     n = floats.shape[0]
     if out is None:
         out = torch.empty(n, in_features, dtype=torch.bfloat16)
@@ -416,7 +416,7 @@ def kquant_dequant_int8(kind: str, codes: torch.Tensor, scales: torch.Tensor, fl
                         columns: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight of a `kind` ("q6_k" or "q4_k") matrix, its columns times `columns` [K] float32 if
     given, requantized to int8 per row for int8 x int8 products: ([N, K] int8 (`out` if given),
-    [N] float32 row scales), w * columns ~ q * scale (see kquant_gemm.c)."""
+    [N] float32 row scales), w * columns ~ q * scale (see kquant_dequant.c)."""
     n = floats.shape[0]
     if out is None:
         out = torch.empty(n, in_features, dtype=torch.int8)

@@ -133,6 +133,7 @@ SIGNATURES: dict[str, Signature] = {
     "q4k_gemm": _sig(INT, *_names(P, "x", "codes", "scale_min", "dm", "out"), *_names(I64, "M", "N", "K"),
                      ("is_bf16", INT), ("scratch", P)),
     "tessera_kquant_vector": _FEATURE,
+    # kquant_dequant.c
     "q6k_dequant_bf16": _sig(None, *_names(P, "codes", "sc", "d"), *_KQ_DEQUANT_BF16),
     "q4k_dequant_bf16": _sig(None, *_names(P, "codes", "scale_min", "dm"), *_KQ_DEQUANT_BF16),
     "q6k_dequant_int8": _sig(None, *_names(P, "codes", "sc", "d"), *_KQ_DEQUANT_INT8),

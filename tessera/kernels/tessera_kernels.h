@@ -117,6 +117,8 @@ int q6k_gemm(const void *x, const uint8_t *codes, const int8_t *sc, const float 
 int q4k_gemm(const void *x, const uint8_t *codes, const uint8_t *scale_min, const float *dm, void *out, int64_t M,
              int64_t N, int64_t K, int is_bf16, void *scratch);
 int tessera_kquant_vector(void);
+
+/* ---- kquant_dequant.c ---- */
 void q6k_dequant_bf16(const uint8_t *codes, const int8_t *sc, const float *d, uint16_t *out, int64_t N, int64_t K);
 void q4k_dequant_bf16(const uint8_t *codes, const uint8_t *scale_min, const float *dm, uint16_t *out, int64_t N,
                       int64_t K);

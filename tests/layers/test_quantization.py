@@ -303,8 +303,8 @@ def test_int8_kernels_against_the_reference(zeros, group, dtype, atol):
         kernels.int8_gemv(torch.randn(9, k), codes, scale, zero)
 
 
-def _kernel_built_for(source: str, isa: list[str], tmp_path: Path):
-    """One kernel source compiled apart with `isa` flags (older instruction sets than the host's
+def _kernel_built_for(sources: tuple[str, ...], isa: list[str], tmp_path: Path):
+    """Kernel sources compiled apart with `isa` flags (older instruction sets than the host's
     build), loaded through ctypes."""
     import ctypes
     import shutil
@@ -315,9 +315,9 @@ def _kernel_built_for(source: str, isa: list[str], tmp_path: Path):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    lib_path = tmp_path / f"{Path(source).stem}.so"
+    lib_path = tmp_path / f"{Path(sources[0]).stem}.so"
     subprocess.run([cc, "-O2", "-march=native", *isa, "-fopenmp", "-shared", "-fPIC", "-std=c11",
-                    str(Path(kernels.__file__).parent / source), "-o", str(lib_path), "-lm"], check=True,
+                    *(str(Path(kernels.__file__).parent / s) for s in sources), "-o", str(lib_path), "-lm"], check=True,
                    capture_output=True)
     return ctypes.CDLL(str(lib_path))
 
@@ -328,7 +328,7 @@ def test_int8_gemv_on_older_instruction_sets(isa, tmp_path):
     """The AVX2 and plain C branches of int8_gemv.c, compiled apart and called through ctypes."""
     import ctypes
 
-    lib = _kernel_built_for("int8_gemv.c", isa, tmp_path)
+    lib = _kernel_built_for(("int8_gemv.c",), isa, tmp_path)
     torch.manual_seed(5)
     n, k, group = 21, 96, 16
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
@@ -667,10 +667,11 @@ def test_kquants_are_chosen_for_whole_kquant_weights_in_bfloat16_only():
 @pytest.mark.parametrize("isa", [["-mno-avx512f", "-mavx2", "-mfma"], ["-mno-avx512f", "-mno-avx2"]],
                          ids=["avx2", "plain-c"])
 def test_kquant_kernels_on_older_instruction_sets(qtype, isa, tmp_path):
-    """The AVX2 and plain C branches of kquant_gemm.c, compiled apart and called through ctypes."""
+    """The AVX2 and plain C branches of kquant_gemm.c and kquant_dequant.c, compiled apart and called
+    through ctypes."""
     import ctypes
 
-    lib = _kernel_built_for("kquant_gemm.c", isa, tmp_path)
+    lib = _kernel_built_for(("kquant_gemm.c", "kquant_dequant.c"), isa, tmp_path)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn = lib.q6k_gemm if qtype == Q.Q6_K else lib.q4k_gemm
     fn.argtypes = [p, p, p, p, p, i64, i64, i64, ctypes.c_int, p]
