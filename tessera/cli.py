@@ -166,7 +166,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from tessera.server.app import serve
+    from tessera.server.launch import serve
     from tessera.server.config import ServingSpec
 
     spec = ServingSpec.from_args(args)  # every flag checked before anything is pulled or loaded
