@@ -52,7 +52,27 @@ def cmd_models(args: argparse.Namespace) -> int:
     # Piped output keeps every cell whole instead of squeezing it into 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=240, no_color=True)
     console.print(table)
+    console.print(_families_table())
     return 0
+
+
+def _families_table():
+    """The decoder families a model of one's own (a Hugging Face folder or a GGUF file) may be."""
+    from rich.table import Table
+
+    from tessera.models.families import ENCODERS, FAMILIES
+
+    table = Table(title="Model families (your own models: a Hugging Face folder with safetensors, or a GGUF file)",
+                  title_justify="left")
+    table.add_column("family (GGUF)", no_wrap=True)
+    table.add_column("config.json model_type")
+    table.add_column("differs from llama's block")
+    table.add_column("one-call C decode step (AVX512-BF16)")
+    for fam in FAMILIES.values():
+        table.add_row(fam.name, ", ".join(fam.hf_model_types), fam.summary, fam.decode_step())
+    for name in ENCODERS:
+        table.add_row(name, name, "encoder (embeddings only)", "-")
+    return table
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from tessera.pooling_params import POOLING_TYPES, PoolerConfig
 class ModelConfig:
     """Shape of a transformer (a decoder, or a BERT encoder), independent of file format."""
 
-    architecture: str  # "llama", "qwen2", "gemma3" or "bert"
+    architecture: str  # a decoder family's name (tessera/models/families) or "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,13 +37,21 @@ class ModelConfig:
     attention_bias: bool = False  # qkv bias (qwen2)
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # gemma3 only
+    # Decoder variants, as the file describes them; which of them a family uses is in its
+    # description (tessera/models/families), and the shared decoder reads them from here.
     sliding_window: Optional[int] = None
     sliding_window_pattern: Optional[int] = None  # every Nth layer is global
-    rope_local_base_freq: Optional[float] = None
-    query_pre_attn_scalar: Optional[float] = None
+    sliding_layers: Optional[list[bool]] = None  # per layer, True = sliding window (over the pattern)
+    rope_local_base_freq: Optional[float] = None  # RoPE base of the sliding layers (Gemma 3)
+    query_pre_attn_scalar: Optional[float] = None  # scores scaled by its -1/2 power (Gemma)
+    attention_multiplier: Optional[float] = None  # scores scaled by it (Granite)
     final_logit_softcapping: Optional[float] = None
     attn_logit_softcapping: Optional[float] = None
+    embedding_multiplier: Optional[float] = None  # embeddings times it (Granite)
+    residual_multiplier: float = 1.0  # each sublayer's output times it before the residual add (Granite)
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+    rotary_dim: Optional[int] = None  # dimensions of each head RoPE rotates (partial rotary); None: all
+    nope_layers: list[int] = field(default_factory=list)  # layers without RoPE (SmolLM3)
     # bert (encoders) only: bidirectional attention over the whole input, absolute positions
     is_causal: bool = True
     type_vocab_size: int = 0
@@ -57,10 +65,23 @@ class ModelConfig:
     name: str = ""  # display name (registry name or file stem)
     quantization: str = ""  # e.g. "Q4_1" as found in the file, informational
 
+    def attention_scale(self) -> float:
+        """The factor attention scores are scaled by: the file's own where it has one, else
+        1/sqrt(head_dim)."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def layer_windows(self) -> list[Optional[int]]:
-        """Each layer's sliding window in tokens, None for full attention: with a window and a
-        pattern, layer i is global when (i + 1) is a multiple of the pattern (Gemma 3's rule);
-        without a window all are global. The model and the KV cache's block groups both read this."""
+        """Each layer's sliding window in tokens, None for full attention: per layer where the file
+        lists the layers' kinds, else with a window and a pattern layer i is global when (i + 1) is a
+        multiple of the pattern (Gemma's rule); without a window all are global. The model and the
+        KV cache's block groups both read this."""
+        if self.sliding_layers is not None:
+            if len(self.sliding_layers) != self.num_layers:
+                raise ConfigError(f"{len(self.sliding_layers)} per-layer attention kinds for {self.num_layers} layers")
+            window = int(self.sliding_window) if self.sliding_window else None
+            return [window if sliding else None for sliding in self.sliding_layers]
         pattern = self.sliding_window_pattern or 0
         window = self.sliding_window if self.sliding_window and pattern > 0 else None
         return [None if window is None or (i + 1) % pattern == 0 else int(window)

@@ -326,7 +326,17 @@ def _convert_gguf_tokenizer(path: Path):
     from transformers.models.auto.tokenization_auto import AutoTokenizer  # the module: see from_hf_folder
 
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as exc:
+            if "is not supported yet" not in str(exc):
+                raise
+            # transformers reads the model's config to pick a tokenizer class and knows fewer GGUF
+            # architectures than Tessera runs (olmo2, granite, smollm3); the vocabulary itself is
+            # one of the kinds it converts, whatever the architecture.
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # unsupported tokenizer type, corrupt vocabulary, ...
         raise ModelFormatError(
             f"cannot build the tokenizer of {path.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "

@@ -79,11 +79,11 @@ def build_tiny_tokenizer(vocab_size: int = 300):
     )
 
 
-def tiny_hf_config(kind: str):
+def tiny_hf_config(kind: str, wide: bool = False):
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  max_position_embeddings=512, bos_token_id=0, eos_token_id=2)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=256 if wide else 64, intermediate_size=512 if wide else 128,
+                  num_attention_heads=4, max_position_embeddings=512, bos_token_id=0, eos_token_id=2)
     if kind == "llama":
         return LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5,
                            tie_word_embeddings=False, **common)
@@ -103,16 +103,59 @@ def tiny_hf_config(kind: str):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             query_pre_attn_scalar=24, **common,
         )
+    return _family_config(kind, common)
+
+
+# The families beyond llama, qwen2 and gemma3, each tiny with GQA and its own features switched on
+# (soft-caps that bite at these scales, LongRoPE past a short pretraining length, a NoPE layer).
+TINY_FAMILIES = ("qwen3", "gemma2", "phi3", "olmo2", "granite", "smollm3")
+
+
+def _family_config(kind: str, common: dict):
+    from transformers import (Gemma2Config, GraniteConfig, Olmo2Config, Phi3Config, Qwen3Config,
+                              SmolLM3Config)
+
+    if kind == "qwen3":  # head_dim 32 of a 64-wide model with 4 heads, as Qwen3-0.6B's 128 of 1,024 / 16
+        return Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                           **common)
+    if kind == "gemma2":
+        return Gemma2Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                            query_pre_attn_scalar=24, attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+                            **common)
+    if kind == "phi3":
+        # LongRoPE over a 512-token pretraining length stretched to 2,048 (its attention factor
+        # 1.10), partial rotary: 8 of each head's 16 dimensions rotate.
+        half = common["hidden_size"] // common["num_attention_heads"] // 4
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": 512,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + i for i in range(half)]}
+        return Phi3Config(num_hidden_layers=2, num_key_value_heads=2, rope_parameters=rope, sliding_window=None,
+                          original_max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=1,
+                          **{**common, "max_position_embeddings": 2048})
+    if kind == "olmo2":
+        return Olmo2Config(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=1,
+                           **common)
+    if kind == "granite":
+        return GraniteConfig(num_hidden_layers=2, num_key_value_heads=2, embedding_multiplier=3.0,
+                             attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=0.5,
+                             tie_word_embeddings=True, **common)
+    if kind == "smollm3":  # 4 layers: the 4th has no RoPE
+        return SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=1,
+                             **common)
     raise ValueError(kind)
 
 
-def build_tiny_hf_model(kind: str, folder: Path, seed: int = 0):
-    """Random HF model of `kind` saved (float32 safetensors + tokenizer) into `folder`; returns the model."""
+def build_tiny_hf_model(kind: str, folder: Path, seed: int = 0, std: float = 0.08, wide: bool = False,
+                        config=None):
+    """Random HF model of `kind` saved (float32 safetensors + tokenizer) into `folder`; returns the model.
+    `std`: the matrices' spread (larger: sharper logits, fewer near-ties between the top tokens).
+    `wide`: hidden size 256 and MLP 512, rows long enough for Q4_K's 256-value blocks. `config`: a
+    transformers config to use instead of the kind's tiny one."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(kind)
+    config = config if config is not None else tiny_hf_config(kind, wide)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gemma = kind.startswith("gemma")
     with torch.no_grad():
@@ -120,7 +163,7 @@ def build_tiny_hf_model(kind: str, folder: Path, seed: int = 0):
             if "norm" in name:  # gemma stores w of (1 + w); the others w itself
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.08 * torch.randn_like(p))
+                p.copy_(std * torch.randn_like(p))
     model.eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)

@@ -70,6 +70,12 @@ def test_models_lists_every_known_model(home, capsys):
     assert "yes" in rows["gemma3-270m"] and str(path) in rows["gemma3-270m"]
     assert "no" in rows["smollm2-135m"].split("│")[6]
     assert "llama" in rows["smollm2-135m"] and "135M" in rows["smollm2-135m"]
+    # then the families one's own model may be, with what takes the one-call C decode step
+    from tessera.models.families import FAMILIES
+
+    for name in FAMILIES:
+        assert name in rows, name
+    assert rows["qwen2"].split("│")[4].strip() == "yes" and "q/k norms" in rows["qwen3"]
 
 
 @pytest.mark.parametrize("command", [[], ["models"], ["pull"], ["generate"], ["chat"], ["serve"]])

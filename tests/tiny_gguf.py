@@ -24,6 +24,16 @@ _QTYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q5_0, "attn_output": 
            "ffn_gate": Q.Q8_0, "ffn_up": Q.F16, "ffn_down": Q.Q5_0, "token_embd": Q.Q8_0}
 
 
+# What convert_hf_to_gguf.py does per family: permute Q/K rows (llama's interleaved RoPE), store
+# Gemma's norms as 1 + w, fuse Q/K/V and gate/up (Phi-3), name the norms around the sublayers.
+_PERMUTED = {"llama", "granite", "smollm3"}
+_GEMMA = {"gemma2", "gemma3"}
+_POST_NORMS = {"gemma2", "gemma3", "olmo2"}
+ARCH = {"llama": "llama", "llama3-rope": "llama", "llama-linear-rope": "llama", "qwen2": "qwen2",
+        "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "olmo2": "olmo2",
+        "granite": "granite", "smollm3": "smollm3"}
+
+
 def _gguf_name(hf: str, arch: str) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -33,9 +43,10 @@ def _gguf_name(hf: str, arch: str) -> str:
         return "output.weight"
     _, _, idx, rest = hf.split(".", 3)
     part, kind = rest.rsplit(".", 1)
-    if arch != "gemma3" and part == "post_attention_layernorm":
+    if arch not in _POST_NORMS and part == "post_attention_layernorm":
         return f"blk.{idx}.ffn_norm.{kind}"
-    return f"blk.{idx}.{_LAYER[part]}.{kind}"
+    fused = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    return f"blk.{idx}.{fused.get(part) or _LAYER[part]}.{kind}"
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -61,13 +72,34 @@ def _add_tokenizer(writer: GGUFWriter) -> None:
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
 
 
-def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized: bool = True):
-    """Write a tiny random HF model as GGUF; return (path, HF model holding the dequantized weights)."""
-    model = build_tiny_hf_model(kind, folder / "hf")
-    cfg = model.config
-    arch = arch or ("gemma3" if kind == "gemma3" else "qwen2" if kind == "qwen2" else "llama")
-    path = folder / f"tiny-{kind}.gguf"
-    w = GGUFWriter(path, arch)
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """Rows of float32 as Q4_K blocks (the gguf package has no K-quant quantizer): per 256 values a
+    float16 scale and minimum over eight 32-value sub-blocks with 6-bit scales and minimums, and
+    4-bit codes, laid out as ggml's block_q4_K (d, dmin, scales[12], qs[128])."""
+    rows, cols = data.shape
+    sub = data.reshape(rows, cols // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - lo) / 15.0
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = (np.maximum(-lo, 0).max(-1) / 63.0).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-lo, dmin32, out=np.zeros_like(lo), where=dmin32 > 0)), 0, 63).astype(np.uint8)
+    step = (d32 * sc)[..., None]
+    q = np.clip(np.round(np.divide(sub + (dmin32 * mn)[..., None], step, out=np.zeros_like(sub), where=step > 0)),
+                0, 15).astype(np.uint8)
+    packed = np.zeros((rows, cols // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    packed[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(rows, cols // 256, 128)
+    block = np.concatenate([d[..., None].view(np.uint8).reshape(rows, -1, 2),
+                            dmin[..., None].view(np.uint8).reshape(rows, -1, 2), packed, qs], axis=-1)
+    return block.reshape(rows, -1)
+
+
+def _add_metadata(w: GGUFWriter, cfg, arch: str) -> None:
+    """The keys convert_hf_to_gguf.py writes for each family."""
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -75,35 +107,87 @@ def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if kind == "gemma3":
-        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch not in ("phi3", "granite"):  # TextModel writes head_dim where the config has one
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    elif arch == "gemma2":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    elif arch == "phi3":
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size)
+                                   // cfg.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_sliding_window(cfg.sliding_window or 0)
+    elif arch == "granite":
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     else:
-        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        w.add_rope_dimension_count(head_dim)
+
+
+def _add_longrope(w: GGUFWriter, cfg) -> None:
+    """Phi-3's LongRoPE factors as tensors, and their attention factor (Phi3MiniModel)."""
+    import math
+
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return
+    original = rope["original_max_position_embeddings"]
+    scale = cfg.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized: bool = True,
+                    qtypes: dict | None = None, wide: bool = False):
+    """Write a tiny random HF model as GGUF; return (path, HF model holding the dequantized weights).
+    `quantized`: matrices in a mix of block types (`qtypes`: short tensor name -> type, else the
+    default mix; Q4_K where a row holds whole blocks, else Q8_0, as llama-quantize falls back),
+    else every tensor F32. `wide`: the 256-wide model (see build_tiny_hf_model)."""
+    model = build_tiny_hf_model(kind, folder / "hf", wide=wide)
+    cfg = model.config
+    arch = arch or ARCH[kind]
+    qtypes = _QTYPES if qtypes is None else qtypes
+    path = folder / f"tiny-{kind}.gguf"
+    w = GGUFWriter(path, arch)
+    _add_metadata(w, cfg, arch)
     _add_tokenizer(w)
+    if arch == "phi3":
+        _add_longrope(w, cfg)
     state = {}
     for hf_name, param in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         name = _gguf_name(hf_name, arch)
         data = param.detach().float().numpy().copy()
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            data = data + 1.0
+        shift = 1.0 if arch in _GEMMA and name.endswith("norm.weight") else 0.0
+        data = data + shift
         short = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
-        qtype = _QTYPES.get(short, Q.F32) if quantized and data.ndim == 2 else Q.F32
+        qtype = qtypes.get(short, Q.F32) if quantized and data.ndim == 2 else Q.F32
+        if qtype == Q.Q4_K and data.shape[-1] % 256:
+            qtype = Q.Q8_0
         if qtype in (Q.F32, Q.F16):
             stored = data.astype(np.float32 if qtype == Q.F32 else np.float16)
             used = stored.astype(np.float32)
+        elif qtype == Q.Q4_K:
+            stored = quantize_q4_k(data)
+            used = dequantize(stored, qtype)
         else:
             stored = quantize(data, qtype)
             used = dequantize(stored, qtype)
         # the reference gets what the file holds, before llama.cpp's row permutation (rows quantize independently)
-        state[hf_name] = torch.from_numpy((used - 1.0) if arch == "gemma3" and name.endswith("norm.weight") else used)
-        if arch == "llama" and short in ("attn_q", "attn_k"):
+        state[hf_name] = torch.from_numpy(used - shift)
+        if arch in _PERMUTED and short in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
             stored = _llama_cpp_permute(stored, heads)
         if qtype in (Q.F32, Q.F16):
@@ -117,7 +201,7 @@ def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized:
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state)
-    if arch == "gemma3":  # a GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim)
+    if arch in _GEMMA:  # a GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim)
         for layer in model.model.layers:
             layer.self_attn.scaling = cfg.head_dim ** -0.5
     return path, model

@@ -209,10 +209,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
-                key_bias: Optional[KeyBias] = None) -> torch.Tensor:
+                key_bias: Optional[KeyBias] = None, softcap: Optional[float] = None) -> torch.Tensor:
         """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`.
         `key_bias` (quantized caches only; others ignore it): the keys' bias share, kept out of the
-        cache and added back in float32."""
+        cache and added back in float32. `softcap`: scores become softcap * tanh(score / softcap)
+        before the softmax (Gemma 2)."""
 
 
 def _padded_layout(meta: AttentionMetadata, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

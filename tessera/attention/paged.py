@@ -38,9 +38,9 @@ class PagedBackend(SdpaBackend):
     def decode_in_c(self, num_heads, kv_cache):
         return kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 5 and kernels.supports(num_heads, kv_cache)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None):
-        if not kernels.supports(q.shape[1], kv_cache):
-            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias)
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None):
+        if softcap is not None or not kernels.supports(q.shape[1], kv_cache):  # no C kernel soft-caps
+            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias, softcap)
         quantized = is_quantized(kv_cache)
         key_bias = key_bias if quantized else None
         if quantized:

@@ -9,7 +9,7 @@ from tessera.attention.base import AttentionBackend, add_key_bias, is_quantized,
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None):
         key_bias = key_bias if is_quantized(kv_cache) else None
         q, k = rotate_for_cache(kv_cache, q, k, meta, key_bias)
         write_kv(kv_cache, k, v, meta)
@@ -27,6 +27,8 @@ class ReferenceBackend(AttentionBackend):
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             vals = vals.repeat_interleave(hq // hkv, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             qpos = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
             kpos = torch.arange(seq_len).unsqueeze(0)
             allowed = kpos <= qpos

@@ -91,21 +91,36 @@ def _prefill_layout(meta: AttentionMetadata, sliding_window: Optional[int], leng
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [Bd, Hq, D] against gathered keys/values [Hkv, Bd, L, D] with a [Bd, L] mask -> [Bd, Hq, D]."""
+                     scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+    """q [Bd, Hq, D] against gathered keys/values [Hkv, Bd, L, D] with a [Bd, L] mask -> [Bd, Hq, D].
+    `softcap`: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     nd, hq, d = q.shape
     hkv = keys.shape[0]
     qg = q.view(nd, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, Bd, G, D]
     scores = torch.matmul(qg, keys.to(q.dtype).transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(~mask.view(1, nd, 1, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, vals.to(q.dtype)).transpose(0, 1).reshape(nd, hq, d)
 
 
+def capped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """SDPA with soft-capped scores, which no fused kernel here takes: q [B, Hq, Lq, D] against
+    keys/values [B, Hkv, L, D] under a [B, 1, Lq, L] mask, float32 scores and softmax (as
+    transformers' eager Gemma 2 attention)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.to(q.dtype).transpose(-1, -2)).float() * scale
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), vals.to(q.dtype))
+
+
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None):
         key_bias = key_bias if is_quantized(kv_cache) else None
         q, k = rotate_for_cache(kv_cache, q, k, meta, key_bias)
         write_kv(kv_cache, k, v, meta)
@@ -113,7 +128,7 @@ class SdpaBackend(AttentionBackend):
         nd = meta.num_decodes
         hq, d = q.shape[1], q.shape[2]
         out = torch.empty_like(q)
-        if nd == 1 and sliding_window is None:
+        if nd == 1 and sliding_window is None and softcap is None:
             # One decode row: its exact context needs no mask, and SDPA beats the two batched
             # matmuls there (measured 12 vs 55 us at 32 tokens of context, bfloat16).
             seq_len = meta.seq_lens[0]
@@ -128,13 +143,13 @@ class SdpaBackend(AttentionBackend):
             keys, vals = gather_context(kv_cache, meta.block_tables[:nd], max_len, bs, meta, q.dtype)
             keys = add_key_bias(keys, key_bias)
             mask = _decode_mask(meta, sliding_window, keys.shape[2])
-            out[:nd] = decode_attention(q[:nd], keys, vals, mask, scale)
+            out[:nd] = decode_attention(q[:nd], keys, vals, mask, scale, softcap)
         if nd < meta.num_reqs:
-            self._prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias)
+            self._prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias, softcap)
         return out.view(q.shape[0], hq * d)
 
     @staticmethod
-    def _prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias=None):
+    def _prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias=None, softcap=None):
         """The prefill rows of a step (q already transformed for an int8 cache, whose keys get
         their bias share back here)."""
         bs, nd = meta.block_size, meta.num_decodes
@@ -143,7 +158,7 @@ class SdpaBackend(AttentionBackend):
         prefill_lens = meta.seq_lens[nd:]
         qsl = meta.query_start_loc
         fresh = all(meta.seq_lens[i] == qsl[i + 1] - qsl[i] for i in range(nd, meta.num_reqs))
-        if fresh and sliding_window is None:
+        if fresh and sliding_window is None and softcap is None:
             # Prompts with no cached context: each one's own k/v are its whole context, so each
             # takes SDPA's causal path, which skips the blocks above the diagonal (one padded call
             # with a mask computes every block of the longest prompt for every prompt: a burst of 4
@@ -170,7 +185,10 @@ class SdpaBackend(AttentionBackend):
         pad_index, valid, mask, maxq = _prefill_layout(meta, sliding_window, keys.shape[2])
         q_ext = torch.cat([q, q.new_zeros((1, hq, d))])
         qp = q_ext.index_select(0, pad_index.view(-1)).view(*pad_index.shape, hq, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qp, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        if softcap is not None:
+            o = capped_attention(qp, keys, vals, mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(
+                qp, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            )
         out[start:] = o.transpose(1, 2).reshape(-1, hq, d).index_select(0, valid)

@@ -56,7 +56,9 @@ class TritonBackend(AttentionBackend):
             cached = meta._cache[key] = (host[0], host[1], lens[0], lens[1, :-1], block_q, block_rows)
         return cached
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window: Optional[int], key_bias=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window: Optional[int], key_bias=None, softcap=None):
+        if softcap is not None:
+            raise NotImplementedError("the Triton attention kernel has no score soft-capping (Gemma 2)")
         write_kv(kv_cache, k, v, meta)
         hq, d = q.shape[1], q.shape[2]
         tile_req, tile_start, query_start, seq_lens, block_q, block_rows = self._step(meta, hq // kv_cache.shape[1])

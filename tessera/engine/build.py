@@ -107,6 +107,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     if max_model_len > mc.max_position_embeddings:
         raise InvalidRequestError(
             f"--max-model-len {max_model_len} exceeds the model's limit of {mc.max_position_embeddings}")
+    loaded.model.fit_context(max_model_len)
     groups = KVCacheGroups.for_engine(mc, config)
     if any(mc.layer_windows()) and not groups.hybrid:
         logger.info("sliding-window layers keep every block of the context (%s)",

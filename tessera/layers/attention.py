@@ -14,14 +14,15 @@ from tessera.attention.base import AttentionMetadata, KeyBias
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: Optional[int] = None, causal: bool = True):
+                 sliding_window: Optional[int] = None, causal: bool = True, softcap: Optional[float] = None):
         """`causal=False`: an encoder's attention (every token sees its whole request; no KV
-        cache, see AttentionBackend.forward_bidirectional)."""
+        cache, see AttentionBackend.forward_bidirectional). `softcap`: scores soft-capped (Gemma 2)."""
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
         self.causal = causal
+        self.softcap = softcap
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Optional[Tensor], meta: AttentionMetadata,
                 key_bias: Optional[KeyBias] = None) -> Tensor:
@@ -31,10 +32,14 @@ class Attention(nn.Module):
         for a bidirectional layer."""
         if not self.causal:
             return meta.backend.forward_bidirectional(q, k, v, meta, self.scale)
-        return meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                                    key_bias if meta.backend.quantized else None)
+        key_bias = key_bias if meta.backend.quantized else None
+        if self.softcap is not None:
+            return meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, key_bias,
+                                        softcap=self.softcap)
+        return meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, key_bias)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
                 + (f", window={self.sliding_window}" if self.sliding_window else "")
+                + (f", softcap={self.softcap}" if self.softcap else "")
                 + ("" if self.causal else ", bidirectional"))

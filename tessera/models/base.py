@@ -73,6 +73,15 @@ class ModelBase(ABC):
         """The paths this architecture offers; always MODULES. A path offered here may still be
         unavailable for the loaded weights or this host (see `plan_fused_decode`)."""
 
+    def decode_step_limits(self) -> list[str]:
+        """What of this model keeps C_DECODE from being offered, for the start-up log (empty when it
+        is offered, or for a model that has no such path at all, as an encoder)."""
+        return []
+
+    def fit_context(self, max_model_len: int) -> None:
+        """Settle what depends on the longest sequence the engine runs (LongRoPE's choice of
+        factors); called once the engine has decided it, before any step. Most models need nothing."""
+
     def plan_fused_decode(self) -> Optional[FusedDecodeStep]:
         """The C_DECODE step over the loaded weights, or None where some part of it has no native
         kernel here (weight format, dtype, host). Asked only of a model that offers C_DECODE, once

@@ -32,6 +32,7 @@ from gguf.quants import dequantize
 
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
+from tessera.models.families import FAMILIES, Family, family
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 Q = GGMLQuantizationType
 # Types gguf.quants dequantizes and that llama.cpp's usual quant mixes produce.
@@ -48,10 +48,6 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 })
-
-# Gemma 3 facts llama.cpp hard-codes instead of writing them into the file.
-GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer attends globally
-GEMMA3_ROPE_LOCAL_BASE = 10000.0
 
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                    10: "<Q", 11: "<q", 12: "<d"}
@@ -261,13 +257,13 @@ def _read_value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
 
 
 def config_from_gguf(gf: GGUFFile, name: str = "") -> ModelConfig:
-    """Network shape from GGUF metadata (llama.cpp key names)."""
+    """Network shape from GGUF metadata (llama.cpp key names): the keys every decoder has, then
+    the family's own (tessera/models/families)."""
     arch = gf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFormatError(
-            f"{gf.path.name}: architecture {arch or '(none)'!r} is not supported; "
-            f"Tessera runs {', '.join(SUPPORTED_ARCHITECTURES)} models"
-        )
+    if arch not in FAMILIES:
+        raise ModelFormatError(f"{gf.path.name}: architecture {arch or '(none)'!r} is not supported; "
+                               f"Tessera runs {', '.join(FAMILIES)} models from GGUF files")
+    fam = family(arch)
 
     def need(key: str) -> Any:
         value = gf.arch_key(key)
@@ -280,7 +276,8 @@ def config_from_gguf(gf: GGUFFile, name: str = "") -> ModelConfig:
     num_kv_heads = gf.arch_key("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):  # per-layer counts; all our architectures use one value
         num_kv_heads = max(num_kv_heads)
-    head_dim = gf.arch_key("attention.key_length") or gf.arch_key("rope.dimension_count") or hidden // num_heads
+    # Not rope.dimension_count: with partial rotary (Phi-3) it is less than a head.
+    head_dim = gf.arch_key("attention.key_length") or hidden // num_heads
     ffn = need("feed_forward_length")
     if isinstance(ffn, list):
         ffn = max(ffn)
@@ -312,30 +309,22 @@ def config_from_gguf(gf: GGUFFile, name: str = "") -> ModelConfig:
         rope_scaling=_rope_scaling(gf),
         max_position_embeddings=int(gf.arch_key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in gf.tensors,
-        attention_bias="blk.0.attn_q.bias" in gf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gf.tensors or "blk.0.attn_qkv.bias" in gf.tensors,
         bos_token_id=gf.metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
         name=name or gf.path.stem,
         quantization=quant,
     )
-    if arch == "gemma3":
-        cfg.sliding_window = gf.arch_key("attention.sliding_window")
-        pattern = gf.arch_key("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
-        if isinstance(pattern, list):  # per-layer flags (True = sliding); find the period
-            globals_ = [i for i, sliding in enumerate(pattern) if not sliding]
-            pattern = globals_[0] + 1 if globals_ else len(pattern) + 1
-        cfg.sliding_window_pattern = int(pattern)
-        cfg.rope_local_base_freq = float(gf.arch_key("rope.freq_base_swa", GEMMA3_ROPE_LOCAL_BASE))
-        # llama.cpp scales scores by 1/sqrt(head_dim) for every Gemma 3 size but 27B, which it
-        # recognises by its layer count and scales by 1/sqrt(hidden/heads) instead.
-        cfg.query_pre_attn_scalar = float(hidden // num_heads if cfg.num_layers == 62 else head_dim)
-        cfg.final_logit_softcapping = gf.arch_key("final_logit_softcapping")
-        cfg.attn_logit_softcapping = gf.arch_key("attn_logit_softcapping")
-    _check_shapes(gf, cfg)
+    if fam.from_gguf is not None:
+        try:
+            fam.from_gguf(gf, cfg)
+        except (TypeError, ValueError) as exc:
+            raise ModelFormatError(f"{gf.path.name}: bad {arch} metadata ({exc})") from None
+    _check_shapes(gf, cfg, fam)
     return cfg
 
 
-def _check_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
+def _check_shapes(gf: GGUFFile, cfg: ModelConfig, fam: Family) -> None:
     """The metadata must agree with the tensors the file holds: the model is built from the
     metadata before any weight loads, so absurd values (a fuzzed or hostile header) would otherwise
     become absurd allocations. Tensor sizes are bounded by the file's size, so this bounds them."""
@@ -348,13 +337,16 @@ def _check_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
             raise fail(f"{field_name} is {getattr(cfg, field_name)}")
     if cfg.num_heads % cfg.num_kv_heads:
         raise fail(f"{cfg.num_heads} attention heads do not divide into {cfg.num_kv_heads} KV heads")
-    expected = {
-        "token_embd.weight": (cfg.vocab_size, cfg.hidden_size),
-        "blk.0.attn_q.weight": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-        "blk.0.attn_k.weight": (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
-        "blk.0.ffn_up.weight": (cfg.intermediate_size, cfg.hidden_size),
-        f"blk.{cfg.num_layers - 1}.attn_q.weight": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-    }
+    q, kv, last = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_layers - 1
+    expected = {"token_embd.weight": (cfg.vocab_size, cfg.hidden_size)}
+    if fam.fused_projections:
+        expected.update({"blk.0.attn_qkv.weight": (q + 2 * kv, cfg.hidden_size),
+                         "blk.0.ffn_up.weight": (2 * cfg.intermediate_size, cfg.hidden_size),
+                         f"blk.{last}.attn_qkv.weight": (q + 2 * kv, cfg.hidden_size)})
+    else:
+        expected.update({"blk.0.attn_q.weight": (q, cfg.hidden_size), "blk.0.attn_k.weight": (kv, cfg.hidden_size),
+                         "blk.0.ffn_up.weight": (cfg.intermediate_size, cfg.hidden_size),
+                         f"blk.{last}.attn_q.weight": (q, cfg.hidden_size)})
     for name, shape in expected.items():
         info = gf.tensors.get(name)
         if info is None:
@@ -408,6 +400,10 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
+# Tensors the family's config reader takes (LongRoPE's factors), not weights.
+CONFIG_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
+
+
 def hf_name(gguf_name: str, arch: str) -> Optional[str]:
     """Hugging Face parameter name of a GGUF tensor, or None for tensors the model does not use."""
     if gguf_name in _GLOBAL_NAMES:
@@ -416,9 +412,14 @@ def hf_name(gguf_name: str, arch: str) -> Optional[str]:
     if not m:
         return None
     layer, part, kind = m.groups()
+    fam = FAMILIES.get(arch)
     if part == "ffn_norm":
-        # llama/qwen2 call the pre-MLP norm post_attention_layernorm; gemma3 has both.
-        target = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
+        # The pre-MLP norm: llama's post_attention_layernorm; Gemma's has that name for another.
+        target = "pre_feedforward_layernorm" if fam is not None and fam.block.post_norms else "post_attention_layernorm"
+    elif part == "attn_qkv":
+        target = "self_attn.qkv_proj"
+    elif part == "ffn_up" and fam is not None and fam.fused_projections:
+        target = "mlp.gate_up_proj"  # Phi-3: gate rows, then up rows
     else:
         target = _LAYER_NAMES.get(part)
         if target is None:
@@ -447,9 +448,12 @@ def iter_gguf_weights(
     from tessera.layers.weights import FLOAT_TYPES
 
     arch = config.architecture
+    fam = family(arch)
     jobs = []
     for name in gf.tensors:
         target = hf_name(name, arch)
+        if target is None and name in CONFIG_TENSORS:
+            continue
         if target is None:
             logger.warning("ignoring tensor %s in %s (not used by the %s model)", name, gf.path.name, arch)
             continue
@@ -459,7 +463,7 @@ def iter_gguf_weights(
         name, target = job
         info = gf.tensors[name]
         qk_heads = None
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if fam.gguf_permuted_qk and (".attn_q." in name or ".attn_k." in name):
             qk_heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
         if len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES:
             w = gf.raw_weight(name)
@@ -469,8 +473,8 @@ def iter_gguf_weights(
         w = gf.dequantize(name)
         if qk_heads is not None:
             w = _unpermute_qk(w, qk_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF keeps w
+        if fam.block.norm_offset and name.endswith("norm.weight"):
+            w = w - fam.block.norm_offset  # llama.cpp stores Gemma's (1 + w) norm scale; HF keeps w
         return target, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
     workers = max(1, num_threads or torch.get_num_threads())

@@ -20,7 +20,7 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.attention import get_backend
-from tessera.errors import ModelFormatError, TesseraError
+from tessera.errors import TesseraError
 from tessera.hostinfo import available_memory, map_large_allocations, release_free_memory
 from tessera.layers.quantization import QUANTIZATION_MODES, QuantConfig, QuantizationMode, resolve_dense_copy
 from tessera.models.dtype import linear_param_count, resolve_dtype
@@ -42,16 +42,15 @@ class LoadedModel:
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
+    """BERT encoders have their own network; every decoder family runs the shared decoder."""
     from tessera.models.bert import BertModel
-    from tessera.models.gemma3 import Gemma3ForCausalLM
-    from tessera.models.llama import LlamaForCausalLM
+    from tessera.models.decoder import DecoderForCausalLM
+    from tessera.models.families import ENCODERS, family
 
-    classes = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM, "bert": BertModel}
-    if config.architecture not in classes:
-        raise ModelFormatError(
-            f"architecture {config.architecture!r} is not supported; Tessera runs {', '.join(classes)} models"
-        )
-    return classes[config.architecture]
+    if config.architecture in ENCODERS:
+        return BertModel
+    family(config.architecture)  # an unknown one: the error lists the supported families
+    return DecoderForCausalLM
 
 
 def load_model(

@@ -14,12 +14,11 @@ from safetensors import SafetensorError, safe_open
 
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
+from tessera.models.families import family_for_hf
 
 if TYPE_CHECKING:
     import torch
 
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3",
-                "bert": "bert"}
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 
 
@@ -34,7 +33,8 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
-    """Network shape from an HF config.json dict."""
+    """Network shape from an HF config.json dict: the fields every decoder has, then the family's
+    own (tessera/models/families)."""
     model_type = hf.get("model_type", "")
     if model_type == "gemma3" and "text_config" in hf:  # multimodal wrapper: the text part is what we run
         text = dict(hf["text_config"])
@@ -43,75 +43,76 @@ def config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
             text.setdefault(key, hf.get(key))
         hf = {**text, "model_type": "gemma3_text"}
         model_type = "gemma3_text"
-    arch = _MODEL_TYPES.get(model_type)
-    if arch is None:
-        raise ModelFormatError(
-            f"model type {model_type or '(none)'!r} is not supported; Tessera runs llama, qwen2 and gemma3 models "
-            "and BERT encoders"
-        )
+    if model_type == "bert":
+        return _bert_config(hf, name)
+    fam = family_for_hf(model_type)
     try:
-        hidden = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        eos = hf.get("eos_token_id")
-        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        rope_params = hf.get("rope_parameters") or {}
-        if "full_attention" in rope_params:  # per-layer-type form (gemma3 in transformers 5)
-            local = rope_params.get("sliding_attention", {})
-            rope_params = rope_params["full_attention"]
-        else:
-            local = {}
-        theta = hf.get("rope_theta") or rope_params.get("rope_theta") or (10000.0 if arch != "gemma3" else 1e6)
-        scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-            if (scaling.get("rope_type") or scaling.get("type")) == "default":
-                scaling = None
-        cfg = ModelConfig(
-            architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch == "gemma3")),
-            attention_bias=arch == "qwen2",  # qwen2 always has a QKV bias; llama biases are refused below
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=name,
-            quantization=str(hf.get("torch_dtype") or hf.get("dtype") or ""),
-        )
+        cfg = _common_config(hf, fam.name, fam.tied_by_default, name)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFormatError(f"config.json lacks or has a bad value for {exc}; the model folder is incomplete") from None
+    if fam.from_hf is not None:
+        try:
+            fam.from_hf(hf, cfg)
+        except (TypeError, ValueError) as exc:
+            raise ModelFormatError(f"config.json of a {fam.name} model has a bad value ({exc})") from None
     cfg.matryoshka = bool(hf.get("is_matryoshka") or hf.get("matryoshka_dimensions"))
-    if arch == "bert":
-        if hf.get("position_embedding_type", "absolute") != "absolute":
-            raise ModelFormatError("BERT models with relative position embeddings are not supported")
-        cfg.is_causal = False
+    return cfg
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """RoPE base and scaling, from the older top-level keys or transformers 5's rope_parameters (of
+    the full-attention layers where they are given per layer type)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        params = params["full_attention"]
+    theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if (scaling.get("rope_type") or scaling.get("type")) == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def _common_config(hf: dict[str, Any], arch: str, tied_by_default: bool, name: str) -> ModelConfig:
+    hidden = int(hf["hidden_size"])
+    num_heads = int(hf["num_attention_heads"])
+    eos = hf.get("eos_token_id")
+    theta, scaling = _rope(hf)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", tied_by_default)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
+        name=name,
+        quantization=str(hf.get("torch_dtype") or hf.get("dtype") or ""),
+    )
+
+
+def _bert_config(hf: dict[str, Any], name: str) -> ModelConfig:
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelFormatError("BERT models with relative position embeddings are not supported")
+    try:
+        cfg = _common_config(hf, "bert", False, name)
         cfg.type_vocab_size = int(hf.get("type_vocab_size", 2))
         cfg.layer_norm_eps = float(hf.get("layer_norm_eps", 1e-12))
-        cfg.hidden_act = str(hf.get("hidden_act", "gelu"))
         cfg.max_position_embeddings = int(hf.get("max_position_embeddings", 512))
-    if arch == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise ModelFormatError("llama models with attention or MLP biases are not supported")
-    if arch == "qwen2" and hf.get("use_sliding_window"):
-        raise ModelFormatError("qwen2 models with sliding-window attention are not supported")
-    if arch == "gemma3":
-        cfg.sliding_window = hf.get("sliding_window")
-        layer_types = hf.get("layer_types")
-        if layer_types and "full_attention" in layer_types:
-            cfg.sliding_window_pattern = layer_types.index("full_attention") + 1
-        else:
-            cfg.sliding_window_pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
-        cfg.rope_local_base_freq = float(hf.get("rope_local_base_freq") or local.get("rope_theta") or 10000.0)
-        cfg.query_pre_attn_scalar = float(hf.get("query_pre_attn_scalar") or cfg.head_dim)
-        cfg.final_logit_softcapping = hf.get("final_logit_softcapping")
-        cfg.attn_logit_softcapping = hf.get("attn_logit_softcapping")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFormatError(f"config.json lacks or has a bad value for {exc}; the model folder is incomplete") from None
+    cfg.is_causal = False
+    cfg.hidden_act = str(hf.get("hidden_act", "gelu"))
+    cfg.matryoshka = bool(hf.get("is_matryoshka") or hf.get("matryoshka_dimensions"))
     return cfg
 
 

@@ -273,3 +273,19 @@ def test_hermes_auto_holds_a_fenced_pretty_object_to_the_tools():
     assert not accepts(auto, call.replace("get_weather", "echo"))
     parsed = run(settings_, [call])
     assert [c[0] for c in parsed["calls"]] == ["get_weather"]
+
+
+def test_parsers_are_detected_from_the_chat_template():
+    """Qwen3's template (its enable_thinking switch, <tool_call> examples) gets the qwen3 reasoning
+    parser and hermes; a template that opens <think> itself gets deepseek_r1; a plain one neither;
+    an explicit "none" keeps the think block in the content."""
+    qwen3 = ("{% if tools %}<tool_call>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+    r1 = "{% for m in messages %}{{ m.content }}{% endfor %}<|Assistant|><think>\n"
+    got = OutputParsing().resolved(qwen3)
+    assert (got.reasoning_parser, got.tool_call_parser, got.reasoning.name) == ("qwen3", "hermes", "qwen3")
+    assert OutputParsing().resolved(r1).reasoning_parser == "deepseek_r1"
+    assert OutputParsing().resolved("{{ messages[0].content }}").reasoning is None
+    off = OutputParsing(reasoning_parser="none").resolved(qwen3)
+    assert off.reasoning_parser == "none" and off.reasoning is None
+    assert OutputParsing(reasoning_parser="qwen3", chat_template=qwen3).resolved(None).reasoning_parser == "qwen3"

@@ -7,12 +7,15 @@ and on their device, and the plan holds their addresses.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from torch import Tensor
 
 from tessera.attention.base import AttentionMetadata
 from tessera.models.base import ExecutionPath, FusedDecodeStep, ModelBase
+
+logger = logging.getLogger(__name__)
 
 
 class ModelExecutor:
@@ -26,6 +29,13 @@ class ModelExecutor:
         wants_c = ExecutionPath.C_DECODE in offered and not enforce_eager
         # None: not offered, turned off, or no kernel for some part of this model on this host.
         self.c_decode: Optional[FusedDecodeStep] = model.plan_fused_decode() if wants_c else None
+        limits = model.decode_step_limits()
+        if limits and not enforce_eager:
+            logger.info("decode steps run through the modules: the one-call C step cannot express %s",
+                        ", ".join(limits))
+        elif wants_c and self.c_decode is None:
+            logger.info("decode steps run through the modules: the one-call C step has no kernel here for "
+                        "this model's weights, dtype or host")
 
     @property
     def paths(self) -> frozenset[ExecutionPath]:

@@ -8,7 +8,8 @@ its family. One interface for every API (chat completions, Responses, Messages):
     parser.calls, parser.reasoning, parser.content
 
 Tool-call parsers carry vLLM's names (`--tool-call-parser`); without the flag the parser is
-detected from the chat template. Reasoning parsers (`--reasoning-parser`) are the think family.
+detected from the chat template. Reasoning parsers (`--reasoning-parser`) are the think family,
+detected the same way (`none` turns them off).
 """
 from __future__ import annotations
 
@@ -44,12 +45,28 @@ def detect_tool_parser(chat_template: Optional[str]) -> str:
     return DEFAULT_TOOL_PARSER
 
 
+NO_REASONING_PARSER = "none"
+
+
+def detect_reasoning_parser(chat_template: Optional[str]) -> str:
+    """The think-block reader a chat template's model needs: qwen3 for a template with Qwen3's
+    `enable_thinking` switch, deepseek_r1 for one that opens a think block itself (R1's
+    distills), none otherwise (llama.cpp server separates reasoning by default the same way)."""
+    template = chat_template or ""
+    if "enable_thinking" in template and "<think>" in template:
+        return "qwen3"
+    if "<think>" in template:
+        return "deepseek_r1"
+    return NO_REASONING_PARSER
+
+
 @dataclass(frozen=True)
 class OutputParsing:
     """How one served model's output is read, and the template its prompts are rendered with.
 
-    `tool_call_parser` None means "detect from the chat template" (`resolved` fills it in once
-    the template is known); `chat_template` is a template text that overrides the model's own.
+    `tool_call_parser` and `reasoning_parser` None mean "detect from the chat template" (`resolved`
+    fills them in once the template is known; reasoning "none" leaves a think block in the
+    content); `chat_template` is a template text that overrides the model's own.
     """
 
     tool_call_parser: Optional[str] = None
@@ -60,9 +77,9 @@ class OutputParsing:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
                               f"not {self.tool_call_parser!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
-                              f"not {self.reasoning_parser!r}")
+        if self.reasoning_parser not in (None, NO_REASONING_PARSER, *REASONING_PARSERS):
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} or "
+                              f"{NO_REASONING_PARSER}, not {self.reasoning_parser!r}")
         if self.chat_template is not None and not self.chat_template.strip():
             raise ConfigError("--chat-template must not be empty")
 
@@ -71,10 +88,11 @@ class OutputParsing:
         return self.chat_template or model_template
 
     def resolved(self, model_template: Optional[str]) -> "OutputParsing":
-        """These settings with the tool-call parser named (detected from the template if unset)."""
-        if self.tool_call_parser is not None:
-            return self
-        return replace(self, tool_call_parser=detect_tool_parser(self.template(model_template)))
+        """These settings with the tool-call and reasoning parsers named (detected from the template
+        where unset)."""
+        template = self.template(model_template)
+        return replace(self, tool_call_parser=self.tool_call_parser or detect_tool_parser(template),
+                       reasoning_parser=self.reasoning_parser or detect_reasoning_parser(template))
 
     @property
     def tool_parser(self) -> type[ToolParser]:
@@ -82,7 +100,7 @@ class OutputParsing:
 
     @property
     def reasoning(self) -> Optional[type[ThinkReasoningParser]]:
-        return REASONING_PARSERS[self.reasoning_parser] if self.reasoning_parser else None
+        return REASONING_PARSERS.get(self.reasoning_parser or NO_REASONING_PARSER)
 
 
 class ChainedParser:

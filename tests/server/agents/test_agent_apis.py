@@ -571,12 +571,13 @@ THINKER = "tiny-thinker"
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory) -> Iterator[str]:
     """A server whose model's output is read by the qwen3 reasoning parser under THINK_TEMPLATE
-    (the --reasoning-parser and --chat-template flags land in the model's OutputParsing). The
+    (the --chat-template flag lands in the model's OutputParsing; the parser is detected from the
+    template's enable_thinking switch, as for Qwen3's own). The
     random model never writes </think>: with thinking on its whole output is reasoning, with it
     off its whole output is the answer."""
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny-thinker") / "llama", max_positions=1024)
     engine = tiny_engine(folder)
-    parsing = OutputParsing(reasoning_parser="qwen3", chat_template=THINK_TEMPLATE)
+    parsing = OutputParsing(chat_template=THINK_TEMPLATE)
     spec = ModelSpec(THINKER, str(folder), parsing=parsing)
     try:
         with serve_in_thread(create_app(router=ModelRouter([ServedModel(spec, engine)]))) as url:

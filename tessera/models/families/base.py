@@ -1,0 +1,135 @@
+"""What a decoder family is: how its layers differ from the shared blocks, and where its file says so.
+
+Every decoder Tessera runs is one network (tessera/models/decoder.py): token embedding, layers of
+attention and a gated MLP around a residual stream, a final norm and the LM head. Families differ
+in a handful of choices, written here as data: where the norms sit, whether queries and keys are
+normalised, the activation, RoPE's form, multipliers and soft-caps. A family is then a short file:
+its `Block`, and two small readers for the values its Hugging Face config.json and its GGUF
+metadata hold beyond the common ones. The fast paths (the C decode step, the int8-activation
+projections, the C attention kernels) are chosen per loaded model from the same data, so every
+family they can express takes them.
+
+Nothing here imports torch: the API process of a server reads configs without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional, Protocol
+
+from tessera.config import ModelConfig
+from tessera.errors import ModelFormatError
+
+
+class GGUFMetadata(Protocol):
+    """The part of an open GGUF file a family reads (tessera/models/gguf_loader.GGUFFile)."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]
+
+    def arch_key(self, key: str, default: Any = None) -> Any: ...
+
+    def dequantize(self, name: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Block:
+    """A decoder layer's shape, as differences from llama's: RMSNorm before attention and before the
+    MLP (the residual add folded into the next norm), no q/k norm, SwiGLU, RoPE on every head
+    dimension of every layer."""
+
+    # Norm scales are stored as w of (1 + w) (Gemma): the offset is added at load.
+    norm_offset: float = 0.0
+    # A norm on each sublayer's input (all but OLMo 2).
+    pre_norms: bool = True
+    # A norm on each sublayer's output, before the residual add (Gemma 2 and 3, OLMo 2).
+    post_norms: bool = False
+    # "head": RMSNorm over each query and key head (Qwen3, Gemma 3); "proj": over the whole query
+    # and key projections (OLMo 2).
+    qk_norm: Optional[Literal["head", "proj"]] = None
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    # Embeddings times sqrt(hidden size), rounded to the compute dtype (Gemma).
+    embed_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.pre_norms or self.post_norms):
+            raise ValueError("a block needs norms before or after its sublayers")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder family: its block and how its files describe it."""
+
+    name: str  # llama.cpp's general.architecture, also the ModelConfig's architecture
+    hf_model_types: tuple[str, ...]  # config.json's model_type values it reads
+    block: Block = field(default_factory=Block)
+    # Reads the family's own config.json fields into the config, and refuses what it cannot run.
+    from_hf: Optional[Callable[[dict[str, Any], ModelConfig], None]] = None
+    # The same from a GGUF file's metadata (llama.cpp's keys).
+    from_gguf: Optional[Callable[[GGUFMetadata, ModelConfig], None]] = None
+    # llama.cpp's converter permutes Q and K rows for families it runs with "normal" (interleaved)
+    # RoPE (llama and its kin); the loader undoes it.
+    gguf_permuted_qk: bool = False
+    # The checkpoint fuses Q/K/V into `qkv_proj` and gate/up into `gate_up_proj` (Phi-3), as its GGUF
+    # does (`attn_qkv`, and `ffn_up` holding gate then up).
+    fused_projections: bool = False
+    # Whether the LM head is the embedding table when config.json does not say (Gemma's default).
+    tied_by_default: bool = False
+    # How it differs from llama's block, for `tessera models` and docs/models.md.
+    summary: str = ""
+    # Whether its decode steps take the one-call C step where the block alone does not say (its
+    # configs do: multipliers, NoPE layers, partial rotary); "" where the block decides.
+    decode_step_note: str = ""
+
+    def decode_step(self) -> str:
+        """Whether decode steps take the one-call C step (AVX512-BF16 hosts), for `tessera models`."""
+        limits = block_decode_limits(self.block)
+        return f"no: {', '.join(limits)}" if limits else (self.decode_step_note or "yes")
+
+
+def block_decode_limits(block: Block) -> list[str]:
+    """What of a block the one-call C decode step (models/fused_decode.py) cannot express: it runs
+    llama's layer, norms before the sublayers and nothing else."""
+    checks = [
+        (block.post_norms or not block.pre_norms, "norms after the sublayers"),
+        (block.qk_norm is not None, "q/k norms"),
+        (block.activation != "silu", f"{block.activation} activation"),
+        (block.embed_scale, "scaled embeddings"),
+    ]
+    return [why for blocked, why in checks if blocked]
+
+
+def need(hf: dict[str, Any], key: str, family: str) -> Any:
+    """A config.json field the family cannot run without: a clear error, not a guessed default."""
+    if hf.get(key) is None:
+        raise ModelFormatError(f"config.json of a {family} model lacks {key!r}; the folder is incomplete")
+    return hf[key]
+
+
+def need_gguf(gf: GGUFMetadata, key: str, family: str) -> Any:
+    value = gf.arch_key(key)
+    if value is None:
+        raise ModelFormatError(f"GGUF metadata key {family}.{key} is missing; the file is incomplete")
+    return value
+
+
+def hf_layer_types(hf: dict[str, Any], cfg: ModelConfig) -> None:
+    """config.json's per-layer `layer_types` (sliding_attention / full_attention) with its window."""
+    layer_types = hf.get("layer_types")
+    window = hf.get("sliding_window")
+    if layer_types and "sliding_attention" in layer_types:
+        if not window:
+            raise ModelFormatError("config.json lists sliding_attention layers but no sliding_window")
+        cfg.sliding_window = int(window)
+        cfg.sliding_layers = [t == "sliding_attention" for t in layer_types]
+
+
+def refuse_biases(hf: dict[str, Any], family: str) -> None:
+    """llama-style `attention_bias` (Q, K, V *and* output) and `mlp_bias` are not run."""
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ModelFormatError(f"{family} models with attention or MLP biases are not supported")
+
+
+def refuse_sliding(hf: dict[str, Any], family: str) -> None:
+    """Qwen-style `use_sliding_window` (off in every released checkpoint) is not run."""
+    if hf.get("use_sliding_window"):
+        raise ModelFormatError(f"{family} models with use_sliding_window are not supported")

@@ -1,0 +1,22 @@
+"""Llama (1, 2, 3 with its RoPE scaling) and Mistral: the shared block itself."""
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.config import ModelConfig
+from tessera.models.families.base import Family, refuse_biases
+
+
+def _from_hf(hf: dict[str, Any], cfg: ModelConfig) -> None:
+    refuse_biases(hf, "llama")
+    window = hf.get("sliding_window")  # Mistral 7B v0.1: every layer sees the last 4,096 tokens
+    if hf.get("model_type") == "mistral" and window and int(window) < cfg.max_position_embeddings:
+        cfg.sliding_window = int(window)
+        cfg.sliding_layers = [True] * cfg.num_layers
+
+
+FAMILY = Family(
+    name="llama", hf_model_types=("llama", "mistral"), from_hf=_from_hf, gguf_permuted_qk=True,
+    decode_step_note="yes, but not with a sliding window (Mistral 7B v0.1)",
+    summary="pre-norm RMSNorm, SwiGLU, RoPE (llama3, linear and yarn scaling)",
+)
