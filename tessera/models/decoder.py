@@ -128,8 +128,8 @@ class DecoderLayer(nn.Module):
                           (getattr(self, "pre_feedforward_layernorm", None), self.post_feedforward_layernorm))
 
     def sublayer(self, x: Tensor, residual: Optional[Tensor], norms: tuple[Optional[RMSNorm], Optional[RMSNorm]],
-                 fn: Callable[[Tensor], Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-        """One sublayer around the stream, which is `x` (+ `residual` when one is pending).
+                 fn: Callable[..., Tensor], *args) -> tuple[Tensor, Optional[Tensor]]:
+        """One sublayer `fn(h, *args)` around the stream, which is `x` (+ `residual` when one is pending).
 
         Norm before only (llama): the add is left pending and folded into the next norm's call,
         which returns the new residual; the result is (the sublayer's output, the residual).
@@ -138,10 +138,10 @@ class DecoderLayer(nn.Module):
         m = self.residual_multiplier
         if norm_out is None:
             h, residual = (norm_in(x), x) if residual is None else norm_in(x, residual)
-            y = fn(h)
+            y = fn(h, *args)
             return (y if m == 1.0 else y * m), residual
         stream = x if residual is None else x + residual
-        y = norm_out(fn(stream if norm_in is None else norm_in(stream)))
+        y = norm_out(fn(stream if norm_in is None else norm_in(stream), *args))
         return stream + (y if m == 1.0 else y * m), None
 
 
@@ -216,8 +216,7 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         for i in (range(len(self.model.layers)) if layers is None else layers):
             layer, cache, meta = self.model.layers[i], kv_caches[i], attn_meta.for_layer(i)
             rope, rotary = tables[layer.rope], self.rotary_local if layer.rope == LOCAL else self.rotary_emb
-            x, residual = layer.sublayer(x, residual, layer.attn_norms,
-                                         lambda h: layer.self_attn(h, rope, cache, meta, rotary))
+            x, residual = layer.sublayer(x, residual, layer.attn_norms, layer.self_attn, rope, cache, meta, rotary)
             x, residual = layer.sublayer(x, residual, layer.mlp_norms, layer.mlp)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 

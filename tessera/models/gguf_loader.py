@@ -260,10 +260,10 @@ def config_from_gguf(gf: GGUFFile, name: str = "") -> ModelConfig:
     """Network shape from GGUF metadata (llama.cpp key names): the keys every decoder has, then
     the family's own (tessera/models/families)."""
     arch = gf.architecture
-    if arch not in FAMILIES:
-        raise ModelFormatError(f"{gf.path.name}: architecture {arch or '(none)'!r} is not supported; "
-                               f"Tessera runs {', '.join(FAMILIES)} models from GGUF files")
-    fam = family(arch)
+    try:
+        fam = family(arch)
+    except ModelFormatError as exc:
+        raise ModelFormatError(f"{gf.path.name}: {exc}") from None
 
     def need(key: str) -> Any:
         value = gf.arch_key(key)
