@@ -18,6 +18,42 @@ from tessera.pooling_params import POOLING_TYPES, PoolerConfig
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts feed-forward block: a router scores every expert for each token, the
+    `top_k` best run and their outputs are summed with the routing weights. The families differ
+    only in the values below (tessera/models/families: qwen3moe, mixtral, gpt-oss)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    expert_ffn: int  # each expert's intermediate size
+    # Routing weights: the softmax over the chosen experts' logits (Mixtral, gpt-oss, Qwen3-MoE
+    # with norm_topk_prob) or the softmax over all experts, taken at the chosen ones (Qwen3-MoE
+    # without it).
+    renormalize: bool = True
+    router_bias: bool = False  # gpt-oss
+    expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
+    # The experts' activation: SwiGLU, or gpt-oss's clamped variant
+    # (up.clamp(+-limit) + 1) * gate.clamp(max=limit) * sigmoid(alpha * gate).
+    activation: Literal["silu", "swiglu_clamped"] = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    # Per layer, False = a dense MLP of the model's intermediate_size instead (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step); None: every layer is sparse.
+    sparse_layers: Optional[list[bool]] = None
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"{self.top_k} experts per token out of {self.num_experts}")
+        if self.expert_ffn < 1:
+            raise ConfigError(f"expert intermediate size {self.expert_ffn}")
+        if self.activation not in ("silu", "swiglu_clamped"):
+            raise ConfigError(f"unknown expert activation {self.activation!r}")
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers is None or self.sparse_layers[layer]
+
+
+@dataclass
 class ModelConfig:
     """Shape of a transformer (a decoder, or a BERT encoder), independent of file format."""
 
@@ -52,6 +88,9 @@ class ModelConfig:
     logits_scaling: float = 1.0  # logits divided by it (Granite)
     rotary_dim: Optional[int] = None  # dimensions of each head RoPE rotates (partial rotary); None: all
     nope_layers: list[int] = field(default_factory=list)  # layers without RoPE (SmolLM3)
+    attention_output_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
+    moe: Optional[MoEConfig] = None  # mixture-of-experts feed-forward blocks; None: dense MLPs
     # bert (encoders) only: bidirectional attention over the whole input, absolute positions
     is_causal: bool = True
     type_vocab_size: int = 0

@@ -100,7 +100,8 @@ def checkpoint_tensors(path: Path) -> tuple[ModelConfig, list[tuple[str, tuple[i
         from tessera.models.safetensors_loader import config_from_hf, read_hf_config, safetensors_shapes
 
         config = config_from_hf(read_hf_config(path), name=path.name)
-        return config, [(name, shape, None) for name, shape in safetensors_shapes(path)]
+        return config, [_mxfp4_blocks(name, shape) for name, shape in safetensors_shapes(path)
+                        if not name.endswith("_scales")]
     from tessera.layers.weights import FLOAT_TYPES
     from tessera.models.gguf_loader import config_from_gguf, hf_name, read_gguf
 
@@ -115,6 +116,17 @@ def checkpoint_tensors(path: Path) -> tuple[ModelConfig, list[tuple[str, tuple[i
         return config, tensors
     finally:
         gf.close()
+
+
+def _mxfp4_blocks(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], Optional[int]]:
+    """A safetensors tensor as the loader keeps it: gpt-oss's MXFP4 `*_blocks` [..., rows, K/32, 16]
+    (their `*_scales` counted in) as MXFP4 matrices of their rows, anything else a float tensor."""
+    from gguf import GGMLQuantizationType
+
+    if not name.endswith("_blocks") or len(shape) < 3:
+        return name, shape, None
+    rows = int(torch.Size(shape[:-2]).numel())
+    return name.removesuffix("_blocks") + ".weight", (rows, shape[-2] * 32), int(GGMLQuantizationType.MXFP4)
 
 
 @dataclass
@@ -134,9 +146,11 @@ def weight_storage(config: ModelConfig, tensors, quant) -> WeightStorage:
     for name, shape, ggml_type in tensors:
         if config.tie_word_embeddings and name.startswith("lm_head."):
             continue  # one table serves both
-        if len(shape) != 2:  # norms and biases: kept in the compute dtype
+        if len(shape) < 2 or name.endswith(("bias", "sinks")):  # norms, biases: in the compute dtype
             small += int(torch.Size(shape).numel()) * quant.dtype.itemsize
             continue
+        if len(shape) == 3:  # a stack of experts' matrices, [E, out, in]: their rows in turn
+            shape = (shape[0] * shape[1], shape[2])
         module, _, _ = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
         if leaf in PACKED_MODULES:

@@ -109,11 +109,15 @@ def tiny_hf_config(kind: str, wide: bool = False):
 # The families beyond llama, qwen2 and gemma3, each tiny with GQA and its own features switched on
 # (soft-caps that bite at these scales, LongRoPE past a short pretraining length, a NoPE layer).
 TINY_FAMILIES = ("qwen3", "gemma2", "phi3", "olmo2", "granite", "smollm3")
+# Mixture-of-experts families: 8 (4) experts, 2 per token; Qwen3-MoE with a dense layer between
+# sparse ones, gpt-oss with a SwiGLU clamp that bites at this scale (7.0 in the real model) and a
+# sliding window shorter than the prompts.
+TINY_MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
 def _family_config(kind: str, common: dict):
-    from transformers import (Gemma2Config, GraniteConfig, Olmo2Config, Phi3Config, Qwen3Config,
-                              SmolLM3Config)
+    from transformers import (Gemma2Config, GptOssConfig, GraniteConfig, MixtralConfig, Olmo2Config, Phi3Config,
+                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     if kind == "qwen3":  # head_dim 32 of a 64-wide model with 4 heads, as Qwen3-0.6B's 128 of 1,024 / 16
         return Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
@@ -139,6 +143,17 @@ def _family_config(kind: str, common: dict):
         return GraniteConfig(num_hidden_layers=2, num_key_value_heads=2, embedding_multiplier=3.0,
                              attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=0.5,
                              tie_word_embeddings=True, **common)
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=common["intermediate_size"] // 2,
+                              norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False, **common)
+    if kind == "mixtral":
+        return MixtralConfig(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                             tie_word_embeddings=False, **common)
+    if kind == "gpt_oss":
+        return GptOssConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.5, tie_word_embeddings=False,
+                            **{**common, "intermediate_size": common["hidden_size"]})
     if kind == "smollm3":  # 4 layers: the 4th has no RoPE
         return SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=1,
                              **common)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -21,7 +22,8 @@ _LAYER = {
 }
 # A mix of the block types the packaged models use (K-quants have no Python quantizer).
 _QTYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q5_0, "attn_output": Q.Q4_1,
-           "ffn_gate": Q.Q8_0, "ffn_up": Q.F16, "ffn_down": Q.Q5_0, "token_embd": Q.Q8_0}
+           "ffn_gate": Q.Q8_0, "ffn_up": Q.F16, "ffn_down": Q.Q5_0, "token_embd": Q.Q8_0,
+           "ffn_gate_exps": Q.Q4_0, "ffn_up_exps": Q.Q8_0, "ffn_down_exps": Q.Q5_0}
 
 
 # What convert_hf_to_gguf.py does per family: permute Q/K rows (llama's interleaved RoPE), store
@@ -31,7 +33,52 @@ _GEMMA = {"gemma2", "gemma3"}
 _POST_NORMS = {"gemma2", "gemma3", "olmo2"}
 ARCH = {"llama": "llama", "llama3-rope": "llama", "llama-linear-rope": "llama", "qwen2": "qwen2",
         "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "olmo2": "olmo2",
-        "granite": "granite", "smollm3": "smollm3"}
+        "granite": "granite", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+        "gpt_oss": "gpt-oss"}
+_MOE_PARTS = {"mlp.gate": "ffn_gate_inp", "mlp.router": "ffn_gate_inp", "self_attn.sinks": "attn_sinks"}
+
+
+def _moe_tensors(hf: str, t: torch.Tensor, arch: str) -> list[tuple[str, np.ndarray]] | None:
+    """(GGUF name, array) of a mixture-of-experts parameter of transformers' in-memory model, as
+    convert_hf_to_gguf.py writes them (experts stacked [E, out, in], gpt-oss's interleaved gate/up
+    split and transposed), or None for any other parameter. See _moe_state for the way back."""
+    _, _, idx, rest = hf.split(".", 3)
+    a = t.detach().float().numpy()
+    if rest.startswith("mlp.experts."):
+        part = rest.removeprefix("mlp.experts.")
+        if arch == "gpt-oss":
+            if part == "gate_up_proj":  # [E, in, 2 out]
+                a = a.swapaxes(1, 2)
+                return [(f"blk.{idx}.ffn_gate_exps.weight", a[:, 0::2]), (f"blk.{idx}.ffn_up_exps.weight", a[:, 1::2])]
+            if part == "gate_up_proj_bias":
+                return [(f"blk.{idx}.ffn_gate_exps.bias", a[:, 0::2]), (f"blk.{idx}.ffn_up_exps.bias", a[:, 1::2])]
+            if part == "down_proj":
+                return [(f"blk.{idx}.ffn_down_exps.weight", a.swapaxes(1, 2))]
+            return [(f"blk.{idx}.ffn_down_exps.bias", a)]
+        if part == "gate_up_proj":  # [E, 2 out, in]: gate rows, then up rows
+            half = a.shape[1] // 2
+            return [(f"blk.{idx}.ffn_gate_exps.weight", a[:, :half]), (f"blk.{idx}.ffn_up_exps.weight", a[:, half:])]
+        return [(f"blk.{idx}.ffn_down_exps.weight", a)]
+    part, _, kind = rest.rpartition(".")
+    if rest == "self_attn.sinks":
+        return [(f"blk.{idx}.attn_sinks.weight", a)]
+    if part in _MOE_PARTS:
+        return [(f"blk.{idx}.{_MOE_PARTS[part]}.{kind}", a)]
+    return None
+
+
+def _moe_state(hf: str, used: list[np.ndarray], arch: str) -> np.ndarray:
+    """The in-memory parameter back from what the file holds (inverse of _moe_tensors)."""
+    rest = hf.split(".", 3)[3]
+    if arch == "gpt-oss" and rest.startswith("mlp.experts.gate_up_proj"):
+        gate, up = used
+        both = np.empty(gate.shape[:-1] + (2 * gate.shape[-1],) if gate.ndim == 2 else
+                        (gate.shape[0], 2 * gate.shape[1], gate.shape[2]), dtype=np.float32)
+        both[:, 0::2], both[:, 1::2] = gate, up
+        return both if gate.ndim == 2 else both.swapaxes(1, 2)
+    if arch == "gpt-oss" and rest == "mlp.experts.down_proj":
+        return used[0].swapaxes(1, 2)
+    return np.concatenate(used, axis=1) if len(used) == 2 else used[0]
 
 
 def _gguf_name(hf: str, arch: str) -> str:
@@ -43,6 +90,8 @@ def _gguf_name(hf: str, arch: str) -> str:
         return "output.weight"
     _, _, idx, rest = hf.split(".", 3)
     part, kind = rest.rsplit(".", 1)
+    if arch == "gpt-oss" and part == "post_attention_layernorm":  # its llama.cpp name
+        return f"blk.{idx}.post_attention_norm.{kind}"
     if arch not in _POST_NORMS and part == "post_attention_layernorm":
         return f"blk.{idx}.ffn_norm.{kind}"
     fused = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
@@ -125,6 +174,13 @@ def _add_metadata(w: GGUFWriter, cfg, arch: str) -> None:
                                    // cfg.num_attention_heads)
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_sliding_window(cfg.sliding_window or 0)
+    elif arch == "gpt-oss":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     elif arch == "granite":
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -132,6 +188,12 @@ def _add_metadata(w: GGUFWriter, cfg, arch: str) -> None:
         w.add_logit_scale(cfg.logits_scaling)
     else:
         w.add_rope_dimension_count(head_dim)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":  # Mixtral's expert size is its feed_forward_length
+            w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
 
 
 def _add_longrope(w: GGUFWriter, cfg) -> None:
@@ -167,6 +229,11 @@ def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized:
     state = {}
     for hf_name, param in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        pieces = _moe_tensors(hf_name, param, arch) if "layers." in hf_name else None
+        if pieces is not None:
+            used = [_add(w, name, np.ascontiguousarray(data), qtypes if quantized else {}) for name, data in pieces]
+            state[hf_name] = torch.from_numpy(np.ascontiguousarray(_moe_state(hf_name, used, arch)))
             continue
         name = _gguf_name(hf_name, arch)
         data = param.detach().float().numpy().copy()
@@ -205,3 +272,17 @@ def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized:
         for layer in model.model.layers:
             layer.self_attn.scaling = cfg.head_dim ** -0.5
     return path, model
+
+
+def _add(w: GGUFWriter, name: str, data: np.ndarray, qtypes: dict) -> np.ndarray:
+    """Write one tensor of the experts (a stack quantized as its rows, as llama-quantize does);
+    return the values the file holds."""
+    qtype = qtypes.get(name.split(".")[-2], Q.F32) if data.ndim >= 2 else Q.F32
+    if qtype == Q.F32:
+        w.add_tensor(name, data.astype(np.float32))
+        return data.astype(np.float32)
+    rows = data.reshape(-1, data.shape[-1])
+    stored = quantize_q4_k(rows) if qtype == Q.Q4_K else quantize(rows, qtype)
+    w.add_tensor(name, stored.reshape(*data.shape[:-1], -1), raw_shape=stored.reshape(*data.shape[:-1], -1).shape,
+                 raw_dtype=qtype)
+    return dequantize(stored, qtype).reshape(data.shape)

@@ -32,6 +32,7 @@ from tessera.engine.spec_decode import (
 from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
 from tessera.engine.worker.sampler import Sampler
 from tessera.engine.core.structured_output import StructuredOutputManager
+from tessera.errors import TesseraError
 from tessera.hostinfo import available_memory, cpu_model_name, source_digest
 from tessera.kernels import KernelUnavailable
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -99,6 +100,8 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
     if loaded is None:
+        if device.type == "cpu":
+            _refuse_what_cannot_fit(config)
         loaded = load_model(resolve_model(config.model), **_load_options(config, config.quantization))
     if device.type != "cpu":
         loaded.model.to(device)
@@ -167,6 +170,28 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                        inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=offload,
                        proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
                        kv_tokens_per_gib=tokens_per_gib)
+
+
+def _refuse_what_cannot_fit(config: EngineConfig) -> None:
+    """Refuse, before reading any weight, a model whose weights as they will be stored, one
+    sequence's KV cache at max_model_len (or --kv-cache-memory) and the largest step's activations
+    exceed the memory available: loading a 13 GB mixture of experts into 10 GB would otherwise
+    end in the kernel's OOM killer, minutes later and without a word (tessera/sizing.py's figures)."""
+    from tessera.sizing import estimate
+
+    try:
+        e = estimate(config, engine_process=False)
+    except (TesseraError, InvalidRequestError, ValueError, OSError) as exc:  # the loader reports bad files itself
+        logger.debug("no memory check before loading: %s", exc)
+        return
+    kv = config.kv_cache_memory if config.kv_cache_memory is not None else int(e.kv_bytes_per_token * e.max_model_len)
+    need, free = e.weights_bytes + kv + e.activation_bytes, available_memory()
+    if need > free:
+        raise InvalidRequestError(
+            f"{e.model} needs {need / 2**30:.1f} GiB ({e.weights_bytes / 2**30:.1f} GiB of weights as stored, "
+            f"{kv / 2**30:.2f} GiB of KV cache for one sequence of {e.max_model_len} tokens, "
+            f"{e.activation_bytes / 2**30:.2f} GiB of activations) but {free / 2**30:.1f} GiB is available; "
+            "a smaller --quantization, --max-model-len or another model would fit (`tessera size` shows the terms)")
 
 
 def _kv_cache_memory(config: EngineConfig, loaded, groups: KVCacheGroups, bytes_per_block: int,

@@ -1,4 +1,5 @@
-"""The gated MLP of llama-family and Gemma decoders: down(act(gate(x)) * up(x)), gate and up fused."""
+"""The gated MLP of llama-family and Gemma decoders, down(act(gate(x)) * up(x)) with gate and up
+fused, which is also each expert of a mixture-of-experts block (layers/moe.py)."""
 from __future__ import annotations
 
 from typing import Literal, Optional
@@ -12,19 +13,26 @@ from tessera.layers.linear import Linear
 from tessera.layers.quantization import QuantConfig
 
 
+Activation = Literal["silu", "gelu_tanh", "swiglu_clamped"]
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig,
-                 activation: Literal["silu", "gelu_tanh"], prefix: str):
+    """`swiglu_clamped` is gpt-oss's: (up.clamp(+-limit) + 1) * g * sigmoid(alpha * g) with
+    g = gate.clamp(max=limit); `bias`: biases on both projections (gpt-oss's experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig, activation: Activation,
+                 prefix: str, bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
         super().__init__()
-        if activation not in ("silu", "gelu_tanh"):
+        if activation not in ("silu", "gelu_tanh", "swiglu_clamped"):
             raise ValueError(f"unknown activation {activation!r}")
         self.activation = activation
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, quant, shard_names=["gate", "up"],
+        self.limit, self.alpha = swiglu_limit, swiglu_alpha
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, quant, bias=bias, shard_names=["gate", "up"],
                                    prefix=prefix + ".gate_up_proj")
         # The product act(gate) * up carries the block's outlier channels: rounded to int8 per group
         # of 32 (int4 weights' int8-activation kernel) it cost SmolLM2-135M +1.2 % perplexity alone,
         # the other projections together +0.6 % (docs/models.md, "int8 activations").
-        self.down_proj = Linear(intermediate_size, hidden_size, quant, prefix=prefix + ".down_proj",
+        self.down_proj = Linear(intermediate_size, hidden_size, quant, bias=bias, prefix=prefix + ".down_proj",
                                 int8_inputs=False)
         # SiLU x up in one C pass (kernels.silu_mul) where the AVX512-BF16 kernels run; decided on
         # the first bfloat16 call. Two PyTorch passes took ~70 ms of a 1 s SmolLM2 prefill step.
@@ -38,5 +46,8 @@ class GatedMLP(nn.Module):
             if self._c_silu:
                 return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "swiglu_clamped":
+            gate = gate.clamp(max=self.limit)
+            return self.down_proj(gate * torch.sigmoid(gate * self.alpha) * (up.clamp(-self.limit, self.limit) + 1))
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(act * up)

@@ -233,3 +233,18 @@ AnyWeight = Union[FloatWeight, GGUFWeight]
 
 def as_source(w: Union[torch.Tensor, AnyWeight]) -> AnyWeight:
     return FloatWeight(w) if isinstance(w, torch.Tensor) else w
+
+
+def mxfp4_from_blocks(blocks: np.ndarray, scales: np.ndarray) -> GGUFWeight:
+    """Hugging Face's MXFP4 tensors (gpt-oss's `*_blocks` uint8 [..., rows, K/32, 16] and
+    `*_scales` uint8 [..., rows, K/32], the OCP microscaling layout) as GGUF MXFP4 blocks over the
+    same values, leading dimensions stacked as rows. Both store a 32-value block as one E8M0
+    exponent and sixteen bytes of E2M1 codes; OCP pairs values 2j, 2j + 1 in byte j's low and
+    high nibbles, ggml pairs values j, j + 16 (what llama.cpp's converter rearranges too)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair")
+    codes = np.empty(blocks.shape[:-1] + (32,), dtype=np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = blocks & 0x0F, blocks >> 4
+    packed = np.concatenate([scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)], axis=-1)
+    rows, groups = int(np.prod(blocks.shape[:-2])), blocks.shape[-2]
+    return GGUFWeight(np.ascontiguousarray(packed.reshape(rows, groups * 17)), Q.MXFP4, (rows, groups * 32))

@@ -22,6 +22,7 @@ from tessera.attention.base import AttentionMetadata, KeyBias
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
+from tessera.layers.moe import SparseMoE
 from tessera.layers.weights import AnyWeight, GGUFWeight
 from tessera.models.base import ExecutionPath, ModelBase
 from tessera.models.families import Block, Family, family
@@ -44,7 +45,7 @@ class DecoderAttention(nn.Module):
         self.qk_norm_kind = block.qk_norm
         self.qkv_proj = Linear(c.hidden_size, [self.q_size, self.kv_size, self.kv_size], quant,
                                bias=c.attention_bias, shard_names=["q", "k", "v"], prefix=prefix + ".qkv_proj")
-        self.o_proj = Linear(self.q_size, c.hidden_size, quant, prefix=prefix + ".o_proj")
+        self.o_proj = Linear(self.q_size, c.hidden_size, quant, bias=c.attention_output_bias, prefix=prefix + ".o_proj")
         if block.qk_norm is not None:
             q_dim, k_dim = (c.head_dim, c.head_dim) if block.qk_norm == "head" else (self.q_size, self.kv_size)
             self.q_norm = RMSNorm(q_dim, c.rms_norm_eps, quant.dtype, block.norm_offset, prefix + ".q_norm")
@@ -53,6 +54,8 @@ class DecoderAttention(nn.Module):
                               softcap=c.attn_logit_softcapping or None)
         # Per-head norms: [Hq + Hkv, D], q_norm rows then k_norm rows (a buffer: it follows the model's device).
         self.register_buffer("qk_scale", None, persistent=False)
+        # gpt-oss's learned per-head sink logits, float32 [Hq] (loaded from `self_attn.sinks`).
+        self.register_buffer("sinks", torch.zeros(c.num_heads) if c.attention_sinks else None, persistent=False)
         # The key bias's outlier pairs for an int8 cache (attention/base.py's KeyBias), derived from
         # the loaded bias on first use (private: a model restored from the weight cache derives it too).
         self._key_bias: Optional[KeyBias | bool] = None
@@ -82,7 +85,9 @@ class DecoderAttention(nn.Module):
         if rope is not None:
             qk = apply_rope(qk, rope[0], rope[1], rotary.half)
         v = qkv[:, self.q_size + self.kv_size:].view(h.shape[0], nkv, d)
-        return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], v, cache, meta, self._bias_share(meta, rotary)))
+        out = self.attn(qk[:, :nq], qk[:, nq:], v, cache, meta, self._bias_share(meta, rotary),
+                        **({} if self.sinks is None else {"sinks": self.sinks}))
+        return self.o_proj(out)
 
     def _bias_share(self, meta: AttentionMetadata, rotary: RotaryEmbedding) -> Optional[KeyBias]:
         """The key bias an int8 cache keeps out of its rounding (Qwen2's), else None."""
@@ -102,7 +107,7 @@ class DecoderLayer(nn.Module):
     `pre_feedforward_layernorm` and `post_feedforward_layernorm`."""
 
     def __init__(self, c: ModelConfig, block: Block, quant: QuantConfig, prefix: str, window: Optional[int],
-                 rope: str):
+                 rope: str, sparse: bool):
         super().__init__()
         self.rope = rope
         self.residual_multiplier = c.residual_multiplier
@@ -111,7 +116,8 @@ class DecoderLayer(nn.Module):
             return RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, block.norm_offset, f"{prefix}.{name}")
 
         self.self_attn = DecoderAttention(c, block, quant, prefix + ".self_attn", window)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, quant, block.activation, prefix + ".mlp")
+        self.mlp: nn.Module = (SparseMoE(c.hidden_size, c.moe, quant, prefix + ".mlp") if sparse else
+                               GatedMLP(c.hidden_size, c.intermediate_size, quant, block.activation, prefix + ".mlp"))
         self.fused_residual = block.pre_norms and not block.post_norms
         if block.pre_norms:
             self.input_layernorm = norm("input_layernorm")
@@ -150,7 +156,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         windows = c.layer_windows()
         self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, quant, prefix="model.embed_tokens")
-        self.layers = nn.ModuleList(DecoderLayer(c, block, quant, f"model.layers.{i}", windows[i], ropes[i])
+        self.layers = nn.ModuleList(DecoderLayer(c, block, quant, f"model.layers.{i}", windows[i], ropes[i],
+                                                 c.moe is not None and c.moe.is_sparse(i))
                                     for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, block.norm_offset, prefix="model.norm")
 
@@ -195,7 +202,16 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         extra: dict = {}
         if self.family.fused_projections:
             weights = _split_fused(weights, self.config)
+        if self.config.moe is not None:
+            weights = _split_experts(weights, self.config)
         load_named_weights(self, weights, source, extra)
+        if self.config.attention_sinks:
+            for i, layer in enumerate(self.model.layers):
+                sinks = extra.get(f"model.layers.{i}.self_attn.sinks")
+                if sinks is None or tuple(sinks.shape) != (self.config.num_heads,):
+                    raise ModelFormatError(f"{source}: layer {i}'s attention sinks are missing or not "
+                                           f"[{self.config.num_heads}]")
+                layer.self_attn.sinks = as_float_tensor(sinks).float().contiguous()
         freqs = extra.get("rope_freqs")
         if freqs is not None:
             self.rotary_emb = self._rotary(self.config.rope_theta, self.config.rope_scaling, as_float_tensor(freqs))
@@ -246,6 +262,9 @@ class DecoderForCausalLM(nn.Module, ModelBase):
             (c.rotary_dim is not None and c.rotary_dim != c.head_dim, "partial rotary"),
             (any(w is not None for w in c.layer_windows()), "sliding-window layers"),
             (bool(c.attn_logit_softcapping), "attention soft-capping"),
+            (c.moe is not None, "mixture-of-experts layers"),
+            (c.attention_sinks, "attention sinks"),
+            (c.attention_output_bias, "an attention output bias"),
         ]
         return block_decode_limits(self.family.block) + [why for blocked, why in checks if blocked]
 
@@ -298,3 +317,70 @@ def _split_fused(weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
                                    f"({' + '.join(map(str, sizes))})")
         for part, piece in zip(names, _split_rows(w, sizes)):
             yield f"{layer}.{part}.{kind}", piece
+
+
+# Expert tensors as checkpoints lay them out, renamed to SparseMoE's `gate` and per-expert
+# `experts.N.{gate,up,down}_proj`: Mixtral's block_sparse_moe and w1/w3/w2, gpt-oss's `router`.
+_EXPERT_RENAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                   (".w2.", ".down_proj."), ("mlp.router.", "mlp.gate."))
+_MOE = re.compile(r"(model\.layers\.\d+\.)(block_sparse_moe|mlp)\.(.*)")
+# Stacked tensors, one row block per expert: GGUF's *_exps ([E, out, in] named here
+# mlp.experts.{gate,up,down}_proj.{weight,bias}) and gpt-oss's transposed, gate/up-interleaved
+# mlp.experts.gate_up_proj [E, in, 2 out] and down_proj [E, in, out] (with `_bias` [E, 2 out] / [E, out]).
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)"
+                      r"(\.weight|\.bias|_bias)?")
+
+
+def _split_experts(weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
+                   c: ModelConfig) -> Iterator[tuple[str, Union[Tensor, AnyWeight]]]:
+    """Every layout of expert weights as SparseMoE's per-expert names. A GGUF's quantized stacks
+    are split into row blocks of the mapped file (no copy); each expert's Linear keeps its blocks."""
+    experts = c.moe.num_experts
+    for name, w in weights:
+        m = _MOE.fullmatch(name)
+        if m is None:
+            yield name, w
+            continue
+        for old, new in _EXPERT_RENAMES:
+            name = name.replace(old, new)
+        s = _STACKED.fullmatch(name)
+        if s is None:
+            yield name, w
+            continue
+        prefix, proj, kind = s.groups()
+        shape = tuple(w.shape)
+        if proj == "gate_up_proj" and kind != ".weight":  # gpt-oss (HF): x @ W, gate/up columns interleaved
+            t = as_float_tensor(w)
+            if t.shape[0] != experts:
+                raise ModelFormatError(f"{name} has {t.shape[0]} experts; the config says {experts}")
+            for e in range(experts):
+                if kind == "_bias":
+                    yield f"{prefix}.{e}.gate_proj.bias", t[e, 0::2]
+                    yield f"{prefix}.{e}.up_proj.bias", t[e, 1::2]
+                else:
+                    yield f"{prefix}.{e}.gate_proj.weight", t[e, :, 0::2].t().contiguous()
+                    yield f"{prefix}.{e}.up_proj.weight", t[e, :, 1::2].t().contiguous()
+            continue
+        if kind in ("_bias", ".bias"):  # [E, out]
+            t = as_float_tensor(w)
+            for e in range(experts):
+                yield f"{prefix}.{e}.{proj}.bias", t[e]
+            continue
+        if kind is None:  # gpt-oss's down_proj [E, in, out]
+            t = as_float_tensor(w)
+            for e in range(experts):
+                yield f"{prefix}.{e}.{proj}.weight", t[e].t().contiguous()
+            continue
+        # [E, out, in]; a GGUF's quantized stack comes as its E * out rows. llama.cpp's
+        # --fuse-gate-up-exps writes gate_up_exps: each expert's gate rows, then its up rows.
+        rows = shape[0] // experts if isinstance(w, GGUFWeight) else shape[1] if len(shape) == 3 else -1
+        if rows <= 0 or (shape[0] != experts * rows if isinstance(w, GGUFWeight) else shape[0] != experts):
+            raise ModelFormatError(f"{name} has shape {shape}; expected [{experts}, out, in]")
+        pieces = _split_rows(w, [rows] * experts) if isinstance(w, GGUFWeight) else list(as_float_tensor(w))
+        for e, piece in enumerate(pieces):
+            if proj == "gate_up_proj":
+                gate, up = _split_rows(piece, [rows // 2] * 2)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{e}.{proj}.weight", piece

@@ -108,12 +108,14 @@ class GGUFFile:
         return out.reshape(info.shape)
 
     def raw_weight(self, name: str) -> GGUFWeight:
-        """A quantized matrix's blocks, undecoded: [rows, bytes per row] over the mapped file."""
+        """A quantized matrix's blocks, undecoded: [rows, bytes per row] over the mapped file; a
+        stack of matrices (experts, [E, out, in]) as its E * out rows in turn."""
         from tessera.layers.weights import GGUFWeight
 
         info = self.tensors[name]
+        rows = int(np.prod(info.shape[:-1]))
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        return GGUFWeight(raw.reshape(info.shape[0], -1), info.ggml_type, (info.shape[0], info.shape[1]))
+        return GGUFWeight(raw.reshape(rows, -1), info.ggml_type, (rows, info.shape[-1]))
 
     def release(self, name: str) -> None:
         """Drop the resident pages of one tensor's bytes: they were read once, and clean
@@ -278,7 +280,7 @@ def config_from_gguf(gf: GGUFFile, name: str = "") -> ModelConfig:
         num_kv_heads = max(num_kv_heads)
     # Not rope.dimension_count: with partial rotary (Phi-3) it is less than a head.
     head_dim = gf.arch_key("attention.key_length") or hidden // num_heads
-    ffn = need("feed_forward_length")
+    ffn = gf.arch_key("feed_forward_length") or need("expert_feed_forward_length")
     if isinstance(ffn, list):
         ffn = max(ffn)
     if "token_embd.weight" not in gf.tensors:
@@ -345,8 +347,13 @@ def _check_shapes(gf: GGUFFile, cfg: ModelConfig, fam: Family) -> None:
                          f"blk.{last}.attn_qkv.weight": (q + 2 * kv, cfg.hidden_size)})
     else:
         expected.update({"blk.0.attn_q.weight": (q, cfg.hidden_size), "blk.0.attn_k.weight": (kv, cfg.hidden_size),
-                         "blk.0.ffn_up.weight": (cfg.intermediate_size, cfg.hidden_size),
                          f"blk.{last}.attn_q.weight": (q, cfg.hidden_size)})
+        moe = cfg.moe
+        if moe is not None and moe.is_sparse(0):
+            expected.update({"blk.0.ffn_gate_inp.weight": (moe.num_experts, cfg.hidden_size),
+                             "blk.0.ffn_up_exps.weight": (moe.num_experts, moe.expert_ffn, cfg.hidden_size)})
+        else:
+            expected["blk.0.ffn_up.weight"] = (cfg.intermediate_size, cfg.hidden_size)
     for name, shape in expected.items():
         info = gf.tensors.get(name)
         if info is None:
@@ -396,6 +403,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, and each projection's experts stacked [E, out, in]
+    # (split per expert by models/decoder.py).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "attn_sinks": "self_attn.sinks",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
@@ -465,7 +480,7 @@ def iter_gguf_weights(
         qk_heads = None
         if fam.gguf_permuted_qk and (".attn_q." in name or ".attn_k." in name):
             qk_heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-        if len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES:
+        if len(info.shape) in (2, 3) and info.ggml_type not in FLOAT_TYPES:
             w = gf.raw_weight(name)
             if qk_heads is not None:
                 w = w.permute_rows(_unpermute_qk(np.arange(info.shape[0]), qk_heads))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar, Union
 
 from safetensors import SafetensorError, safe_open
 
@@ -18,6 +18,8 @@ from tessera.models.families import family_for_hf
 
 if TYPE_CHECKING:
     import torch
+
+    from tessera.layers.weights import GGUFWeight
 
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 
@@ -162,9 +164,40 @@ def _read_all(folder: Path, read: Callable[[Any, str], T]) -> Iterator[tuple[str
             raise ModelFormatError(f"{path.name} is corrupt or truncated ({exc}); re-download the model") from None
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor of the folder's shards."""
-    return _read_all(folder, lambda f, key: f.get_tensor(key).float())
+def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, Union[torch.Tensor, GGUFWeight]]]:
+    """Yield (HF name, float32 tensor) for every tensor of the folder's shards; MXFP4 expert
+    stacks (gpt-oss's `*_blocks` and `*_scales`) as their GGUF blocks, unchanged in value."""
+    import torch
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in _read_all(folder, lambda f, key: f.get_tensor(key)):
+        base, _, part = name.rpartition("_")
+        if t.dtype == torch.uint8 and part in ("blocks", "scales"):
+            pair = pending.setdefault(base, {})
+            pair[part] = t
+            if len(pair) == 2:
+                yield from _mxfp4_experts(base, pending.pop(base))
+            continue
+        yield name, t.float()
+    if pending:
+        raise ModelFormatError(f"{folder}: MXFP4 tensor {next(iter(pending))} lacks its blocks or scales")
+
+
+def _mxfp4_experts(base: str, pair: dict[str, torch.Tensor]) -> Iterator[tuple[str, GGUFWeight]]:
+    """gpt-oss's expert stacks: `gate_up_proj` (gate and up rows interleaved) and `down_proj`, as
+    the stacked names models/decoder.py splits per expert."""
+    from tessera.layers.weights import mxfp4_from_blocks
+
+    blocks, scales = pair["blocks"].numpy(), pair["scales"].numpy()
+    try:
+        if base.endswith(".gate_up_proj"):
+            stem = base.removesuffix("gate_up_proj")
+            yield stem + "gate_proj.weight", mxfp4_from_blocks(blocks[:, 0::2], scales[:, 0::2])
+            yield stem + "up_proj.weight", mxfp4_from_blocks(blocks[:, 1::2], scales[:, 1::2])
+        else:
+            yield base + ".weight", mxfp4_from_blocks(blocks, scales)
+    except ValueError as exc:
+        raise ModelFormatError(f"{base}: {exc}") from None
 
 
 def safetensors_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -133,3 +133,21 @@ def refuse_sliding(hf: dict[str, Any], family: str) -> None:
     """Qwen-style `use_sliding_window` (off in every released checkpoint) is not run."""
     if hf.get("use_sliding_window"):
         raise ModelFormatError(f"{family} models with use_sliding_window are not supported")
+
+
+def hf_experts(hf: dict[str, Any], family: str) -> tuple[int, int]:
+    """(experts, experts per token) from config.json; transformers 5 writes `num_local_experts`
+    where older Qwen configs say `num_experts`."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
+        raise ModelFormatError(f"config.json of a {family} model lacks 'num_local_experts'; the folder is incomplete")
+    return int(experts), int(need(hf, "num_experts_per_tok", family))
+
+
+def gguf_experts(gf: GGUFMetadata, family: str) -> tuple[int, int, Optional[list[bool]]]:
+    """(experts, experts per token, sparse layers or None when all are) from llama.cpp's keys; a
+    layer is sparse when its router tensor is in the file."""
+    experts, top_k = int(need_gguf(gf, "expert_count", family)), int(need_gguf(gf, "expert_used_count", family))
+    layers = int(need_gguf(gf, "block_count", family))
+    sparse = [f"blk.{i}.ffn_gate_inp.weight" in gf.tensors for i in range(layers)]
+    return experts, top_k, None if all(sparse) else sparse
