@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from tessera.kernels.bindings import (INT4_F32_MAX_ROWS, INT4_GEMM_MAX_ROWS, INT8_GEMM_MAX_ROWS,  # noqa: F401
-                                      INT8_GEMV_MAX_ROWS, KQUANT_MAX_ROWS, LINEAR_INT4, LINEAR_INT4_I8, LINEAR_INT8,
+                                      INT8_GEMV_MAX_ROWS, KQUANT_MAX_ROWS, MXFP4_MAX_ROWS, LINEAR_INT4, LINEAR_INT4_I8, LINEAR_INT8,
                                       LINEAR_Q4K, LINEAR_Q6K, MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM,
                                       MAX_KEY_BIAS_PAIRS, MAX_NORM_HIDDEN, PREFILL_MAX_HEAD_DIM, ROT_HADAMARD,
                                       ROT_MATRIX, ROT_NONE, DecodeDims, DecodeLayer, LinearOperand)
@@ -427,6 +427,39 @@ def kquant_dequant_int8(kind: str, codes: torch.Tensor, scales: torch.Tensor, fl
     fn(codes.data_ptr(), scales.data_ptr(), floats.data_ptr(), None if col is None else col.data_ptr(), out.data_ptr(),
        row_scales.data_ptr(), n, in_features)
     return out, row_scales
+
+
+def mxfp4_gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bfloat16 or float32, M <= MXFP4_MAX_ROWS, K a multiple of 32) @ W.T -> [M, N] in x's
+    dtype, W an MXFP4 matrix as the GGUF file stores it (`blocks` [N, K/32 * 17] uint8); x is
+    quantized to int8 per 32 values on the way in (see mxfp4_gemm.c)."""
+    lib = load()
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    x = x.contiguous()
+    m, k = x.shape
+    n = blocks.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    scratch = torch.empty(lib.mxfp4_scratch_bytes(m, k), dtype=torch.uint8)
+    if blocks.shape[1] * 32 != k * 17 or lib.mxfp4_gemm(x.data_ptr(), blocks.data_ptr(), out.data_ptr(), m, n, k,
+                                                       int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
+        raise KernelUnavailable(f"mxfp4_gemm takes 1-{MXFP4_MAX_ROWS} rows, K a multiple of 32 and 17 bytes a "
+                                f"block (got {m} x {k}, blocks {tuple(blocks.shape)})")
+    return out
+
+
+def mxfp4_dequant(blocks: torch.Tensor, in_features: int, dtype: torch.dtype,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The dense weight [N, K] in `dtype` (float32 or bfloat16) of MXFP4 `blocks` [N, K/32 * 17] as
+    mxfp4_gemm reads them (see mxfp4_gemm.c); into `out` if given."""
+    n = blocks.shape[0]
+    assert blocks.is_contiguous() and blocks.shape[1] * 32 == in_features * 17
+    if out is None:
+        out = torch.empty(n, in_features, dtype=dtype)
+    assert out.shape == (n, in_features) and out.dtype == dtype and out.is_contiguous()
+    assert dtype in (torch.float32, torch.bfloat16)
+    load().mxfp4_dequant(blocks.data_ptr(), out.data_ptr(), n, in_features, int(dtype == torch.bfloat16))
+    return out
 
 
 def int8_matmul(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,

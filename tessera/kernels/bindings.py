@@ -28,6 +28,7 @@ INT8_GEMM_MAX_ROWS = 8
 INT4_F32_MAX_ROWS = 64
 INT4_GEMM_MAX_ROWS = 64
 KQUANT_MAX_ROWS = 8
+MXFP4_MAX_ROWS = 64
 
 
 # ---- Structs (tessera_kernels.h's typedefs: same fields in the same order) ----
@@ -142,6 +143,11 @@ SIGNATURES: dict[str, Signature] = {
                                ("K", I64)),
     "int8_scale_products": _sig(None, *_names(P, "acc", "ts", "rs", "out"), ("is_bf16", INT), ("M", I64),
                                 ("N", I64)),
+    # mxfp4_gemm.c
+    "mxfp4_scratch_bytes": _sig(I64, ("M", I64), ("K", I64)),
+    "mxfp4_gemm": _sig(INT, ("x", P), ("blocks", P), ("out", P), *_names(I64, "M", "N", "K"), ("is_bf16", INT),
+                       ("scratch", P)),
+    "mxfp4_dequant": _sig(None, ("blocks", P), ("out", P), *_names(I64, "N", "K"), ("is_bf16", INT)),
     # decode_step.c
     "decode_step_workspace_bytes": _sig(I64, ("layers", P), ("L", I64), ("d", P), ("M", I64), ("max_len", I64)),
     "silu_mul_bf16": _sig(None, ("gu", P), ("out", P), ("M", I64), ("I", I64)),

@@ -28,6 +28,7 @@ enum { ROT_NONE = 0, ROT_MATRIX = 1, ROT_HADAMARD = 2 };
 #define INT4_F32_MAX_ROWS 64
 #define INT4_GEMM_MAX_ROWS 64    /* rows past which the module path takes the dense copy (decode_step follows) */
 #define KQUANT_MAX_ROWS 8
+#define MXFP4_MAX_ROWS 64
 
 /* ---- Structs (bindings.py's LinearOperand, DecodeLayer, DecodeDims: same fields, same order) ---- */
 
@@ -129,6 +130,12 @@ void q4k_dequant_int8(const uint8_t *codes, const uint8_t *scale_min, const floa
 void int8_quantize_rows(const void *x, int is_bf16, const float *col, int8_t *xq, float *ts, int64_t M, int64_t K);
 void int8_scale_products(const int32_t *acc, const float *ts, const float *rs, void *out, int is_bf16, int64_t M,
                          int64_t N);
+
+/* ---- mxfp4_gemm.c ---- */
+int64_t mxfp4_scratch_bytes(int64_t M, int64_t K);
+int mxfp4_gemm(const void *x, const uint8_t *blocks, void *out, int64_t M, int64_t N, int64_t K, int is_bf16,
+               void *scratch);
+void mxfp4_dequant(const uint8_t *blocks, void *out, int64_t N, int64_t K, int is_bf16);
 
 /* ---- decode_step.c ---- */
 int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims_t *d, int64_t M, int64_t max_len);

@@ -23,7 +23,7 @@ INT4_EXACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 # GGUF types a loader hands over as float tensors.
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # "Precision class" of GGUF types, used by --quantization auto.
-FOUR_BIT_OR_LESS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K})
+FOUR_BIT_OR_LESS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K, Q.MXFP4})
 FIVE_TO_EIGHT_BIT = frozenset({Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})
 # Types whose blocks map exactly onto int8 codes with a float32 scale (and, if asymmetric, a
 # zero) per group of consecutive values along a row: (group size, has zeros).
@@ -63,11 +63,21 @@ class FloatWeight:
 
 @dataclass
 class GGUFWeight:
-    """Raw blocks of a quantized GGUF matrix: `raw` is [rows, bytes_per_row] uint8."""
+    """Raw blocks of a quantized GGUF matrix: `raw` is [rows, bytes_per_row] uint8.
+
+    A 3-D GGUF tensor (MoE experts, [n_expert, rows, cols]) comes as one matrix of all experts'
+    rows, `experts` saying how many it stacks; `expert(e)` is one expert's matrix, a view of the
+    same bytes (of the memory-mapped file, as the loader hands them over)."""
 
     raw: np.ndarray
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]
+    experts: int = 1
+
+    def expert(self, e: int) -> "GGUFWeight":
+        """Expert e's [rows / experts, cols] matrix, its blocks a view (no copy)."""
+        n = self.shape[0] // self.experts
+        return GGUFWeight(self.raw[e * n:(e + 1) * n], self.ggml_type, (n, self.shape[1]))
 
     def dequantize(self) -> torch.Tensor:
         rows, cols = self.shape
@@ -83,7 +93,7 @@ class GGUFWeight:
 
     def permute_rows(self, order: np.ndarray) -> "GGUFWeight":
         """Rows reordered (blocks never cross rows, so this is exact)."""
-        return GGUFWeight(np.ascontiguousarray(self.raw[order]), self.ggml_type, self.shape)
+        return GGUFWeight(np.ascontiguousarray(self.raw[order]), self.ggml_type, self.shape, self.experts)
 
     @property
     def int4_exact(self) -> bool:

@@ -46,7 +46,7 @@ Q = GGMLQuantizationType
 # Types gguf.quants dequantizes and that llama.cpp's usual quant mixes produce.
 SUPPORTED_TENSOR_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4,
 })
 
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -108,14 +108,17 @@ class GGUFFile:
         return out.reshape(info.shape)
 
     def raw_weight(self, name: str) -> GGUFWeight:
-        """A quantized matrix's blocks, undecoded: [rows, bytes per row] over the mapped file; a
-        stack of matrices (experts, [E, out, in]) as its E * out rows in turn."""
+        """A quantized matrix's blocks, undecoded: [rows, bytes per row] over the mapped file (a
+        view, nothing copied). A 3-D tensor (MoE experts, [n_expert, rows, cols]) comes as the
+        [n_expert * rows, bytes per row] matrix of every expert's rows, `experts` set:
+        `GGUFWeight.expert(e)` is expert e's rows, again a view of the file."""
         from tessera.layers.weights import GGUFWeight
 
         info = self.tensors[name]
-        rows = int(np.prod(info.shape[:-1]))
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        return GGUFWeight(raw.reshape(rows, -1), info.ggml_type, (rows, info.shape[-1]))
+        rows = int(np.prod(info.shape[:-1]))
+        experts = info.shape[0] if len(info.shape) == 3 else 1
+        return GGUFWeight(raw.reshape(rows, -1), info.ggml_type, (rows, info.shape[-1]), experts)
 
     def release(self, name: str) -> None:
         """Drop the resident pages of one tensor's bytes: they were read once, and clean
@@ -480,7 +483,7 @@ def iter_gguf_weights(
         qk_heads = None
         if fam.gguf_permuted_qk and (".attn_q." in name or ".attn_k." in name):
             qk_heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-        if len(info.shape) in (2, 3) and info.ggml_type not in FLOAT_TYPES:
+        if len(info.shape) in (2, 3) and info.ggml_type not in FLOAT_TYPES:  # 3-D: MoE experts, stacked rows
             w = gf.raw_weight(name)
             if qk_heads is not None:
                 w = w.permute_rows(_unpermute_qk(np.arange(info.shape[0]), qk_heads))

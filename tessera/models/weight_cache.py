@@ -29,12 +29,14 @@ import torch
 from torch import nn
 
 from tessera import kernels
-from tessera.layers.quantization import DenseMethod, Int4Method, Int8Method, Q4KMethod, Q6KMethod, QuantConfig, int4pack_layout
+from tessera.layers.quantization import (DenseMethod, Int4Method, Int8Method, MXFP4Method, Q4KMethod, Q6KMethod,
+                                         QuantConfig, int4pack_layout)
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-_METHODS = {cls.__name__: cls for cls in (DenseMethod, Int4Method, Int8Method, Q6KMethod, Q4KMethod)}
+_METHODS = {cls.__name__: cls for cls in (DenseMethod, Int4Method, Int8Method, Q6KMethod, Q4KMethod,
+                                                  MXFP4Method)}
 _SIMPLE = (bool, int, float, str, type(None))
 
 

@@ -272,3 +272,27 @@ def test_tokenizer_size_for_the_sizing_calculator(tiny_gguf, tessera_home):
     files = list(default_cache_dir().glob("*/tokenizer.json"))
     assert len(files) == 1 and size == files[0].stat().st_size > 0
     assert serialized_bytes(tiny_gguf) == size  # the cached one, read again
+
+
+def test_mxfp4_model_keeps_the_blocks_and_the_packed_cache_restores_them(tmp_path, tessera_home):
+    """A GGUF whose projections are MXFP4 loads them as MXFP4Method under `auto` (the file's bytes),
+    matches transformers on the file's values within what the kernel's int8 activations allow, and
+    the packed-weight cache maps the blocks back with the method (identical logits)."""
+    from tessera.layers.quantization import MXFP4Method
+
+    mx = {name: Q.MXFP4 for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    path, ref_model = write_tiny_gguf("llama", tmp_path, qtypes=mx)
+    first = load_model(path, "float32", weight_cache=True)
+    second = load_model(path, "float32", weight_cache=True)
+
+    def mxfp4_layers(loaded):
+        return [m for m in loaded.model.modules() if isinstance(getattr(m, "quant_method", None), MXFP4Method)]
+
+    assert len(mxfp4_layers(first)) == len(mxfp4_layers(second)) == 2 * 4  # qkv, o, gate_up, down per layer
+    layer = mxfp4_layers(second)[0]
+    assert layer.quant_method.nbytes(layer) == layer.blocks.numel()  # bytes as stored, 17 per 32 weights
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([TOKENS])).logits[0]
+    ours = forward_single(first, TOKENS)
+    assert torch.equal(forward_single(second, TOKENS), ours)
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.02

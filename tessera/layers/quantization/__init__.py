@@ -23,6 +23,11 @@ values), which PyTorch's int8 kernel (one scale per row) cannot read, so every
 small int8 product runs through Tessera's kernels (tessera/kernels/int8_gemv.c). In bfloat16,
 Q6_K and Q4_K tensors keep the file's blocks instead (Q6KMethod: a third fewer bytes than int8
 groups; Q4KMethod) and multiply activations quantized to int8 (tessera/kernels/kquant_gemm.c).
+MXFP4 tensors (gpt-oss's experts: a power-of-two scale per 32 E2M1 values, 4.25 bits a weight)
+keep the file's blocks in either dtype (MXFP4Method): up to 32 rows multiply activations quantized
+to int8 per 32 values by the codes looked up 32 at a time (tessera/kernels/mxfp4_gemm.c: 2.7-12x a
+dense float32 matmul at 1-8 rows on the AVX2 host, level at 64), larger steps the weight decoded
+for the call.
 
 The int4 format is PyTorch's CPU int4pack: codes in 0..15 and per-group
 (scale, zero) with `w = (code - 8) * scale + zero`, groups of 32 along the
@@ -43,10 +48,11 @@ from tessera.layers.quantization.base import (
 from tessera.layers.quantization.int4 import Int4Method, quantize_int4
 from tessera.layers.quantization.int8 import Int8Method, quantize_int8
 from tessera.layers.quantization.kquant import KQuantMethod, Q4KMethod, Q6KMethod
+from tessera.layers.quantization.mxfp4 import MXFP4_KERNEL_MAX_ROWS, MXFP4Method
 from tessera.layers.weights import AnyWeight, FloatWeight
 
 METHODS: dict[str, type[QuantMethod]] = {"dense": DenseMethod, "int8": Int8Method, "int4": Int4Method,
-                                         "q6_k": Q6KMethod, "q4_k": Q4KMethod}
+                                         "q6_k": Q6KMethod, "q4_k": Q4KMethod, "mxfp4": MXFP4Method}
 
 
 def method_for(config: QuantConfig, sources: list[AnyWeight]) -> QuantMethod:
@@ -56,7 +62,8 @@ def method_for(config: QuantConfig, sources: list[AnyWeight]) -> QuantMethod:
     4-bit-or-less GGUF types become int4 (exactly for Q4_0/Q4_1/Q4_K), 5- to
     8-bit types become int8. A merged weight takes the most precise class of
     its pieces. Weights whose input size is not a multiple of the int4 group
-    use int8 instead of int4.
+    use int8 instead of int4. MXFP4 weights keep the file's blocks (MXFP4Method) where the kernels
+    build; int4 and int8 requantize them from their values.
     """
     types = [None if isinstance(s, FloatWeight) else s.ggml_type for s in sources]
     return METHODS[config.storage_for(types, sources[0].shape[-1])](config)
@@ -72,6 +79,8 @@ __all__ = [
     "Int8Method",
     "KQUANT_TYPES",
     "KQuantMethod",
+    "MXFP4Method",
+    "MXFP4_KERNEL_MAX_ROWS",
     "METHODS",
     "Q4KMethod",
     "Q6KMethod",

@@ -164,13 +164,18 @@ class QuantConfig:
         return SMALL_BATCH_WITH_DENSE_COPY if self.dense_copy else SMALL_BATCH_DEQUANTIZING
 
     def storage_for(self, ggml_types: list[Optional[int]],
-                    in_features: int) -> Literal["dense", "int8", "int4", "q6_k", "q4_k"]:
+                    in_features: int) -> Literal["dense", "int8", "int4", "q6_k", "q4_k", "mxfp4"]:
         """How a weight made of pieces of these GGUF types (None: a float tensor) is stored; the
         one rule behind `method_for` and the sizing calculator (tessera/sizing.py). Under `auto`
         in bfloat16, a weight all of Q6_K or all of Q4_K keeps the file's blocks (Q6KMethod,
         Q4KMethod: int8 activations); float32 compute keeps the exact int8 groups and int4
-        tiles, so its products are the file's weights times unrounded activations."""
+        tiles, so its products are the file's weights times unrounded activations. A weight all
+        of MXFP4 keeps the file's blocks under `auto` in either dtype where the kernels build
+        (MXFP4Method: no int4 or int8 layout holds its values exactly)."""
         mode = self.mode
+        if (mode == "auto" and ggml_types and all(t == GGMLQuantizationType.MXFP4 for t in ggml_types)
+                and in_features % INT4_GROUP == 0 and kernels.available() is None):
+            return "mxfp4"
         kinds = {KQUANT_TYPES.get(t) for t in ggml_types}
         if (mode == "auto" and self.int8_activations and self.dtype == torch.bfloat16 and len(kinds) == 1
                 and None not in kinds and in_features % KQ_BLOCK == 0 and kernels.kquant_matmuls()):
