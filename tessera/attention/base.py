@@ -209,11 +209,28 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int],
-                key_bias: Optional[KeyBias] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                key_bias: Optional[KeyBias] = None, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Store k/v `[T, Hkv, D]` at their slots, attend q `[T, Hq, D]`; return `[T, Hq * D]`.
         `key_bias` (quantized caches only; others ignore it): the keys' bias share, kept out of the
         cache and added back in float32. `softcap`: scores become softcap * tanh(score / softcap)
-        before the softmax (Gemma 2)."""
+        before the softmax (Gemma 2). `sinks` (gpt-oss's attention sinks): float32 `[Hq]`, one
+        logit per query head that joins the softmax's denominator and adds no value, so a query
+        may attend to nothing: out = softmax([scores, sink])[:-1] @ v, the unsunk output times
+        sigmoid(logsumexp(scores) - sink). Refused with `softcap` (no model has both)."""
+
+
+def check_sinks(sinks: Optional[torch.Tensor], num_heads: int, softcap: Optional[float],
+                device: torch.device) -> Optional[torch.Tensor]:
+    """A layer's attention sinks as every backend reads them: float32 `[Hq]`, contiguous, on
+    `device`; None for none. Sinks with a soft-cap are refused rather than given a meaning no
+    model defines (is the sink capped too?)."""
+    if sinks is None:
+        return None
+    if softcap is not None:
+        raise ValueError("attention sinks with a score soft-cap: no model has both, and which of them "
+                         "applies to the sink is undefined")
+    return kernels.sink_logits(sinks, num_heads).to(device)
 
 
 def _padded_layout(meta: AttentionMetadata, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

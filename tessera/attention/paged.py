@@ -9,14 +9,15 @@ copy, no padding, no mask. Prefill rows of a bfloat16 cache go to
 tessera/kernels/prefill_attention.c the same way, first chunks and later ones
 alike (2.6-3.4x SDPA's causal kernel on SmolLM2-135M's and Qwen2.5's heads,
 which also left a chunk with cached context a gathered, padded, masked call);
-an int8 cache's prefills take `sdpa`'s path.
+an int8 cache's prefills take `sdpa`'s path. Attention sinks (gpt-oss) are taken
+by all three kernels (the softmax's maximum starts at the sink, its sum at one).
 """
 from __future__ import annotations
 
 import torch
 
 from tessera import kernels
-from tessera.attention.base import (is_quantized, key_rotation, rotation_is_hadamard, step_positions,
+from tessera.attention.base import (check_sinks, is_quantized, key_rotation, rotation_is_hadamard, step_positions,
                                     transform_for_cache, write_kv)
 from tessera.attention.sdpa import SdpaBackend
 
@@ -38,9 +39,10 @@ class PagedBackend(SdpaBackend):
     def decode_in_c(self, num_heads, kv_cache):
         return kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 5 and kernels.supports(num_heads, kv_cache)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None, sinks=None):
         if softcap is not None or not kernels.supports(q.shape[1], kv_cache):  # no C kernel soft-caps
-            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias, softcap)
+            return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias, softcap, sinks)
+        sinks = check_sinks(sinks, q.shape[1], softcap, q.device)
         quantized = is_quantized(kv_cache)
         key_bias = key_bias if quantized else None
         if quantized:
@@ -73,10 +75,10 @@ class PagedBackend(SdpaBackend):
             if quantized:
                 o = kernels.paged_decode_attention_int8(q[:nd], kv_cache, tables, seq_lens, max_len,
                                                         meta.block_size, scale, sliding_window, scratch, rot, args,
-                                                        hadamard)
+                                                        hadamard, sinks)
             else:
                 o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale,
-                                                   sliding_window, scratch)
+                                                   sliding_window, scratch, sinks)
             if nd == meta.num_reqs:  # a decode-only step: no prefill rows to place beside it
                 return o.to(q.dtype).view(nd, hq * d)
             out[:nd] = o
@@ -89,12 +91,12 @@ class PagedBackend(SdpaBackend):
                         [s - start for s in meta.query_start_loc[nd:]], meta.seq_lens[nd:],
                         meta.block_tables[nd:], sliding_window)
                 try:
-                    kernels.paged_prefill_attention(q[start:], kv_cache, meta._cache[key], scale, out[start:])
+                    kernels.paged_prefill_attention(q[start:], kv_cache, meta._cache[key], scale, out[start:], sinks)
                     return out.view(q.shape[0], hq * d)
                 except kernels.KernelUnavailable:  # built without AVX512-BF16: SDPA from now on
                     self._prefill_c = False
             self._prefill(transform_for_cache(q) if quantized else q, k, v, kv_cache, meta, scale,
-                          sliding_window, out, key_bias)
+                          sliding_window, out, key_bias, sinks=sinks)
         return out.view(q.shape[0], hq * d)
 
     def _prefill_in_c(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

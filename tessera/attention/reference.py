@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from tessera.attention.base import AttentionBackend, add_key_bias, is_quantized, read_blocks, rotate_for_cache, write_kv
+from tessera.attention.base import (AttentionBackend, add_key_bias, check_sinks, is_quantized, read_blocks,
+                                    rotate_for_cache, write_kv)
 
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None, sinks=None):
+        sinks = check_sinks(sinks, q.shape[1], softcap, q.device)
         key_bias = key_bias if is_quantized(kv_cache) else None
         q, k = rotate_for_cache(kv_cache, q, k, meta, key_bias)
         write_kv(kv_cache, k, v, meta)
@@ -34,6 +36,11 @@ class ReferenceBackend(AttentionBackend):
             allowed = kpos <= qpos
             if sliding_window is not None:
                 allowed &= kpos > qpos - sliding_window
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:  # transformers' gpt-oss eager attention: the sink as one more column
+                column = sinks.view(hq, 1, 1).expand(hq, end - start, 1)
+                probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+            else:
+                probs = scores.softmax(dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
         return out.view(q.shape[0], hq * d)

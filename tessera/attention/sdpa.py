@@ -7,6 +7,9 @@
 - Prefill chunks go through one `scaled_dot_product_attention` call, padded
   to the longest chunk with a causal mask; prompts with no cached context take
   the plain causal path instead, one call each, with no gather at all.
+- Attention sinks (gpt-oss) ride on the same calls: decode rows add the sink to
+  their softmax's denominator, SDPA calls take the CPU flash kernel's
+  log-sum-exp and scale their output by sigmoid(lse - sink).
 No Python loop per token; loops run over KV heads, or fresh prompts.
 """
 from __future__ import annotations
@@ -16,8 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tessera.attention.base import (AttentionBackend, AttentionMetadata, add_key_bias, dequantize_blocks,
-                                    is_quantized, rotate_for_cache, write_kv)
+from tessera.attention.base import (AttentionBackend, AttentionMetadata, add_key_bias, check_sinks,
+                                    dequantize_blocks, is_quantized, rotate_for_cache, write_kv)
 
 
 def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, bs: int,
@@ -90,10 +93,46 @@ def _prefill_layout(meta: AttentionMetadata, sliding_window: Optional[int], leng
     return meta._cache[key]
 
 
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax of each row of float32 `scores` with one more logit, its sink (`sinks`
+    broadcast to `scores[..., :1]`), that is dropped afterwards (gpt-oss's attention sinks):
+    exp(s - m) / (sum exp(s - m) + exp(sink - m)), m the larger of the row's maximum and its sink.
+    In place in `scores`; no concatenated copy of them as transformers' eager code makes."""
+    m = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)
+    e = scores.sub_(m).exp_()
+    return e.div_(e.sum(dim=-1, keepdim=True) + torch.exp(sinks - m))
+
+
+def sdpa_with_sinks(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, sinks: torch.Tensor, scale: float,
+                    mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA with attention sinks: q [B, Hq, Lq, D] against keys/values [B, Hkv, L, D] (either
+    `is_causal` or an additive `mask` [B, 1, Lq, L] of q's dtype) with `sinks` broadcast to [B, Hq, Lq].
+
+    A sink adds exp(sink) to a row's softmax denominator and nothing to its numerator, so the
+    output is the unsunk one times sigmoid(lse - sink), lse the row's log-sum-exp of its scaled
+    scores. PyTorch's CPU flash kernel (what scaled_dot_product_attention runs here) computes lse
+    and returns it beside its output, so this is exact at SDPA's speed, without the [Lq, L] float32
+    scores that `capped_attention` makes."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys.to(q.dtype), vals.to(q.dtype), is_causal=is_causal, attn_mask=mask, scale=scale)
+    return (o.float() * torch.sigmoid(lse - sinks).unsqueeze(-1)).to(q.dtype)
+
+
+def _additive_mask(meta: AttentionMetadata, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask from `_prefill_layout` as the additive one `sdpa_with_sinks` takes (0 where
+    True, -inf elsewhere, in `dtype`), made once per step and shared by the layers."""
+    key = ("additive", mask.data_ptr(), dtype)
+    if key not in meta._cache:
+        meta._cache[key] = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return meta._cache[key]
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor,
-                     scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+                     scale: float, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [Bd, Hq, D] against gathered keys/values [Hkv, Bd, L, D] with a [Bd, L] mask -> [Bd, Hq, D].
-    `softcap`: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    `softcap`: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2). `sinks`
+    [Hq] float32: each head's sink joins its softmax (AttentionBackend.forward)."""
     nd, hq, d = q.shape
     hkv = keys.shape[0]
     qg = q.view(nd, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, Bd, G, D]
@@ -101,7 +140,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ma
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(~mask.view(1, nd, 1, -1), float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype)
+    if sinks is not None:
+        probs = sink_softmax(scores, sinks.view(hkv, 1, hq // hkv, 1)).to(q.dtype)
+    else:
+        probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, vals.to(q.dtype)).transpose(0, 1).reshape(nd, hq, d)
 
 
@@ -120,7 +162,8 @@ def capped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ma
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None, sinks=None):
+        sinks = check_sinks(sinks, q.shape[1], softcap, q.device)
         key_bias = key_bias if is_quantized(kv_cache) else None
         q, k = rotate_for_cache(kv_cache, q, k, meta, key_bias)
         write_kv(kv_cache, k, v, meta)
@@ -136,22 +179,26 @@ class SdpaBackend(AttentionBackend):
             keys = add_key_bias(keys, key_bias)
             hkv = keys.shape[0]
             qg = q[:1].view(hkv, 1, hq // hkv, d)
-            o = F.scaled_dot_product_attention(qg, keys[:, :, :seq_len], vals[:, :, :seq_len], scale=scale)
+            if sinks is not None:
+                o = sdpa_with_sinks(qg, keys[:, :, :seq_len], vals[:, :, :seq_len], sinks.view(hkv, 1, hq // hkv),
+                                    scale)
+            else:
+                o = F.scaled_dot_product_attention(qg, keys[:, :, :seq_len], vals[:, :, :seq_len], scale=scale)
             out[:1] = o.reshape(1, hq, d)
         elif nd > 0:
             max_len = max(meta.seq_lens[:nd])
             keys, vals = gather_context(kv_cache, meta.block_tables[:nd], max_len, bs, meta, q.dtype)
             keys = add_key_bias(keys, key_bias)
             mask = _decode_mask(meta, sliding_window, keys.shape[2])
-            out[:nd] = decode_attention(q[:nd], keys, vals, mask, scale, softcap)
+            out[:nd] = decode_attention(q[:nd], keys, vals, mask, scale, softcap, sinks)
         if nd < meta.num_reqs:
-            self._prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias, softcap)
+            self._prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias, softcap, sinks)
         return out.view(q.shape[0], hq * d)
 
     @staticmethod
-    def _prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias=None, softcap=None):
+    def _prefill(q, k, v, kv_cache, meta, scale, sliding_window, out, key_bias=None, softcap=None, sinks=None):
         """The prefill rows of a step (q already transformed for an int8 cache, whose keys get
-        their bias share back here)."""
+        their bias share back here; `sinks` as check_sinks returns them)."""
         bs, nd = meta.block_size, meta.num_decodes
         hq, d = q.shape[1], q.shape[2]
         start = meta.query_start_loc[nd]
@@ -175,8 +222,11 @@ class SdpaBackend(AttentionBackend):
                 else:
                     k_all = k[a:b].transpose(0, 1).unsqueeze(0).to(q.dtype)
                     v_all = v[a:b].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), k_all, v_all,
-                                                   is_causal=True, scale=scale, enable_gqa=True)
+                qa = q[a:b].transpose(0, 1).unsqueeze(0)
+                if sinks is not None:
+                    o = sdpa_with_sinks(qa, k_all, v_all, sinks.view(1, hq, 1), scale, is_causal=True)
+                else:
+                    o = F.scaled_dot_product_attention(qa, k_all, v_all, is_causal=True, scale=scale, enable_gqa=True)
                 out[a:b] = o.squeeze(0).transpose(0, 1)
             return
         keys, vals = gather_context(kv_cache, meta.block_tables[nd:], max(prefill_lens), bs, meta, q.dtype)
@@ -187,6 +237,8 @@ class SdpaBackend(AttentionBackend):
         qp = q_ext.index_select(0, pad_index.view(-1)).view(*pad_index.shape, hq, d).transpose(1, 2)
         if softcap is not None:
             o = capped_attention(qp, keys, vals, mask, scale, softcap)
+        elif sinks is not None:
+            o = sdpa_with_sinks(qp, keys, vals, sinks.view(1, hq, 1), scale, mask=_additive_mask(meta, mask, q.dtype))
         else:
             o = F.scaled_dot_product_attention(
                 qp, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from tessera.attention.base import AttentionBackend, AttentionMetadata, build_metadata, write_kv
+from tessera.attention.base import AttentionBackend, AttentionMetadata, build_metadata, check_sinks, write_kv
 from tessera.kernels import triton_attention
 
 
@@ -56,13 +56,15 @@ class TritonBackend(AttentionBackend):
             cached = meta._cache[key] = (host[0], host[1], lens[0], lens[1, :-1], block_q, block_rows)
         return cached
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window: Optional[int], key_bias=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window: Optional[int], key_bias=None, softcap=None,
+                sinks=None):
         if softcap is not None:
             raise NotImplementedError("the Triton attention kernel has no score soft-capping (Gemma 2)")
+        sinks = check_sinks(sinks, q.shape[1], softcap, q.device)
         write_kv(kv_cache, k, v, meta)
         hq, d = q.shape[1], q.shape[2]
         tile_req, tile_start, query_start, seq_lens, block_q, block_rows = self._step(meta, hq // kv_cache.shape[1])
         out = torch.empty_like(q)
         triton_attention.paged_attention(q, kv_cache, out, meta.block_tables, tile_req, tile_start, query_start,
-                                         seq_lens, scale, sliding_window, block_q, block_rows)
+                                         seq_lens, scale, sliding_window, block_q, block_rows, sinks)
         return out.view(q.shape[0], hq * d)

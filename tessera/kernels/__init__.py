@@ -81,6 +81,16 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def sink_logits(sinks: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tensor]:
+    """Attention sinks as the kernels read them (`sinks` of the attention kernels, and every
+    backend): [Hq] float32, contiguous, on their own device; None for none."""
+    if sinks is None:
+        return None
+    if sinks.numel() != num_heads:
+        raise ValueError(f"attention sinks: one logit per query head ({num_heads}), not {tuple(sinks.shape)}")
+    return sinks.detach().reshape(num_heads).to(torch.float32).contiguous()
+
+
 class KeyBiasArgs(NamedTuple):
     """A key bias's share on its outlier RoPE pairs, as the int8 kernels take it (kv_int8.c's
     key_bias_t): pair i of KV head h is channels (pairs[h, i], pairs[h, i] + D/2) with bias
@@ -155,12 +165,13 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
                                 seq_lens: torch.Tensor, max_len: int, block_size: int, scale: float,
                                 window: Optional[int], scratch: Optional[torch.Tensor] = None,
                                 q_rot: Optional[torch.Tensor] = None,
-                                key_bias: Optional[KeyBiasArgs] = None, hadamard: bool = False) -> torch.Tensor:
+                                key_bias: Optional[KeyBiasArgs] = None, hadamard: bool = False,
+                                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`paged_decode_attention` over an int8 cache [2, Hkv, blocks, block_size * D + 4]; -> [B, Hq, D]
     in q's dtype (bfloat16 or float32). `scratch` from `decode_int8_scratch` (reused across layers);
     q is first transformed like the stored keys, q @ q_rot (float32 [D, D]) or by the normalized
     Hadamard matrix if `hadamard`; `key_bias`'s share of the keys (kept out of the cache) is added
-    back to each score."""
+    back to each score; `sinks` as `paged_decode_attention`'s."""
     lib = calls()
     b, hq, d = q.shape
     hkv = kv_cache.shape[1]
@@ -175,24 +186,28 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
     if scratch is None or scratch.nbytes < b * hq * 4 * (-(-max_len // block_size) * block_size):
         scratch = decode_int8_scratch(b, hq, max_len, block_size)
     q_rot, rot_kind = _rotation(q_rot, hadamard)
+    sinks = sink_logits(sinks, hq)
     lib.paged_decode_attention_int8(
         q=q.data_ptr(), q_stride=q.stride(0), q_is_bf16=int(q.dtype == torch.bfloat16), cache=kv_cache.data_ptr(),
         block_tables=tables.data_ptr(), seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=b, Hq=hq, Hkv=hkv, D=d,
         num_blocks=kv_cache.shape[2], block_size=block_size, max_blocks=tables.shape[1], scale=scale,
-        window=window or 0, scratch=scratch.data_ptr(), max_len=max_len, q_rot=q_rot, rot_kind=rot_kind,
+        window=window or 0, sinks=_ptr(sinks), scratch=scratch.data_ptr(), max_len=max_len, q_rot=q_rot,
+        rot_kind=rot_kind,
         **_key_bias_ptrs(key_bias, write=False))
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, max_len: int, scale: float, window: Optional[int],
-                           scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           scratch: Optional[torch.Tensor] = None,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, Hq, D] against each request's cached context -> [B, Hq, D] in the cache's dtype.
 
     q may be a row-strided view (e.g. the Q part of a fused QKV output) as long as each row's heads
     are contiguous. kv_cache [2, Hkv, num_blocks, block_size, D] (bfloat16 or float32), block_tables
     [B, max_blocks] int64, seq_lens [B] int64 (context including the new token); `scratch`, if given,
-    holds at least B * Hq * max_len float32 (callers reuse one across the layers of a step).
+    holds at least B * Hq * max_len float32 (callers reuse one across the layers of a step). `sinks`
+    [Hq] (gpt-oss): a logit per query head that joins its softmax's denominator and adds no value.
     """
     lib = calls()
     b, hq, d = q.shape
@@ -206,11 +221,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     out = torch.empty(b, hq, d, dtype=kv_cache.dtype)
     if scratch is None or scratch.numel() < b * hq * max_len:
         scratch = torch.empty(b * hq * max_len, dtype=torch.float32)
+    sinks = sink_logits(sinks, hq)
     lib.paged_decode_attention(
         q=q.data_ptr(), q_stride=q.stride(0), cache=kv_cache.data_ptr(), is_bf16=int(kv_cache.dtype == torch.bfloat16),
         block_tables=tables.data_ptr(), seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=b, Hq=hq, Hkv=hkv, D=d,
         num_blocks=kv_cache.shape[2], block_size=kv_cache.shape[3], max_blocks=tables.shape[1], scale=scale,
-        window=window or 0, scratch=scratch.data_ptr(), max_len=max_len)
+        window=window or 0, sinks=_ptr(sinks), scratch=scratch.data_ptr(), max_len=max_len)
     return out
 
 
@@ -243,11 +259,13 @@ class PrefillPlan(NamedTuple):
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: PrefillPlan, scale: float,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None,
+                            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of prefill rows q [T, Hq, D] (bfloat16; a row-strided view is read in
     place) over their requests' cached context, the step's own keys and values already written
     (prefill_attention.c) -> [T, Hq, D] bfloat16, into `out` (contiguous) if given. Row i of
-    request b sits at position seq_lens[b] - (its row count) + i."""
+    request b sits at position seq_lens[b] - (its row count) + i. `sinks` as
+    `paged_decode_attention`'s."""
     lib = calls()
     t, hq, d = q.shape
     hkv = kv_cache.shape[1]
@@ -260,11 +278,12 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: Prefi
     assert out.is_contiguous() and out.shape == (t, hq, d) and out.dtype == torch.bfloat16
     if int(plan.q_start[-1]) != t:
         raise ValueError(f"the plan covers {int(plan.q_start[-1])} rows, the queries {t}")
+    sinks = sink_logits(sinks, hq)
     rc = lib.paged_prefill_attention_bf16(
         q=q.data_ptr(), q_stride=q.stride(0), cache=kv_cache.data_ptr(), block_tables=plan.tables.data_ptr(),
         max_blocks=plan.tables.shape[1], q_start=plan.q_start.data_ptr(), seq_lens=plan.seq_lens.data_ptr(),
         out=out.data_ptr(), B=len(plan.seq_lens), Hq=hq, Hkv=hkv, D=d, num_blocks=kv_cache.shape[2],
-        block_size=kv_cache.shape[3], scale=scale, window=plan.window)
+        block_size=kv_cache.shape[3], scale=scale, window=plan.window, sinks=_ptr(sinks))
     if rc == -2:
         raise MemoryError("paged_prefill_attention: no memory for the threads' buffers")
     if rc != 0:

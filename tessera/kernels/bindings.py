@@ -91,12 +91,13 @@ SIGNATURES: dict[str, Signature] = {
     # paged_attention.c
     "paged_decode_attention": _sig(
         None, ("q", P), ("q_stride", I64), ("cache", P), ("is_bf16", INT), ("block_tables", P), ("seq_lens", P),
-        ("out", P), *_ATTENTION_SHAPE, ("scale", F32), ("window", I64), ("scratch", P), ("max_len", I64)),
+        ("out", P), *_ATTENTION_SHAPE, ("scale", F32), ("window", I64), ("sinks", P), ("scratch", P),
+        ("max_len", I64)),
     # prefill_attention.c
     "paged_prefill_attention_bf16": _sig(
         INT, ("q", P), ("q_stride", I64), ("cache", P), ("block_tables", P), ("max_blocks", I64), ("q_start", P),
         ("seq_lens", P), ("out", P), *_names(I64, "B", "Hq", "Hkv", "D", "num_blocks", "block_size"),
-        ("scale", F32), ("window", I64)),
+        ("scale", F32), ("window", I64), ("sinks", P)),
     # kv_int8.c
     "kv_write_int8": _sig(
         INT, ("cache", P), ("k", P), ("k_stride", I64), ("v", P), ("v_stride", I64), ("is_bf16", INT),
@@ -104,8 +105,8 @@ SIGNATURES: dict[str, Signature] = {
         ("kb_lo", P), ("kb_hi", P), ("kb_pairs", P), ("kb_m", I64), ("kb_row_cos", P), ("kb_row_sin", P)),
     "paged_decode_attention_int8": _sig(
         None, ("q", P), ("q_stride", I64), ("q_is_bf16", INT), ("cache", P), ("block_tables", P), ("seq_lens", P),
-        ("out", P), *_ATTENTION_SHAPE, ("scale", F32), ("window", I64), ("scratch", P), ("max_len", I64),
-        ("q_rot", P), ("rot_kind", INT), ("kb_lo", P), ("kb_hi", P), ("kb_pairs", P), ("kb_m", I64),
+        ("out", P), *_ATTENTION_SHAPE, ("scale", F32), ("window", I64), ("sinks", P), ("scratch", P),
+        ("max_len", I64), ("q_rot", P), ("rot_kind", INT), ("kb_lo", P), ("kb_hi", P), ("kb_pairs", P), ("kb_m", I64),
         ("kb_freqs", P), ("kb_basis", P), ("kb_step", P)),
     # rms_norm.c
     "rms_norm_bf16": _sig(None, *_names(P, "x", "residual", "weight", "out"), ("rows", I64), ("hidden", I64),

@@ -203,7 +203,7 @@ int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const ui
             }
         }
         paged_decode_attention(qkv, qkv_n, ly->kv_cache, 1, block_tables, seq_lens, attn, M, nq, nkv, D,
-                               d->num_blocks, d->block_size, d->max_blocks, (float)d->scale, 0, scores, max_len);
+                               d->num_blocks, d->block_size, d->max_blocks, (float)d->scale, 0, NULL, scores, max_len);
         if (linear(&ly->o, attn, M, x, scratch) != 0) return -1;
         rms_norm_bf16(x, residual, ly->post_norm, h, M, H, eps);
         if (linear(&ly->gate_up, h, M, gu, scratch) != 0) return -1;

@@ -186,7 +186,8 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
 }
 
 /* Decode attention over the int8 cache, one query row per request (see paged_attention.c for the
- * bfloat16 version and the argument conventions); q and out in bf16 (q_is_bf16) or float32.
+ * bfloat16 version and the argument conventions, `sinks` included); q and out in bf16 (q_is_bf16) or
+ * float32.
  * scratch: B * Hq * P float32 (P = max_len rounded up to whole blocks): scores, then weights. q_rot,
  * rot_kind: the queries' transform, matching the keys' (transform_row). kb_* (kb_m 0 for none): a key bias's share
  * kept out of the cached keys (key_bias_t), added back to each score as q . RoPE_t(bias) =
@@ -199,7 +200,8 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
 void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16, const int8_t *cache,
                                  const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B,
                                  int64_t Hq, int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size,
-                                 int64_t max_blocks, float scale, int64_t window, void *scratch, int64_t max_len,
+                                 int64_t max_blocks, float scale, int64_t window, const float *sinks,
+                                 void *scratch, int64_t max_len,
                                  const float *q_rot, int rot_kind, const float *kb_lo, const float *kb_hi,
                                  const int64_t *kb_pairs, int64_t kb_m, const float *kb_freqs,
                                  const float *kb_basis, const float *kb_step) {
@@ -233,7 +235,7 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
                 kbb[g * KB_MAX + i] = qh * bl - ql * bh;
             }
             transform_row(qf + g * D, q_rot, rot_kind, D);
-            maxs[g] = -INFINITY;
+            maxs[g] = sinks ? sinks[h * G + g] : -INFINITY;
         }
 #ifdef HAVE_AVX512_Q8
         /* The transformed query in int16, its dims (2p, 2p+1) packed in one int32 (low, high). */
@@ -341,6 +343,7 @@ void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16,
             const float m = maxs[g];
             for (int64_t t = first_block * bs; t < start; t++) sg[t] = 0.f;
             sums[g] = exp_shifted_sum(sg + start, len - start, m);
+            if (sinks) sums[g] += expf(sinks[h * G + g] - m);
             for (int64_t t = len; t < end_block * bs; t++) sg[t] = 0.f;
 #ifdef HAVE_AVX512_Q8
             if (vector) /* in int16 steps of each block's largest / 32767: token t's at int16 t, in place */

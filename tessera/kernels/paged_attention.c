@@ -64,6 +64,9 @@ static inline __attribute__((always_inline)) void values_f32(const float *vb, co
  * seq_lens:     [B] int64 (context length including the new token)
  * out:          [B][Hq][D] in the cache's dtype
  * window:       sliding window in tokens, 0 for none
+ * sinks:        [Hq] float32 or NULL: per query head, a logit that joins the softmax's denominator
+ *               and adds no value (gpt-oss's attention sinks): the maximum starts at it and the sum
+ *               gains exp(sink - max)
  * scratch:      B * Hkv * (G * max_len) floats for the scores
  * Limits (checked by the caller): D <= MAX_HEAD_DIM, G <= MAX_GROUP, block_size <= MAX_BLOCK_SIZE.
  */
@@ -71,7 +74,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                             const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
                             int64_t Hkv,
                             int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, float *scratch, int64_t max_len) {
+                            float scale, int64_t window, const float *sinks, float *scratch, int64_t max_len) {
     const int64_t G = Hq / Hkv;
     const int64_t plane = num_blocks * block_size; /* rows per (K or V, head) */
 #pragma omp parallel for schedule(dynamic, 1)
@@ -92,7 +95,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
         float kt[MAX_HEAD_DIM * MAX_BLOCK_SIZE]; /* one block of keys, transposed: kt[i * block_size + t] */
         float acc[MAX_GROUP * MAX_HEAD_DIM];
         float maxs[MAX_GROUP], sums[MAX_GROUP];
-        for (int64_t g = 0; g < G; g++) maxs[g] = -INFINITY;
+        for (int64_t g = 0; g < G; g++) maxs[g] = sinks ? sinks[h * G + g] : -INFINITY;
 #ifdef HAVE_AVX512_BF16
         if (is_bf16 && D % 32 == 0) {
             /* bfloat16 keys: dot products straight on the stored pairs with VDPBF16PS (float32
@@ -173,6 +176,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
         }
         for (int64_t g = 0; g < G; g++) {
             sums[g] = exp_shifted_sum(scores + g * max_len + start, len - start, maxs[g]);
+            if (sinks) sums[g] += expf(sinks[h * G + g] - maxs[g]);
             memset(acc + g * D, 0, sizeof(float) * D);
         }
         const int64_t vbase = (Hkv + h) * plane;

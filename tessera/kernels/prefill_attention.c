@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void block_update(const int R, cons
             continue;
         }
         const float mnew = bm > m[r] ? bm : m[r];
-        alpha[r] = expf(m[r] - mnew); /* 0 on the first live block (m = -inf) */
+        alpha[r] = expf(m[r] - mnew); /* 0 on the first live block (m = -inf) without a sink */
         m[r] = mnew;
         __m512 sum = _mm512_setzero_ps();
         for (int t = 0; t < 4; t++) {
@@ -192,11 +192,14 @@ typedef struct {
     float *o;
 } work_t;
 
-/* One work item: its nq query vectors (rows qrows, positions qpos, outputs orows), R at a time,
- * over the blocks of keys they see of one (request, KV head): kc, vc, table and block_size as
- * copy_block takes them, len the request's context. */
+/* One work item: its nq query vectors (rows qrows, positions qpos, sink logits qsink, outputs orows),
+ * R at a time, over the blocks of keys they see of one (request, KV head): kc, vc, table and
+ * block_size as copy_block takes them, len the request's context. A vector's sink (-inf: none)
+ * joins its softmax as a key of that score and no value: the running maximum starts at it and the
+ * sum at exp(sink - sink) = 1. */
 static inline __attribute__((always_inline)) void item_attend(const int R, const int NC, const uint32_t *const *qrows,
-                                                               const int64_t *qpos, uint16_t *const *orows, int64_t nq,
+                                                               const int64_t *qpos, const float *qsink,
+                                                               uint16_t *const *orows, int64_t nq,
                                                                const uint16_t *kc, const uint16_t *vc,
                                                                const int64_t *table, int64_t block_size, int64_t len,
                                                                int64_t window, float scale, const work_t *w) {
@@ -207,8 +210,8 @@ static inline __attribute__((always_inline)) void item_attend(const int R, const
         const int64_t src = v < nq ? v : nq - 1; /* the last group is padded with copies */
         memcpy(w->q + v * D2, qrows[src], D * 2);
         pos[v] = qpos[src];
-        m[v] = -INFINITY;
-        l[v] = 0.f;
+        m[v] = qsink[src];
+        l[v] = qsink[src] == -INFINITY ? 0.f : 1.f;
     }
     memset(w->o, 0, sizeof(float) * ng * R * D);
     /* Per group: its first block, its last position, and what decides whether a block needs the
@@ -264,6 +267,8 @@ static int costlier_first(const void *a, const void *b) {
  * seq_lens:     [B] int64, context of request b including its rows (its last row's position + 1)
  * out:          [T][Hq][D] bfloat16
  * window:       sliding window in tokens, 0 for none
+ * sinks:        [Hq] float32 or NULL: per query head, a logit that joins the softmax's denominator
+ *               and adds no value (gpt-oss's attention sinks)
  * Returns 0; -1 where this build or shape is not handled (no AVX512-BF16; D not a multiple of 32
  * or over 256; more than 16 query heads per KV head): the caller then uses PyTorch; -2 where the
  * threads' buffers (a few hundred KiB each, whatever the context) could not be allocated.
@@ -271,7 +276,8 @@ static int costlier_first(const void *a, const void *b) {
 int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache,
                                  const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                                  const int64_t *seq_lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv,
-                                 int64_t D, int64_t num_blocks, int64_t block_size, float scale, int64_t window) {
+                                 int64_t D, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
+                                 const float *sinks) {
 #ifdef HAVE_AVX512_BF16
     const int64_t G = Hq / Hkv;
     if (D % 32 || D > PREFILL_MAX_HEAD_DIM || G > MAX_GROUP || G * Hkv != Hq) return -1;
@@ -326,6 +332,7 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
             const uint32_t *qrows[PF_MAX_Q];
             uint16_t *orows[PF_MAX_Q];
             int64_t qpos[PF_MAX_Q];
+            float qsink[PF_MAX_Q];
             int64_t nq = 0;
             for (int64_t r = items[i].r0; r < items[i].r1; r++)
                 for (int64_t g = 0; g < G; g++, nq++) {
@@ -333,10 +340,12 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
                     qrows[nq] = (const uint32_t *)(q + row * q_stride + (h * G + g) * D);
                     orows[nq] = out + (row * Hq + h * G + g) * D;
                     qpos[nq] = seq_lens[b] - qlen + r;
+                    qsink[nq] = sinks ? sinks[h * G + g] : -INFINITY;
                 }
             const uint16_t *kc = cache + h * plane * D, *vc = cache + (Hkv + h) * plane * D;
             const int64_t *table = block_tables + b * max_blocks;
-#define ITEM(R, NC_) item_attend(R, NC_, qrows, qpos, orows, nq, kc, vc, table, block_size, seq_lens[b], window, scale, &w)
+#define ITEM(R, NC_) \
+    item_attend(R, NC_, qrows, qpos, qsink, orows, nq, kc, vc, table, block_size, seq_lens[b], window, scale, &w)
             switch (NC) {
             case 2: ITEM(4, 2); break;
             case 4: ITEM(4, 4); break;
@@ -356,7 +365,7 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
 #else
     (void)q; (void)q_stride; (void)cache; (void)block_tables; (void)max_blocks; (void)q_start; (void)seq_lens;
     (void)out; (void)B; (void)Hq; (void)Hkv; (void)D; (void)num_blocks; (void)block_size; (void)scale;
-    (void)window;
+    (void)window; (void)sinks;
     return -1;
 #endif
 }

@@ -64,13 +64,14 @@ typedef struct {
 void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
                             const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, float *scratch, int64_t max_len);
+                            float scale, int64_t window, const float *sinks, float *scratch, int64_t max_len);
 
 /* ---- prefill_attention.c ---- */
 int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache,
                                  const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
                                  const int64_t *seq_lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv,
-                                 int64_t D, int64_t num_blocks, int64_t block_size, float scale, int64_t window);
+                                 int64_t D, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
+                                 const float *sinks);
 
 /* ---- kv_int8.c ---- */
 int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v, int64_t v_stride, int is_bf16,
@@ -80,8 +81,8 @@ int kv_write_int8(int8_t *cache, const void *k, int64_t k_stride, const void *v,
 void paged_decode_attention_int8(const void *q, int64_t q_stride, int q_is_bf16, const int8_t *cache,
                                  const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B,
                                  int64_t Hq, int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size,
-                                 int64_t max_blocks, float scale, int64_t window, void *scratch, int64_t max_len,
-                                 const float *q_rot, int rot_kind, const float *kb_lo, const float *kb_hi,
+                                 int64_t max_blocks, float scale, int64_t window, const float *sinks,
+                                 void *scratch, int64_t max_len, const float *q_rot, int rot_kind, const float *kb_lo, const float *kb_hi,
                                  const int64_t *kb_pairs, int64_t kb_m, const float *kb_freqs,
                                  const float *kb_basis, const float *kb_step);
 

@@ -8,7 +8,9 @@ once for all the heads that share it. The program walks the request's keys 16-12
 key finding its block through the block table (so any block size works), from the first key its
 queries may see (the sliding window's start) to the last one the causal mask allows, with an
 online softmax in float32 (FlashAttention's recurrence), so no context is gathered or
-padded and prefill chunks with prefix-cache hits need no special case.
+padded and prefill chunks with prefix-cache hits need no special case. Attention sinks (gpt-oss:
+a logit per query head in the softmax's denominator, with no value) start that recurrence: the
+running maximum at the sink, the sum at exp(sink - sink) = 1.
 
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors in Triton's interpreter, so CI (no
 GPU) tests the very code the GPU compiles, at small shapes (tests/kernels/test_triton_attention.py; the
@@ -37,14 +39,14 @@ def available() -> Optional[str]:
 # No `from __future__ import annotations` here: the interpreter finds constexpr parameters by their
 # annotation objects.
 def _paged_attention(
-    q_ptr, k_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr,
     block_tables_ptr, tile_req_ptr, tile_start_ptr, query_start_ptr, seq_lens_ptr,
     scale, window, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ch, stride_cb, stride_cs, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SLIDING: tl.constexpr, SINKS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,6 +71,9 @@ def _paged_attention(
 
     m_i = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_ROWS], tl.float32)
+    if SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
     hi = tl.minimum(ctx + q0 + BLOCK_Q, seq_len)  # keys past the tile's last query are never seen
     lo = 0
@@ -151,23 +156,26 @@ def tiles(query_start_loc: list[int], block_q: int) -> tuple[list[int], list[int
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
                     tile_req: torch.Tensor, tile_start: torch.Tensor, query_start: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: Optional[int], block_q: int,
-                    block_rows: int) -> torch.Tensor:
+                    block_rows: int, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out[T, Hq, D] = causal attention of q[T, Hq, D] over each request's cached keys and values
     (kv_cache [2, Hkv, blocks, block_size, D], this step's already written). The index tensors are
-    int32/int64 on q's device; `tile_req`/`tile_start` from `tiles`."""
+    int32/int64 on q's device; `tile_req`/`tile_start` from `tiles`. `sinks`: [Hq] float32 on q's
+    device, each head's sink logit (AttentionBackend.forward), or None."""
     hq, d = q.shape[1], q.shape[2]
     hkv, block_size = kv_cache.shape[1], kv_cache.shape[3]
     group = hq // hkv
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kernel = _kernel()
     grid = (tile_req.shape[0], hkv)
+    sinks_arg = q if sinks is None else sinks  # any pointer when SINKS is off: never read
     kernel[grid](
-        q, k_cache, v_cache, out, block_tables, tile_req, tile_start, query_start, seq_lens,
+        q, k_cache, v_cache, out, sinks_arg, block_tables, tile_req, tile_start, query_start, seq_lens,
         float(scale), int(sliding_window or 0), block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_Q=block_q, BLOCK_ROWS=block_rows,
-        BLOCK_N=keys_per_step(block_size), SLIDING=bool(sliding_window), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=keys_per_step(block_size), SLIDING=bool(sliding_window), SINKS=sinks is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreted() and q.dtype != torch.float32,
     )
     return out

@@ -1,7 +1,7 @@
 """The Triton paged-attention kernel against the reference loop, run by Triton's interpreter on
 CPU tensors (the same kernel source the GPU compiles): decodes, prompt chunks over cached
 context, grouped-query heads (a power of two and not), head sizes that are not a power of two,
-sliding windows, scattered blocks, float32 and bfloat16."""
+sliding windows, scattered blocks, float32 and bfloat16, attention sinks."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,7 @@ from tessera.attention.reference import ReferenceBackend
 from tessera.kernels import triton_attention
 
 from test_attention_backends import _case
+from test_attention_sinks import sink_reference
 
 pytestmark = pytest.mark.skipif(triton_attention.available() is not None, reason="triton unavailable")
 
@@ -65,3 +66,24 @@ def test_tiles_cover_every_query_once():
 def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="int8"):
         get_backend("triton", "int8", device="cpu")
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (4, 4)])
+def test_sinks_match_transformers_formula(hq, hkv, window, dtype, atol):
+    """Sinks start the kernel's online softmax (maximum at the sink, sum at one): decodes, a whole
+    prompt and chunks over cached context, against transformers' gpt-oss formula in float32."""
+    qlens, seqlens = [1, 1, 9, 5, 70], [5, 40, 9, 25, 103]
+    cache, tables, q, k, v = _case(dtype, hq, hkv, 64, 16, tuple(seqlens), 0, tokens=sum(qlens))
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1)) * 2 + 3
+    backend = get_backend("triton", device="cpu")
+    got = backend.forward(q, k, v, cache.clone(), backend.build_metadata(qlens, seqlens, tables, 16), 0.125, window,
+                          sinks=sinks).float()
+    torch.testing.assert_close(got, sink_reference(q, k, v, cache, tables, qlens, seqlens, 16, 0.125, window, sinks),
+                               atol=atol, rtol=0)
+    silent = backend.forward(q, k, v, cache.clone(), backend.build_metadata(qlens, seqlens, tables, 16), 0.125,
+                             window, sinks=torch.full((hq,), float("-inf"))).float()
+    plain = backend.forward(q, k, v, cache.clone(), backend.build_metadata(qlens, seqlens, tables, 16), 0.125,
+                            window).float()
+    torch.testing.assert_close(silent, plain, atol=1e-6, rtol=0)

@@ -215,7 +215,7 @@ def test_the_parser_sees_the_whole_interface():
     """A parser that found nothing would agree with everything."""
     prototypes = parse_prototypes(_header())
     assert len(prototypes) == len(bindings.SIGNATURES) >= 28
-    assert len(prototypes["paged_decode_attention_int8"].params) == 27
+    assert len(prototypes["paged_decode_attention_int8"].params) == 28
     assert prototypes["tessera_avx2_fma"] == CFunction("int", ())
     exported = {n for text in _sources().values() for n in parse_definitions(text)}
     assert exported == set(prototypes)
@@ -258,7 +258,7 @@ def test_a_mismatched_prototype_is_reported():
                p.endswith("int64_t K, int is_bf16, int64_t G, float *xf)") for p in problems)
 
     dropped = header.replace("const float *kb_basis, const float *kb_step);", "const float *kb_basis);")
-    assert "paged_decode_attention_int8: 26 parameters in C, 27 in the binding" in check_interface(dropped, sources)
+    assert "paged_decode_attention_int8: 27 parameters in C, 28 in the binding" in check_interface(dropped, sources)
     retyped = header.replace("int64_t hidden, float eps);", "int64_t hidden, double eps);", 1)
     assert "rms_norm_bf16: argument 6 (eps) is double in C, bound as c_float (want c_double)" in check_interface(
         retyped, sources)
