@@ -328,12 +328,13 @@ def _convert_gguf_tokenizer(path: Path):
     try:
         try:
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except ValueError as exc:
-            if "is not supported yet" not in str(exc):
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, ValueError) and "is not supported yet" not in str(exc):
                 raise
             # transformers reads the model's config to pick a tokenizer class and knows fewer GGUF
-            # architectures than Tessera runs (olmo2, granite, smollm3); the vocabulary itself is
-            # one of the kinds it converts, whatever the architecture.
+            # architectures than Tessera runs (olmo2, granite, smollm3), or fails reading their
+            # keys (gpt-oss's YaRN ones: a TypeError); the vocabulary itself is one of the kinds it
+            # converts, whatever the architecture.
             from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -268,6 +268,10 @@ def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized:
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state)
+    if arch == "gpt-oss":  # a GGUF has no SwiGLU clamp: llama.cpp's is 7.0
+        for m in model.modules():
+            if hasattr(m, "limit"):
+                m.limit = 7.0
     if arch in _GEMMA:  # a GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim)
         for layer in model.model.layers:
             layer.self_attn.scaling = cfg.head_dim ** -0.5

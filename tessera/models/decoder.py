@@ -207,7 +207,8 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         load_named_weights(self, weights, source, extra)
         if self.config.attention_sinks:
             for i, layer in enumerate(self.model.layers):
-                sinks = extra.get(f"model.layers.{i}.self_attn.sinks")
+                name = f"model.layers.{i}.self_attn.sinks"
+                sinks = extra.get(name, extra.get(name + ".weight"))  # the GGUF's attn_sinks.weight
                 if sinks is None or tuple(sinks.shape) != (self.config.num_heads,):
                     raise ModelFormatError(f"{source}: layer {i}'s attention sinks are missing or not "
                                            f"[{self.config.num_heads}]")

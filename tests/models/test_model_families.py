@@ -45,6 +45,10 @@ def family_model(tmp_path_factory):
             if kind.startswith("gemma"):  # the folder's own score scale (the GGUF's is llama.cpp's)
                 for layer in model.model.layers:
                     layer.self_attn.scaling = model.config.query_pre_attn_scalar ** -0.5
+            if kind == "gpt_oss":  # the folder's own SwiGLU clamp (the GGUF's is llama.cpp's)
+                for m in model.modules():
+                    if hasattr(m, "limit"):
+                        m.limit = model.config.swiglu_limit
             model.generation_config.eos_token_id = None  # 32 tokens, as ignore_eos
             with torch.no_grad():
                 greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -316,5 +320,5 @@ def test_gpt_oss_mxfp4_checkpoint_loads_its_blocks_as_transformers_reads_them(fa
             want = model(torch.tensor([tokens])).logits[0]
     finally:
         model.load_state_dict(original)
-    loaded = load_model(mx, "float32")
-    assert (forward_single(loaded, tokens) - want).abs().max().item() < 1e-4
+    loaded = load_model(mx, "float32", quantization="none")  # the blocks decoded exactly
+    assert (forward_single(loaded, tokens) - want).abs().max().item() < 1e-3  # a nibble out of place: ~1

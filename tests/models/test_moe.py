@@ -175,3 +175,25 @@ def family_model_moe(tmp_path_factory):
         return made[kind]
 
     return make
+
+
+def test_mxfp4_experts_keep_the_files_blocks(tmp_path):
+    """gpt-oss's experts as MXFP4 in GGUF: each expert's projections keep the file's blocks
+    (MXFP4Method, 17 bytes per 32 weights) and the model follows transformers holding the same
+    dequantized weights (the kernel rounds activations to int8, as llama.cpp does)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tessera.layers.quantization import MXFP4Method
+    from tessera.models.loader import forward_single, load_model
+
+    qtypes = {"ffn_gate_exps": Q.MXFP4, "ffn_up_exps": Q.MXFP4, "ffn_down_exps": Q.MXFP4}
+    path, model = write_tiny_gguf("gpt_oss", tmp_path, quantized=True, qtypes=qtypes)
+    loaded = load_model(path, "float32")
+    experts = [m for name, m in loaded.model.named_modules() if ".experts." in name and hasattr(m, "quant_method")]
+    assert experts and all(isinstance(m.quant_method, MXFP4Method) for m in experts)
+    assert all(m.quant_method.nbytes(m) == m.output_size * m.input_size // 32 * 17 for m in experts)
+    tokens = [5, 17, 42, 99, 3, 250, 7, 7, 120, 64, 33, 8, 301, 19, 77, 150]
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    got = forward_single(loaded, tokens)
+    assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
