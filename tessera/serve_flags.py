@@ -126,9 +126,10 @@ def _output_parsing_flags(parser: argparse.ArgumentParser) -> None:
                    help="the syntax the model writes tool calls in, parsed and enforced by the grammar "
                         "(default: detected from the chat template; hermes when it shows none)")
     g.add_argument("--reasoning-parser", default=None, choices=[*sorted(REASONING_PARSERS), "none"],
-                   help="return the model's <think> block apart, as reasoning_content (default: detected from "
-                        "the chat template: qwen3 where it has Qwen3's enable_thinking switch, deepseek_r1 where "
-                        "it opens <think>; none keeps the block in the content)")
+                   help="return the model's <think> block (or gpt-oss's analysis channel) apart, as "
+                        "reasoning_content (default: detected from the chat template: openai_gptoss for a harmony "
+                        "one, with <|channel|>; qwen3 where it has Qwen3's enable_thinking switch, deepseek_r1 "
+                        "where it opens <think>; none keeps the block in the content)")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template text itself) used instead of the "
                         "model's own")

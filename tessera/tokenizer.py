@@ -38,6 +38,9 @@ END_OF_GENERATION_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
 )
+# Harmony's (gpt-oss's) message ends: <|return|> ends the answer, <|call|> a tool call, <|end|>
+# only a message (see Tokenizer.end_of_generation).
+HARMONY_RETURN, HARMONY_CALL, HARMONY_END = "<|return|>", "<|call|>", "<|end|>"
 
 
 class Tokenizer:
@@ -60,7 +63,7 @@ class Tokenizer:
         backend.no_padding()
         self.backend = backend
         self.bos_token_id = bos_token_id
-        self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self.eos_token_ids = self.end_of_generation(eos_token_ids)
         self.chat_template = chat_template
         self.special_tokens_map = special_tokens_map
         self.name = name
@@ -68,6 +71,16 @@ class Tokenizer:
         self.special_token_ids = frozenset(
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
+
+    def end_of_generation(self, ids: list[int]) -> list[int]:
+        """`ids` as the ids that end generation: without duplicates, and without harmony's
+        <|end|> where <|return|> and <|call|> are among them (gpt-oss: <|end|> ends one message
+        of an answer that goes on, its analysis before its final one), as llama.cpp decides."""
+        ids = list(dict.fromkeys(ids))
+        texts = {i: self.backend.id_to_token(i) for i in ids}
+        if {HARMONY_RETURN, HARMONY_CALL} <= set(texts.values()):
+            ids = [i for i in ids if texts[i] != HARMONY_END]
+        return ids
 
     # -- construction --------------------------------------------------------
     @classmethod

@@ -98,6 +98,7 @@ class FakeCore:
     fail_after_steps: Optional[int] = None  # the loop dies on this step (EngineDeadError)
     forecast_wait_s: Optional[float] = None  # what predict_wait answers (None: no cost model)
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    reply: str = REPLY  # what greedy sampling writes before EOS
     waiting: list[_Req] = field(default_factory=list)
     running: list[_Req] = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
@@ -195,8 +196,9 @@ class FakeCore:
     def _next_token(self, req: _Req, child: _Child) -> int:
         produced = len(child.out.token_ids)
         if child.rng is None:
-            if produced < len(REPLY):
-                return REPLY.encode()[produced]
+            reply = self.reply.encode()
+            if produced < len(reply):
+                return reply[produced]
             return ord(" ") if req.prepared.params.ignore_eos else EOS
         return ord(child.rng.choice(ALPHABET))
 

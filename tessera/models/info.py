@@ -46,7 +46,7 @@ def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokeniz
 
 def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:
     """One list of end-of-generation ids, shared by the config and the tokenizer."""
-    ids = list(dict.fromkeys(list(tokenizer.eos_token_ids) + list(config.eos_token_ids)))
+    ids = tokenizer.end_of_generation(list(tokenizer.eos_token_ids) + list(config.eos_token_ids))
     config.eos_token_ids = ids
     tokenizer.eos_token_ids = ids
     if config.bos_token_id is None:

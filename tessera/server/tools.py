@@ -23,8 +23,8 @@ from typing import Any, Optional, Sequence
 
 from tessera.sampling_params import InvalidRequestError, StructuredOutputsParams
 from tessera.server.output_parsers import (
-    TOOL_PARSERS, OutputParser, OutputParsing, ParsedCall, ParserEvent, ToolParser, output_parser,
-    prompt_closes_think, prompt_opens_think,
+    TOOL_PARSERS, OutputParser, OutputParsing, ParsedCall, ParserEvent, ThinkReasoningParser, ToolParser,
+    is_harmony_template, output_parser, prompt_closes_think, prompt_opens_think,
 )
 from tessera.server.output_parsers.hermes import HermesToolParser
 from tessera.server.openai.protocol import ChatTool, NamedToolChoice
@@ -77,7 +77,9 @@ def tool_constraint(tools: list[ChatTool], choice: Any, parallel: bool,
         specs = [s for s in specs if s["name"] == choice.function.name]
     fmt = settings.tool_parser.call_format(specs, mode, parallel)
     reasoning = settings.reasoning
-    if reasoning is not None and not prompt_closes_think(prompt, reasoning.closer):
+    # (Harmony's reasoning is its analysis channel, which its own format already holds.)
+    if (isinstance(reasoning, type) and issubclass(reasoning, ThinkReasoningParser)
+            and not prompt_closes_think(prompt, reasoning.closer)):
         opened = reasoning.always_starts_inside or prompt_opens_think(prompt, reasoning.opener, reasoning.closer)
         # The newlines after the block belong to it: with "required" the calls' format starts at once.
         think: dict[str, Any] = {"type": "tag", "begin": "" if opened else reasoning.opener,
@@ -118,9 +120,13 @@ def render_prompt(tokenizer: Any, settings: OutputParsing, messages: list[dict[s
     Any API's messages go through here once turned into chat-template messages."""
     messages = _leading_system_joined(messages)
     template = settings.template(tokenizer.chat_template)
+    messages = harmony_messages(messages) if is_harmony_template(template) else _without_reasoning(messages)
     template_tools = None
     if template_renders_tools(template):
         template_tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        if template_tools and is_harmony_template(template):  # gpt-oss's writes "// " + description
+            for t in template_tools:
+                t["function"].setdefault("description", "")
     else:
         messages = add_tools_to_messages(messages, tools or [], settings.tool_parser)
     extra: dict[str, Any] = {}
@@ -142,6 +148,47 @@ def render_prompt(tokenizer: Any, settings: OutputParsing, messages: list[dict[s
         if isinstance(exc, InvalidRequestError):
             raise
         raise InvalidRequestError(f"the model's chat template rejected these messages: {exc}") from exc
+
+
+def _without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier turns' reasoning left out, as the think family's templates leave it out."""
+    if not any("reasoning_content" in m for m in messages):
+        return messages
+    return [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+
+
+def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation as gpt-oss's template reads it (as llama.cpp hands it over): a turn's
+    reasoning as `thinking`, which the template renders before the turn's tool call (and raises
+    on beside content there, so the reasoning wins); and one call per assistant turn, each
+    followed by its result, since the template renders only a turn's first call and names a
+    result after the latest call."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = dict(messages[i])
+        i += 1
+        if "reasoning_content" in m:
+            m["thinking"] = m.pop("reasoning_content")
+            if m.get("tool_calls"):
+                m.pop("content", None)
+        calls = m.get("tool_calls") or []
+        if m["role"] != "assistant" or len(calls) < 2:
+            out.append(m)
+            continue
+        results = []
+        while i < len(messages) and messages[i]["role"] == "tool":
+            results.append(messages[i])
+            i += 1
+        for n, call in enumerate(calls):
+            out.append(dict(m, tool_calls=[call]) if n == 0 else {"role": "assistant", "tool_calls": [call]})
+            # Its result: the one with its id, else the next one that names no call.
+            at = next((k for k, r in enumerate(results) if call.get("id") and r.get("tool_call_id") == call["id"]),
+                      next((k for k, r in enumerate(results) if not r.get("tool_call_id")), None))
+            if at is not None:
+                out.append(results.pop(at))
+        out += results  # results of no call of the turn: after its calls
+    return out
 
 
 def _text_join(parts: list[Any]) -> str:

@@ -7,8 +7,10 @@ message (`is_error` said in its text), `tool_choice` auto/any/tool/none the chat
 auto/required/named/none, `input_schema` a function's parameters. So the template, tool
 constraint and parsing are the ones chat completions use, and so are its rules for what
 agents send: server tools (web_search_..., code_execution_..., with a `type`) are left out and
-named in the x-tessera-ignored-tools header; earlier turns' thinking and blocks of server tools
-or of kinds this server has no use for are left out of the prompt. Fields Tessera has no use
+named in the x-tessera-ignored-tools header; earlier turns' thinking is the turn's reasoning
+(left out of the prompt unless the template renders it, as gpt-oss's does before a tool call),
+blocks of server tools or of kinds this server has no use for are left out of the prompt;
+`output_config.effort` is the template's `reasoning_effort`. Fields Tessera has no use
 for (cache_control, context_management, service_tier, container, mcp_servers) are ignored, and
 sampling settings the SDK no longer names (temperature, top_p, top_k, min_p, penalties) are
 read from the body wherever a client puts them. Image blocks, and documents that are not
@@ -100,8 +102,8 @@ class ToolResultBlock(OpenAIModel):
 
 
 class ThinkingBlock(OpenAIModel):
-    """An earlier turn's thinking sent back: kept out of the prompt, as chat templates keep
-    earlier turns' reasoning out."""
+    """An earlier turn's thinking sent back: the turn's reasoning, which most chat templates keep
+    out of the prompt (gpt-oss's renders it before a tool call)."""
 
     type: Literal["thinking", "redacted_thinking"]
     thinking: Optional[str] = None
@@ -263,6 +265,7 @@ class CountTokensRequest(OpenAIModel):
                       if isinstance(t, Tool) else {"type": t.type} for t in self.tools
                       if not (isinstance(t, Tool) and t.defer_loading)] or None if self.tools else None,
             "chat_template_kwargs": self.thinking.template_kwargs() if self.thinking is not None else None,
+            "reasoning_effort": self.output_config.effort if self.output_config is not None else None,
             **sampling,
         })
 
@@ -302,6 +305,7 @@ def _to_chat(message: InputMessage) -> list[dict[str, Any]]:
     texts: list[str] = []
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     for block in message.content:
         if isinstance(block, ToolResultBlock):
             if message.role != "user":
@@ -313,15 +317,19 @@ def _to_chat(message: InputMessage) -> list[dict[str, Any]]:
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
         elif isinstance(block, ThinkingBlock):
-            continue
+            if block.thinking and message.role == "assistant":
+                thoughts.append(block.thinking)
         else:
             texts.append(_text_of(block))
     out = list(results)
     text = "".join(texts)
+    # The thinking rides along as the turn's reasoning: templates that render it (gpt-oss's, for a
+    # turn that called tools) get it, the others leave it out (render_prompt).
+    reasoning = {"reasoning_content": "\n".join(thoughts)} if thoughts else {}
     if calls:
-        out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+        out.append({"role": "assistant", "content": text or None, "tool_calls": calls, **reasoning})
     elif text or not results:
-        out.append({"role": message.role, "content": text})
+        out.append({"role": message.role, "content": text, **reasoning})
     return out
 
 

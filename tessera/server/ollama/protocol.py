@@ -67,7 +67,7 @@ class OllamaMessage(OllamaModel):
     images: Optional[list[str]] = None
     tool_calls: Optional[list[OllamaToolCall]] = None
     tool_name: Optional[str] = None  # a tool turn: the tool whose result this is
-    thinking: Optional[str] = None  # an earlier turn's reasoning; not rendered
+    thinking: Optional[str] = None  # an earlier turn's reasoning (rendered only by templates that read it)
 
 
 class OllamaToolFunction(OllamaModel):

@@ -18,6 +18,9 @@ answers back into Ollama's shapes:
 - `format` ("json" or a JSON schema) through xgrammar, `tools` through the tool-calling core
   (tools.py) with each call's `function.arguments` an object, as Ollama returns them; a streamed
   call comes whole in one line once its arguments are complete, as Ollama sends it;
+- a model with a reasoning parser returns its reasoning as the message's `thinking` and takes
+  `think` (true/false its template's `enable_thinking`, "low"/"medium"/"high" gpt-oss's
+  `reasoning_effort`); an earlier turn's `thinking` is its reasoning;
 - `keep_alive` onto the router's per-model keep_alive (`ModelRouter.set_keep_alive`), counted
   from the end of the request; a request without it restores the model's configured value;
 - errors as `{"error": "..."}` with Ollama's statuses (400 bad request, 404 unknown model, 429,
@@ -31,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -112,9 +115,25 @@ def keep_alive_seconds(value: KeepAlive, served: ServedModel) -> Optional[float]
         raise InvalidRequestError(f"keep_alive: {exc}") from None
 
 
-def _refuse_unsupported(body: OllamaGenerationRequest, name: str) -> None:
-    if body.think not in (None, False, ""):
+def _refuse_unsupported(body: OllamaGenerationRequest, name: str, thinks: bool = False) -> None:
+    """`thinks`: the model's output has a reasoning parser, so `think` means something to it."""
+    if body.think not in (None, False, "") and not thinks:
         raise InvalidRequestError(f'"{name}" does not support thinking')
+
+
+THINK_LEVELS = ("low", "medium", "high")
+
+
+def _think_kwargs(think: Union[bool, str, None]) -> Optional[dict[str, Any]]:
+    """Ollama's `think` as template variables: true/false the hybrid reasoners' `enable_thinking`,
+    a level (gpt-oss's "low" / "medium" / "high") its `reasoning_effort`."""
+    if think is None or think == "":
+        return None
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    if think not in THINK_LEVELS:
+        raise InvalidRequestError(f"think must be true, false or one of {', '.join(THINK_LEVELS)}")
+    return {"enable_thinking": True, "reasoning_effort": think}
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -147,7 +166,7 @@ def _max_tokens(engine: ServingEngine, body: OllamaGenerationRequest, prompt_len
 
 
 def _sampling_params(body: OllamaGenerationRequest, max_tokens: int,
-                     structured: Optional[StructuredOutputsParams]) -> SamplingParams:
+                     structured: Optional[StructuredOutputsParams], keep_special: bool = False) -> SamplingParams:
     opts = body.opts
     opts.check()
 
@@ -168,6 +187,7 @@ def _sampling_params(body: OllamaGenerationRequest, max_tokens: int,
             stop=opts.stop or None,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             structured_outputs=structured,
+            skip_special_tokens=not keep_special,  # the markers of parsers that read special tokens
         )
     except (TypeError, ValueError) as exc:  # InvalidRequestError is a ValueError
         raise InvalidRequestError(f"options: {exc}") from exc
@@ -188,6 +208,8 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
         if m.images:
             raise InvalidRequestError(f'"{name}" does not support images')
         msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.thinking:
+            msg["reasoning_content"] = m.thinking
         if m.tool_calls:
             msg["tool_calls"] = [{"type": "function", "function": {"name": c.function.name,
                                                                    "arguments": c.function.arguments}}
@@ -196,7 +218,9 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
             msg["name"] = m.tool_name
         messages.append(msg)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-    return _as_chat_request(messages, tools)
+    request = _as_chat_request(messages, tools)
+    request.chat_template_kwargs = _think_kwargs(body.think)
+    return request
 
 
 def _generate_ids(engine: ServingEngine, settings: OutputParsing, body: OllamaGenerateRequest) -> list[int]:
@@ -267,16 +291,18 @@ class OllamaReply:
         self.model = model
         self.timing = timing
         self.logprobs = logprobs
-        self.parser = parser  # the model's tool-call parser when the request has tools
+        self.parser = parser  # the model's parsers when the request has tools or the model reasons
         self.sent_calls = 0
         self.final: Optional[RequestOutput] = None
 
     # -- pieces ---------------------------------------------------------------------
     def _piece(self, text: str, calls: list[dict[str, Any]], logprobs: Optional[list[TokenLogprob]],
-               done: bool = False) -> dict[str, Any]:
+               done: bool = False, thinking: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": _now()}
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = calls
             out["message"] = message
@@ -287,13 +313,14 @@ class OllamaReply:
         out["done"] = done
         return out
 
-    def _text_and_calls(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
-        """Content and the tool calls completed by `text` (after what came before)."""
+    def _text_and_calls(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]], str]:
+        """Content, the tool calls completed by `text` (after what came before) and reasoning."""
         parser = self.parser
         if parser is None:
-            return text, []
+            return text, [], ""
         events = parser.feed(text) + (parser.finish() if finished else [])
         content = "".join(e.text for e in events if e.kind == "content")
+        thinking = "".join(e.text for e in events if e.kind == "reasoning")
         # Ollama sends each call whole: the last one is complete once another follows or the text ends.
         complete = len(parser.calls) if finished else max(len(parser.calls) - 1, 0)
         calls = []
@@ -304,7 +331,7 @@ class OllamaReply:
             else:  # arguments that are not an object (only unconstrained text has them): left as text
                 content += f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}'
         self.sent_calls = max(self.sent_calls, complete)
-        return content, calls
+        return content, calls, thinking
 
     # -- the StreamRenderer protocol (serving.Run.stream) ---------------------------
     def start(self) -> list[str]:
@@ -314,10 +341,10 @@ class OllamaReply:
         c = output.outputs[0]
         if output.finished:
             self.final = output
-        text, calls = self._text_and_calls(c.delta_text, c.finished)
-        if not (text or calls or (self.logprobs and c.delta_logprobs)):
+        text, calls, thinking = self._text_and_calls(c.delta_text, c.finished)
+        if not (text or calls or thinking or (self.logprobs and c.delta_logprobs)):
             return []
-        return [json.dumps(self._piece(text, calls, c.delta_logprobs)) + "\n"]
+        return [json.dumps(self._piece(text, calls, c.delta_logprobs, thinking=thinking)) + "\n"]
 
     def finish(self, usage: UsageInfo) -> list[str]:
         assert self.final is not None
@@ -330,8 +357,8 @@ class OllamaReply:
     # -- the final object ------------------------------------------------------------
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         c = output.outputs[0]
-        text, calls = self._text_and_calls(c.text, True)
-        return self._last(self._piece(text, calls, c.logprobs, done=True), output)
+        text, calls, thinking = self._text_and_calls(c.text, True)
+        return self._last(self._piece(text, calls, c.logprobs, done=True, thinking=thinking), output)
 
     def _last(self, body: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
         c: CompletionOutput = output.outputs[0]
@@ -374,7 +401,7 @@ async def _load_or_unload(state: ServerState, request: Request, served: ServedMo
 async def _answer(state: ServerState, request: Request, body: OllamaGenerationRequest, served: ServedModel,
                   kind: str, timing: Timing, prompt: Callable[[ServingEngine], list[int]],
                   constraint: Optional[StructuredOutputsParams],
-                  parser: Optional[Callable[[], OutputParser]]) -> Response:
+                  parser: Optional[Callable[[], OutputParser]], keep_special: bool = False) -> Response:
     """Route, tokenize, run and answer (streamed or whole); keep_alive applies once it is done."""
     keep = keep_alive_seconds(body.keep_alive, served)
     route = await state.route(served.name, request)
@@ -385,7 +412,7 @@ async def _answer(state: ServerState, request: Request, body: OllamaGenerationRe
         if engine is None:
             raise APIError(503, f'model "{route.model.name}" was unloaded; retry', type="server_error")
         ids = prompt(engine)
-        params = _sampling_params(body, _max_tokens(engine, body, len(ids)), constraint)
+        params = _sampling_params(body, _max_tokens(engine, body, len(ids)), constraint, keep_special)
         run = Run(state, request, route, [ids], params, f"ollama-{uuid.uuid4().hex}",
                   reprompt=lambda other: [prompt(other)])
         reply = OllamaReply(kind, route.reported, timing, parser() if parser else None, bool(body.logprobs))
@@ -405,7 +432,8 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
     timing = Timing(time.perf_counter_ns())
     state: ServerState = request.app.state.tessera
     served = served_model(state, body.model)
-    _refuse_unsupported(body, served.name)
+    settings = served.output_parsing  # the model's syntaxes, in the prompt, grammar and parsers
+    _refuse_unsupported(body, served.name, thinks=settings.reasoning is not None)
     if not body.messages:
         return await _load_or_unload(state, request, served, keep_alive_seconds(body.keep_alive, served), "chat", timing)
     chat_body = _chat_request(body, served.name)
@@ -416,14 +444,21 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
         check_tools(chat_body.tools)
         if constraint is not None:
             raise InvalidRequestError("format cannot be combined with tools")
-    settings = served.output_parsing  # the model's tool-call syntax, in the prompt, grammar and parser
+    rendered: dict[str, str] = {}  # the prompt text, which says whether the template opened a think block
+
+    def prompt(engine: ServingEngine) -> list[int]:
+        rendered["text"], ids = chat_prompt(engine, settings, chat_body)
+        return ids
+
     if parse_tools:
         assert chat_body.tools
         constraint = tool_constraint(chat_body.tools, None, True, settings)
     tools = chat_body.tools or ()
-    return await _answer(state, request, body, served, "chat", timing,
-                         lambda engine: chat_prompt(engine, settings, chat_body)[1], constraint,
-                         (lambda: output_parser(settings, True, tools=tools)) if parse_tools else None)
+    # Reasoning goes to the message's `thinking`, as Ollama returns a thinking model's.
+    reads = parse_tools or settings.reasoning is not None or settings.harmony
+    return await _answer(state, request, body, served, "chat", timing, prompt, constraint,
+                         (lambda: output_parser(settings, parse_tools, tools=tools, prompt=rendered.get("text", "")))
+                         if reads else None, keep_special=settings.keeps_special_tokens(parse_tools))
 
 
 async def generate(body: OllamaGenerateRequest, request: Request) -> Response:

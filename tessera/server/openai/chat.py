@@ -134,7 +134,7 @@ def chat_prompt_text(tokenizer: Tokenizer, settings: OutputParsing, body: ChatCo
     (the model's, or the server's --chat-template); /tokenize and Ollama's API render chats here too."""
     return render_prompt(tokenizer, settings, body.template_messages(), body.tools,
                          add_generation_prompt=body.add_generation_prompt is not False,
-                         template_kwargs=body.chat_template_kwargs)
+                         template_kwargs=body.template_kwargs())
 
 
 def chat_prompt(engine: ServingEngine, settings: OutputParsing, body: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -192,9 +192,9 @@ async def chat_run(body: ChatCompletionRequest, request: Request,
         assert body.tools
         run.params = dataclasses.replace(
             run.params, structured_outputs=tool_constraint(body.tools, body.tool_choice,
-                                                       body.parallel_tool_calls is not False, settings, prompt_text),
-            # a parser whose call markers are special tokens needs them in the text
-            skip_special_tokens=run.params.skip_special_tokens and not settings.tool_parser.keeps_special_tokens)
+                                                       body.parallel_tool_calls is not False, settings, prompt_text))
+    if settings.keeps_special_tokens(parse_tools):  # parsers whose markers are special tokens need them in the text
+        run.params = dataclasses.replace(run.params, skip_special_tokens=False)
     tools = body.tools or ()
     return run, parse_tools, lambda: output_parser(settings, parse_tools, tools=tools, prompt=prompt_text)
 

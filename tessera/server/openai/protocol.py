@@ -380,6 +380,9 @@ class ChatMessage(OpenAIModel):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallIn]] = None  # an assistant turn that called tools
     tool_call_id: Optional[str] = None  # a tool turn: which call this is the result of
+    # An assistant turn's reasoning sent back (vLLM's and llama.cpp's field, and vLLM's newer name).
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     def text(self) -> str:
         """The message content as one string; only text parts are supported."""
@@ -412,6 +415,7 @@ class ChatCompletionRequest(SamplingRequest):
                        None] = None
     parallel_tool_calls: Optional[bool] = True
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM extension: template variables (enable_thinking)
+    reasoning_effort: Optional[str] = None  # "low" | "medium" | "high": the template's `reasoning_effort`
     _ignored_tools: list[str] = PrivateAttr(default_factory=list)
     _freeform_tools: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
@@ -449,9 +453,17 @@ class ChatCompletionRequest(SamplingRequest):
     def function_tools(self) -> list[ChatTool]:
         return list(self.tools or [])  # type: ignore[arg-type]
 
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """The template variables of this request: `reasoning_effort` (which gpt-oss's harmony
+        template writes into its system message) under any `chat_template_kwargs` it sends."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates read them: tool-call arguments as objects (Hugging Face's
-        convention; OpenAI clients send them as JSON text)."""
+        convention; OpenAI clients send them as JSON text); an assistant turn's reasoning as
+        `reasoning_content` (which render_prompt gives only the templates that read it)."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty")
         out: list[dict[str, Any]] = []
@@ -463,6 +475,9 @@ class ChatCompletionRequest(SamplingRequest):
                 msg["name"] = m.name
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning and role == "assistant":
+                msg["reasoning_content"] = reasoning
             if m.tool_calls:
                 calls = []
                 for call in m.tool_calls:

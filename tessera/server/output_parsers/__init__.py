@@ -8,8 +8,9 @@ its family. One interface for every API (chat completions, Responses, Messages):
     parser.calls, parser.reasoning, parser.content
 
 Tool-call parsers carry vLLM's names (`--tool-call-parser`); without the flag the parser is
-detected from the chat template. Reasoning parsers (`--reasoning-parser`) are the think family,
-detected the same way (`none` turns them off).
+detected from the chat template. Reasoning parsers (`--reasoning-parser`) are the think family
+and gpt-oss's harmony channels, detected the same way (`none` turns them off). A harmony
+template (one with `<|channel|>`) gets both harmony parsers, `openai_gptoss` and `openai`.
 """
 from __future__ import annotations
 
@@ -20,23 +21,27 @@ from tessera.errors import ConfigError
 from tessera.server.output_parsers.base import (
     OutputParser, ParsedCall, ParserEvent, ToolParser, new_call, partial_suffix,
 )
+from tessera.server.output_parsers.harmony import HarmonyReasoningParser, HarmonyToolParser, is_harmony_template
 from tessera.server.output_parsers.hermes import HermesToolParser
 from tessera.server.output_parsers.llama import Llama3JsonToolParser
 from tessera.server.output_parsers.mistral import MistralToolParser
 from tessera.server.output_parsers.pythonic import PythonicToolParser
 from tessera.server.output_parsers.qwen3_coder import Qwen3CoderToolParser
 from tessera.server.output_parsers.reasoning import (
-    REASONING_PARSERS, ThinkReasoningParser, prompt_closes_think, prompt_opens_think,
+    REASONING_PARSERS, ReasoningParser, ThinkReasoningParser, prompt_closes_think, prompt_opens_think,
 )
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser)}
+    HarmonyToolParser, HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+    Qwen3CoderToolParser)}
 DEFAULT_TOOL_PARSER = "hermes"
 
 
 def detect_tool_parser(chat_template: Optional[str]) -> str:
     """The tool-call syntax a chat template teaches its model (hermes when it shows none)."""
     template = chat_template or ""
+    if is_harmony_template(template):  # gpt-oss: its calls are messages to functions.NAME
+        return HarmonyToolParser.name
     for marker, name in (("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
                          ("[func_name1(", "pythonic"), ("<|python_tag|>", "llama3_json"),
                          ('"parameters": dictionary of argument name', "llama3_json")):
@@ -49,10 +54,13 @@ NO_REASONING_PARSER = "none"
 
 
 def detect_reasoning_parser(chat_template: Optional[str]) -> str:
-    """The think-block reader a chat template's model needs: qwen3 for a template with Qwen3's
-    `enable_thinking` switch, deepseek_r1 for one that opens a think block itself (R1's
-    distills), none otherwise (llama.cpp server separates reasoning by default the same way)."""
+    """The reasoning reader a chat template's model needs: openai_gptoss for a harmony template
+    (gpt-oss's channels), qwen3 for a template with Qwen3's `enable_thinking` switch,
+    deepseek_r1 for one that opens a think block itself (R1's distills), none otherwise
+    (llama.cpp server separates reasoning by default the same way)."""
     template = chat_template or ""
+    if is_harmony_template(template):
+        return HarmonyReasoningParser.name
     if "enable_thinking" in template and "<think>" in template:
         return "qwen3"
     if "<think>" in template:
@@ -99,15 +107,25 @@ class OutputParsing:
         return TOOL_PARSERS[self.tool_call_parser or DEFAULT_TOOL_PARSER]
 
     @property
-    def reasoning(self) -> Optional[type[ThinkReasoningParser]]:
+    def reasoning(self) -> Optional[type[ReasoningParser]]:
         return REASONING_PARSERS.get(self.reasoning_parser or NO_REASONING_PARSER)
+
+    @property
+    def harmony(self) -> bool:
+        """Whether output is read as harmony messages (either parser is harmony's)."""
+        return self.tool_call_parser == HarmonyToolParser.name or self.reasoning is HarmonyReasoningParser
+
+    def keeps_special_tokens(self, parse_tools: bool) -> bool:
+        """Whether the parsers of a response need its special tokens in the text: harmony's
+        markers are special tokens (<|channel|>, <|message|>), as are Mistral's call markers."""
+        return self.harmony or (parse_tools and self.tool_parser.keeps_special_tokens)
 
 
 class ChainedParser:
     """The reasoning parser (if any) in front of the tool-call parser (if any); content passes
     through untouched when there is neither."""
 
-    def __init__(self, reasoning: Optional[ThinkReasoningParser], tools: Optional[ToolParser]) -> None:
+    def __init__(self, reasoning: Optional[ReasoningParser], tools: Optional[ToolParser]) -> None:
         self.reasoner = reasoning
         self.tools = tools
         self.content = ""
@@ -152,13 +170,17 @@ def output_parser(settings: OutputParsing, parse_tools: bool, *, tools: Sequence
     `parse_tools` when the request allows tool calls; `tools` (ChatTool) give parsers whose
     syntax is untyped (qwen3_coder's XML) the parameter types; `prompt` is the rendered prompt,
     which says whether the template opened a think block."""
+    if settings.tool_call_parser == HarmonyToolParser.name:
+        # Harmony's channels carry reasoning, answer and calls alike: one reader splits all three.
+        return HarmonyToolParser(tools, reasoning=settings.reasoning is HarmonyReasoningParser, calls=parse_tools)
     reasoning_cls = settings.reasoning
     return ChainedParser(reasoning_cls(prompt) if reasoning_cls is not None else None,
                          settings.tool_parser(tools) if parse_tools else None)
 
 
 __all__ = [
-    "DEFAULT_TOOL_PARSER", "REASONING_PARSERS", "TOOL_PARSERS", "ChainedParser", "OutputParser", "OutputParsing",
-    "ParsedCall", "ParserEvent", "ThinkReasoningParser", "ToolParser", "detect_tool_parser", "new_call",
+    "DEFAULT_TOOL_PARSER", "REASONING_PARSERS", "TOOL_PARSERS", "ChainedParser", "HarmonyReasoningParser",
+    "HarmonyToolParser", "OutputParser", "OutputParsing", "ParsedCall", "ParserEvent", "ReasoningParser",
+    "ThinkReasoningParser", "ToolParser", "detect_tool_parser", "is_harmony_template", "new_call",
     "output_parser", "partial_suffix", "prompt_closes_think", "prompt_opens_think",
 ]

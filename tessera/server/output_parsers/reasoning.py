@@ -1,5 +1,6 @@
 """Reasoning parsers: the `<think>...</think>` family (DeepSeek-R1 and its distills, Qwen3,
-QwQ), whose reasoning is returned apart from the answer (`reasoning_content`).
+QwQ), whose reasoning is returned apart from the answer (`reasoning_content`); and gpt-oss's
+harmony channels (`openai_gptoss`, in harmony.py), whose analysis channel is its reasoning.
 
 A template may open the think block itself (DeepSeek-R1's distills, Qwen3's thinking
 releases end the prompt with `<think>\\n`), so the output starts inside it: the parser is told
@@ -9,9 +10,10 @@ that name does; qwen3 reads output without a `<think>` as the answer.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Union
 
 from tessera.server.output_parsers.base import ParserEvent, partial_suffix
+from tessera.server.output_parsers.harmony import HarmonyReasoningParser
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -37,6 +39,7 @@ class ThinkReasoningParser:
     closer: ClassVar[str] = THINK_CLOSE
     # Output is reasoning until the closer even when neither prompt nor output opened the block.
     always_starts_inside: ClassVar[bool] = False
+    keeps_special_tokens: ClassVar[bool] = False  # <think> is plain text in these vocabularies
 
     def __init__(self, prompt: str = "") -> None:
         inside = prompt_opens_think(prompt, self.opener, self.closer) or (
@@ -111,5 +114,6 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     name = "qwen3"
 
 
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+ReasoningParser = Union[ThinkReasoningParser, HarmonyReasoningParser]
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, HarmonyReasoningParser)}
