@@ -435,11 +435,16 @@ def _calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBacken
     try:
         model = calibrate(synthetic_step, max_tokens=config.max_num_batched_tokens, max_rows=config.max_num_seqs,
                           max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S,
-                          prefill_only=not loaded.config.is_causal)
+                          prefill_only=not loaded.config.is_causal, experts=_experts(loaded.config))
     finally:
         runner.sampler.generator.set_state(state)
     save_cached(path, model)
     return model
+
+
+def _experts(mc: ModelConfig) -> Optional[tuple[int, int]]:
+    """(experts, experts per token) of a mixture of experts, for the step-cost model."""
+    return None if mc.moe is None else (mc.moe.num_experts, mc.moe.top_k)
 
 
 def _cost_model_key(config: EngineConfig, loaded, backend: AttentionBackend, kv_format: str) -> str:

@@ -70,3 +70,26 @@ def test_cache_round_trip_and_pruning(tmp_path, monkeypatch):
     for i in range(5):
         cm.save_cached(tmp_path / f"m{i}.json", model)
     assert len(list(tmp_path.glob("*.json"))) == 3
+
+
+def test_moe_extrapolation_follows_the_experts_a_step_activates():
+    """A mixture of experts' step reads each chosen expert once: its time rises steeply while more
+    tokens bring new experts, then flattens. Calibrated up to 8 tokens (a large model's budget
+    runs out early) and at the 24 tokens that activate nearly all experts (calibrate() adds that
+    step), the model extends to 512 by the expected distinct experts; the last slope would
+    overstate a 512-token chunk several times over."""
+    from tessera.engine.core.cost_model import StepShape, default_knots, expected_experts
+
+    experts = (32, 4)
+
+    def seconds(n):  # per step 10 ms, per token 0.5 ms, per active expert (of every layer) 20 ms
+        return 0.010 + 0.0005 * n + 0.020 * expected_experts(n, experts)
+
+    points = [CalibrationPoint(StepShape(n, 0, 0, 0), seconds(n)) for n in (1, 2, 3, 4, 6, 8, 24) for _ in range(2)]
+    knots = default_knots(512)
+    moe = StepCostModel.fit(knots, points, experts=experts)
+    dense = StepCostModel.fit(knots, points)
+    for n in (32, 64, 512):
+        assert moe.predict(StepShape(n, 0, 0, 0)) == pytest.approx(seconds(n), rel=0.1)
+    assert dense.predict(StepShape(512, 0, 0, 0)) > 3 * seconds(512)
+    assert expected_experts(1, experts) == pytest.approx(4) and expected_experts(10_000, experts) == pytest.approx(32)

@@ -17,6 +17,14 @@ chunk], where
   (models/fused_decode.py) while any other runs the modules, so the first prompt token next to
   decodes costs far more than the next ones (SmolLM2, 32 rows: ~60 ms decode-only against
   ~110 ms with a 64-token chunk). Where decode steps run the modules too, the fit puts c near 0.
+A mixture-of-experts model reads each expert its tokens chose once per step, so g grows steeply
+while more tokens bring new experts and flattens once every expert runs: E (1 - (1 - k/E)^n)
+distinct experts are expected for n tokens choosing k of E. The synthetic steps' tokens are
+varied, so they spread over the experts as traffic does and the knots measure this; past the
+largest measured step (a large model's calibration stops early) g is extended by a fit of
+a + b n + c E (1 - (1 - k/E)^n) to the measured knots rather than by the last slope, which for
+MoE would still carry the new experts' reads and overstate large prompt chunks many times (and
+a chunk never scheduled is never observed to correct it).
 It is fitted by least squares on synthetic steps measured at start-up, then
 refined online: every real step's time updates a correction factor for its
 token-count bucket (an exponentially weighted mean of observed / predicted),
@@ -200,7 +208,7 @@ class StepCostModel:
     # -- fitting ----------------------------------------------------------------------
     @classmethod
     def fit(cls, knots: Sequence[int], points: Sequence[CalibrationPoint],
-            calibration_seconds: float = 0.0) -> "StepCostModel":
+            calibration_seconds: float = 0.0, experts: Optional[tuple[int, int]] = None) -> "StepCostModel":
         """Least squares over hat functions at the knots plus the two per-unit terms.
 
         Knot values are then made non-decreasing (a bigger step never costs less) and
@@ -226,14 +234,53 @@ class StepCostModel:
         knot_s = [max(0.0, c) for c in coef[:len(knots)]]
         for i in range(1, len(knot_s)):
             knot_s[i] = max(knot_s[i], knot_s[i - 1])
-        # Knots past the largest measured step carry no data: extend the last measured slope.
+        # Knots past the largest measured step carry no data: extend the last measured slope, or
+        # for a mixture of experts the measured knots' fit to its expected distinct experts.
         measured = max((p.shape.num_tokens for p in points), default=knots[-1])
         last = max(1, max((i for i, k in enumerate(knots) if k <= measured), default=1))
         slope = (knot_s[last] - knot_s[last - 1]) / (knots[last] - knots[last - 1])
+        extend = None
+        if experts:  # on the measured steps less what the other terms explain
+            other = coef[len(knots):]
+            extend = _expert_extension(
+                [p.shape.num_tokens for p in points],
+                [p.seconds - other[0] * p.shape.num_sampled - other[1] * p.shape.num_attended / 1000.0
+                 - other[2] * min(1, p.shape.num_multi) for p in points], experts)
         for i in range(last + 1, len(knots)):
-            knot_s[i] = knot_s[last] + slope * (knots[i] - knots[last])
+            if extend is not None:
+                knot_s[i] = max(knot_s[i - 1], extend(knots[i]))
+            else:
+                knot_s[i] = knot_s[last] + slope * (knots[i] - knots[last])
         return cls(knots, knot_s, coef[len(knots)], coef[len(knots) + 1] / 1000.0, points, calibration_seconds,
                    coef[len(knots) + 2])
+
+
+def expected_experts(tokens: int, experts: tuple[int, int]) -> float:
+    """Distinct experts `tokens` tokens are expected to activate, each choosing k of E."""
+    e, k = experts
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def _expert_extension(tokens: Sequence[int], seconds: Sequence[float],
+                      experts: tuple[int, int]) -> Optional[Callable[[int], float]]:
+    """a + b n + c experts(n) fitted to measured steps of n tokens with b, c >= 0 (a term fitted
+    negative is dropped and the rest refitted), or None when the steps are too few to tell the
+    terms apart or the experts' term does not fit (the last slope is used then)."""
+    if len(set(tokens)) < 3:
+        return None
+    y = torch.tensor(list(seconds), dtype=torch.float64).unsqueeze(1)
+    terms = [lambda n: 1.0, float, lambda n: expected_experts(n, experts)]
+    kept = [0, 1, 2]
+    while True:
+        a = torch.tensor([[terms[t](n) for t in kept] for n in tokens], dtype=torch.float64)
+        coef = dict(zip(kept, torch.linalg.lstsq(a, y).solution.squeeze(1).tolist()))
+        negative = [t for t in kept if t and coef[t] < 0]
+        if not negative:
+            break
+        kept.remove(negative[0])
+    if 2 not in kept:
+        return None
+    return lambda n: sum(c * terms[t](n) for t, c in coef.items())
 
 
 def default_knots(max_tokens: int) -> list[int]:
@@ -249,14 +296,16 @@ def default_knots(max_tokens: int) -> list[int]:
 
 
 def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_tokens: int, max_rows: int,
-              max_context: int, budget_s: float = 3.0, prefill_only: bool = False) -> StepCostModel:
+              max_context: int, budget_s: float = 3.0, prefill_only: bool = False,
+              experts: Optional[tuple[int, int]] = None) -> StepCostModel:
     """Measure synthetic steps and fit a model.
 
     `run_step(chunks)` executes one step made of chunks (start, num_tokens, samples) on
     scratch KV blocks and returns False when the KV cache cannot hold it (skipped). Prefill-only steps cover the knots (smallest first), decode-only
     steps cover rows x context; each shape is measured twice after a warm-up, keeping the
     faster (the slower one caught a hiccup). When `budget_s` runs out the larger shapes
-    are skipped and the model extrapolates them until real steps correct it. `prefill_only`
+    are skipped and the model extrapolates them until real steps correct it (`experts`: a mixture
+    of experts' (E, k), see the module docstring). `prefill_only`
     (an encoder, whose every step is whole inputs and nothing decodes): the knots, and batches
     of 64-token inputs in place of the decode and mixed steps.
     """
@@ -301,9 +350,18 @@ def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_to
             times.append(time.perf_counter() - t0)
         if times:
             points.append(CalibrationPoint(shape_of(chunks), min(times)))
+    if experts is not None:
+        # One step past the tokens that activate nearly every expert, whatever the budget: without
+        # it the per-token and per-expert costs cannot be told apart, and the extension past the
+        # measured knots (see the module docstring) would guess.
+        saturating = min(max_tokens, max_context - 1, math.ceil(3 * experts[0] / experts[1]))
+        if max(p.shape.num_tokens for p in points) < saturating:
+            t0 = time.perf_counter()
+            if run_step([(0, saturating, False)]):
+                points.append(CalibrationPoint(shape_of([(0, saturating, False)]), time.perf_counter() - t0))
     if len(points) < 2:
         raise ValueError("step-cost calibration could not run two steps (KV cache too small?)")
-    model = StepCostModel.fit(knots, points, time.perf_counter() - t_start)
+    model = StepCostModel.fit(knots, points, time.perf_counter() - t_start, experts)
     measured = max(p.shape.num_tokens for p in points)
     if measured < max_tokens:
         logger.info("step-cost calibration stopped at %d tokens (budget %.1f s); larger steps are "

@@ -79,10 +79,13 @@ class Family:
     # Whether its decode steps take the one-call C step where the block alone does not say (its
     # configs do: multipliers, NoPE layers, partial rotary); "" where the block decides.
     decode_step_note: str = ""
+    # Mixture-of-experts feed-forward blocks (tessera/layers/moe.py), which the one-call C decode
+    # step does not run; its GGUF architecture may also hold dense models (Mixtral's is llama).
+    moe: bool = False
 
     def decode_step(self) -> str:
         """Whether decode steps take the one-call C step (AVX512-BF16 hosts), for `tessera models`."""
-        limits = block_decode_limits(self.block)
+        limits = block_decode_limits(self.block) + (["mixture-of-experts layers"] if self.moe else [])
         return f"no: {', '.join(limits)}" if limits else (self.decode_step_note or "yes")
 
 

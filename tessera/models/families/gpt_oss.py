@@ -48,6 +48,6 @@ def _from_gguf(gf: GGUFMetadata, cfg: ModelConfig) -> None:
                         swiglu_alpha=SWIGLU_ALPHA)
 
 
-FAMILY = Family(name="gpt-oss", hf_model_types=("gpt_oss",), from_hf=_from_hf, from_gguf=_from_gguf,
+FAMILY = Family(name="gpt-oss", hf_model_types=("gpt_oss",), from_hf=_from_hf, from_gguf=_from_gguf, moe=True,
                 summary="llama + attention biases and sinks, alternating sliding window, YaRN, mixture of "
                         "experts (biased router, clamped SwiGLU)")

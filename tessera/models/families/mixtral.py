@@ -19,5 +19,5 @@ def _from_hf(hf: dict[str, Any], cfg: ModelConfig) -> None:
     cfg.moe = MoEConfig(num_experts=experts, top_k=top_k, expert_ffn=cfg.intermediate_size, renormalize=True)
 
 
-FAMILY = Family(name="mixtral", hf_model_types=("mixtral",), from_hf=_from_hf, gguf_permuted_qk=True,
+FAMILY = Family(name="mixtral", hf_model_types=("mixtral",), from_hf=_from_hf, gguf_permuted_qk=True, moe=True,
                 summary="llama + mixture of experts (softmax top-k renormalised); its GGUF is 'llama'")

@@ -32,5 +32,5 @@ def _from_gguf(gf: GGUFMetadata, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(name="qwen3moe", hf_model_types=("qwen3_moe",), block=Block(qk_norm="head"),
-                from_hf=_from_hf, from_gguf=_from_gguf,
+                from_hf=_from_hf, from_gguf=_from_gguf, moe=True,
                 summary="qwen3 + mixture of experts (softmax top-k, renormalised per norm_topk_prob)")
