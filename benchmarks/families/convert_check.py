@@ -8,6 +8,8 @@ the converter's known BPE pre-tokenizers, so its check is told "default" (the vo
 handling is not what is tested here), and Gemma 2's and Phi-3's SentencePiece readers the BPE
 one. Gemma's reference scales scores as llama.cpp does (1/sqrt(head_dim): its files do not
 record query_pre_attn_scalar), and Gemma 3's has llama.cpp's layer pattern (5 sliding of 6).
+The mixtures of experts too: Qwen3-MoE without dense layers (llama.cpp's qwen3moe has none),
+gpt-oss's reference with llama.cpp's SwiGLU clamp (7.0; a GGUF records none).
 
     python benchmarks/families/convert_check.py --llama-cpp /work/peers/llama.cpp --out results.json
 """
@@ -25,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import TINY_FAMILIES, build_tiny_hf_model, tiny_hf_config  # noqa: E402
+from conftest import TINY_FAMILIES, TINY_MOE_FAMILIES, build_tiny_hf_model, tiny_hf_config  # noqa: E402
 
-KINDS = ("llama", "qwen2", "gemma3", *TINY_FAMILIES)
+KINDS = ("llama", "qwen2", "gemma3", *TINY_FAMILIES, *TINY_MOE_FAMILIES)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 120, 64, 33]
 
 
@@ -78,6 +80,9 @@ def main() -> None:
                 config = tiny_hf_config(kind)
                 config.num_hidden_layers = 6
                 config.layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+            if kind == "qwen3_moe":
+                config = tiny_hf_config(kind)
+                config.mlp_only_layers = []
             model = build_tiny_hf_model(kind, folder, config=config)
             gguf = Path(tmp) / f"{kind}.gguf"
             try:
@@ -88,6 +93,10 @@ def main() -> None:
             if kind.startswith("gemma"):  # a GGUF has no query_pre_attn_scalar: llama.cpp's 1/sqrt(head_dim)
                 for layer in model.model.layers:
                     layer.self_attn.scaling = model.config.head_dim ** -0.5
+            if kind == "gpt_oss":
+                for m in model.modules():
+                    if hasattr(m, "limit"):
+                        m.limit = 7.0
             want = greedy_hf(model, 32)
             got = greedy_tessera(gguf, 32)
             results[kind] = {"converted": True, "identical": got == want, "transformers": want, "tessera": got}

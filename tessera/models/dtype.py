@@ -13,6 +13,7 @@ The log says which rule decided and why.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -71,21 +72,33 @@ def layer_linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def linear_param_count(config: ModelConfig) -> int:
-    """Weights of every Linear of the model (decoder layers, embedding table, untied LM head)."""
-    per_layer = sum(o * i for o, i in layer_linear_shapes(config))
-    tables = (1 if config.tie_word_embeddings else 2) * config.vocab_size * config.hidden_size
-    return config.num_layers * per_layer + tables
+    """Weights of every Linear of the model (decoder layers with all their experts, embedding
+    table, untied LM head)."""
+    c = config
+    per_layer = sum(o * i for o, i in layer_linear_shapes(c))
+    total = c.num_layers * per_layer
+    if c.moe is not None:  # a sparse layer's experts and router instead of its dense MLP
+        dense_mlp = 3 * c.intermediate_size * c.hidden_size
+        experts = c.moe.num_experts * (3 * c.moe.expert_ffn + 1) * c.hidden_size
+        total += sum(experts - dense_mlp for i in range(c.num_layers) if c.moe.is_sparse(i))
+    tables = (1 if c.tie_word_embeddings else 2) * c.vocab_size * c.hidden_size
+    return total + tables
 
 
-@torch.inference_mode()
 def measure_linear_speed(config: ModelConfig, budget_s: float = 0.1) -> dict[torch.dtype, dict[int, float]]:
     """Median seconds per pass over one layer's linears, by dtype and batch size.
 
     Both dtypes are warmed up, then timed alternately, and the median of each is
-    kept, so neither a cold first call nor a burst of load elsewhere decides.
+    kept, so neither a cold first call nor a burst of load elsewhere decides. Measured once per
+    process and shape: the memory check before loading and the loader both ask (seconds each).
     """
+    return _measure_shapes(tuple(layer_linear_shapes(config)), budget_s)
+
+
+@functools.lru_cache(maxsize=8)
+@torch.inference_mode()
+def _measure_shapes(shapes: tuple[tuple[int, int], ...], budget_s: float) -> dict[torch.dtype, dict[int, float]]:
     gen = torch.Generator().manual_seed(0)
-    shapes = layer_linear_shapes(config)
     weights32 = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes]
     dtypes = (torch.float32, torch.bfloat16)
     weights = {dt: [w.to(dt) for w in weights32] for dt in dtypes}
