@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tessera.config import MoEConfig
 from tessera.errors import ModelFormatError
-from tessera.layers import QuantConfig
+from tessera.layers import Linear, QuantConfig
 from tessera.layers.moe import SparseMoE
 from tessera.models.safetensors_loader import config_from_hf
 from tiny_gguf import write_tiny_gguf
@@ -197,3 +197,17 @@ def test_mxfp4_experts_keep_the_files_blocks(tmp_path):
         want = model(torch.tensor([tokens])).logits[0]
     got = forward_single(loaded, tokens)
     assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+
+
+def test_linear_parameter_count_includes_every_expert(family_model_moe):
+    """The dense-copy decision and the sizing read it: a mixture of experts counted as its dense
+    MLP would look 1/E its size and get dense copies of every expert."""
+    from tessera.models.dtype import linear_param_count
+    from tessera.models.loader import load_model
+
+    for kind in ("qwen3_moe", "gpt_oss"):
+        folder, _ = family_model_moe(kind)
+        loaded = load_model(folder, "float32")
+        linears = {id(m): m for m in loaded.model.modules() if isinstance(m, Linear)}  # a tied head once
+        params = sum(m.input_size * m.output_size for m in linears.values())
+        assert linear_param_count(loaded.config) == params
