@@ -10,8 +10,9 @@ llama.cpp `--no-cache-prompt` and `cache_prompt: false`), 2 threads, llama.cpp's
   (i)   one user's decode: `tessera bench serve`, 4 requests one after another (prompts of 50-80
         words, 96-128 output tokens with ignore_eos), output tok/s and ITL p50;
   (ii)  prefill: time to first token of a 1,024-token prompt (repository source, a different slice
-        each time), a non-streamed completion of one token, median of 3;
-  (iii) 8 concurrent streams: `tessera bench serve --concurrency 8`, 16 requests, output tok/s;
+        each time), a non-streamed completion of one token, median of 3 (`--prefill-runs`);
+  (iii) 8 concurrent streams: `tessera bench serve --concurrency 8`, 16 requests
+        (`--concurrent-prompts`), output tok/s;
   (iv)  the server's whole resident memory (RSS and PSS of its process tree, Tessera's engine
         process included) after load and after the runs.
 A server that does not load the file (a model Tessera does not support yet) is recorded as
@@ -45,9 +46,8 @@ from moe.make_gguf import FILES, PUBLISHED, qwen_file  # noqa: E402
 
 SERVERS = ("tessera", "llama.cpp")
 CONTEXT = 4096
-DECODE = ["--concurrency", "1", "--num-prompts", "4", "--prompt-words", "50:80", "--max-tokens", "96:128"]
-CONCURRENT = ["--concurrency", "8", "--num-prompts", "16", "--prompt-words", "50:80", "--max-tokens", "96:128"]
-PREFILL_TOKENS, PREFILL_RUNS = 1024, 3
+LENGTHS = ["--prompt-words", "50:80", "--max-tokens", "96:128"]
+PREFILL_TOKENS = 1024
 
 
 def gguf_info(path: Path) -> dict:
@@ -143,9 +143,11 @@ def run_server(kind: str, gguf: Path, info: dict, args: argparse.Namespace, labe
         entry["load_s"] = time.monotonic() - t0
         entry["status"] = "ok"
         entry["memory_after_load"] = memory(proc.pid)
-        steps = {"decode_1_user": lambda: bench(url, label, kind, DECODE, logs / f"{label}-{kind}-decode.json"),
-                 "prefill_1024": lambda: prefill(url, label, kind, prefill_prompts(PREFILL_RUNS, PREFILL_TOKENS)),
-                 "concurrent_8": lambda: bench(url, label, kind, CONCURRENT, logs / f"{label}-{kind}-c8.json")}
+        decode = ["--concurrency", "1", "--num-prompts", str(args.decode_prompts), *LENGTHS]
+        concurrent = ["--concurrency", "8", "--num-prompts", str(args.concurrent_prompts), *LENGTHS]
+        steps = {"decode_1_user": lambda: bench(url, label, kind, decode, logs / f"{label}-{kind}-decode.json"),
+                 "prefill_1024": lambda: prefill(url, label, kind, prefill_prompts(args.prefill_runs, PREFILL_TOKENS)),
+                 "concurrent_8": lambda: bench(url, label, kind, concurrent, logs / f"{label}-{kind}-c8.json")}
         for step, measure in steps.items():
             try:
                 entry[step] = measure()
@@ -227,6 +229,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8132)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--load-timeout", type=float, default=1200)
+    ap.add_argument("--decode-prompts", type=int, default=4, help="one user's requests, one after another")
+    ap.add_argument("--prefill-runs", type=int, default=3, help="1,024-token prompts; the median TTFT is kept")
+    ap.add_argument("--concurrent-prompts", type=int, default=16, help="requests of the 8-stream run")
     ap.add_argument("--table", action="store_true", help="only print the markdown table of the JSONs in --out")
     args = ap.parse_args()
     if args.table:
@@ -243,13 +248,15 @@ def main() -> None:
         label = gguf.stem
         path = args.out / f"{label}.json"
         result = json.loads(path.read_text()) if path.is_file() else {"servers": {}}
-        result.update(model=info, context=CONTEXT, threads=args.threads, host=cpu_model_name(),
-                      cores=os.cpu_count(), workloads={"decode_1_user": DECODE, "concurrent_8": CONCURRENT,
-                                                       "prefill": f"{PREFILL_TOKENS} tokens, median of {PREFILL_RUNS}"})
+        result.update(model=info, context=CONTEXT, threads=args.threads, host=cpu_model_name(), cores=os.cpu_count())
         if info["layers"] != (48 if arch == "qwen3moe" else 24):
             result["note"] = f"{info['layers']} layers instead of the published shape's: to fit in this host's memory"
         for kind in ([args.only] if args.only else SERVERS):
             print(f"{label}: {kind}", flush=True)
+            result.setdefault("workloads", {})[kind] = {
+                "decode_1_user": f"{args.decode_prompts} requests, concurrency 1, {' '.join(LENGTHS)}",
+                "prefill": f"{PREFILL_TOKENS} tokens, median of {args.prefill_runs}",
+                "concurrent_8": f"{args.concurrent_prompts} requests, concurrency 8, {' '.join(LENGTHS)}"}
             result["servers"][kind] = run_server(kind, gguf, info, args, label)
             result["ratio_tessera_vs_llamacpp"] = ratios(result)
             result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
