@@ -51,8 +51,10 @@ UNTIED = {"olmo2"}  # its own LM head, as OLMo 2 ships (llama.cpp requires it th
 WORKLOAD = ["--prompt-words", "50:80", "--max-tokens", "96:128"]
 
 
-def _tokenizer(writer, source: Path) -> None:
-    """qwen2.5-coder's vocabulary, merges and special ids, copied from its GGUF."""
+def _tokenizer(writer, source: Path, pad_to: int | None = None) -> None:
+    """qwen2.5-coder's vocabulary, merges and special ids, copied from its GGUF; with `pad_to`, the
+    token list is padded to that many with unused [PADn] tokens (type 5), as llama.cpp's converter
+    pads a vocabulary smaller than the model's embedding."""
     from gguf import GGUFReader
 
     r = GGUFReader(source)
@@ -61,11 +63,13 @@ def _tokenizer(writer, source: Path) -> None:
         f = r.fields[key]
         return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
 
+    tokens = strings("tokenizer.ggml.tokens")
+    types = [int(r.fields["tokenizer.ggml.token_type"].parts[i][0]) for i in r.fields["tokenizer.ggml.token_type"].data]
+    pad = range(len(tokens), pad_to or len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(strings("tokenizer.ggml.tokens"))
-    writer.add_token_types([int(r.fields["tokenizer.ggml.token_type"].parts[i][0])
-                            for i in r.fields["tokenizer.ggml.token_type"].data])
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in pad])
+    writer.add_token_types(types + [5] * len(pad))
     writer.add_token_merges(strings("tokenizer.ggml.merges"))
     for key, add in (("tokenizer.ggml.eos_token_id", writer.add_eos_token_id),
                      ("tokenizer.ggml.bos_token_id", writer.add_bos_token_id),
