@@ -337,9 +337,16 @@ def _split_experts(weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
     """Every layout of expert weights as SparseMoE's per-expert names. A GGUF's quantized stacks
     are split into row blocks of the mapped file (no copy); each expert's Linear keeps its blocks."""
     experts = c.moe.num_experts
+
+    def stack(name: str, w: Union[Tensor, AnyWeight], dims: int) -> Tensor:
+        t = as_float_tensor(w)
+        if t.dim() != dims or t.shape[0] != experts:
+            raise ModelFormatError(f"{name} has shape {tuple(t.shape)}; expected {dims} dimensions, the first "
+                                   f"the config's {experts} experts")
+        return t
+
     for name, w in weights:
-        m = _MOE.fullmatch(name)
-        if m is None:
+        if _MOE.fullmatch(name) is None:
             yield name, w
             continue
         for old, new in _EXPERT_RENAMES:
@@ -349,38 +356,36 @@ def _split_experts(weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
             yield name, w
             continue
         prefix, proj, kind = s.groups()
-        shape = tuple(w.shape)
-        if proj == "gate_up_proj" and kind != ".weight":  # gpt-oss (HF): x @ W, gate/up columns interleaved
-            t = as_float_tensor(w)
-            if t.shape[0] != experts:
-                raise ModelFormatError(f"{name} has {t.shape[0]} experts; the config says {experts}")
+        if kind in ("_bias", ".bias"):  # [E, out]; gpt-oss's gate_up bias interleaves gate and up
+            t = stack(name, w, 2)
             for e in range(experts):
-                if kind == "_bias":
+                if proj == "gate_up_proj":
                     yield f"{prefix}.{e}.gate_proj.bias", t[e, 0::2]
                     yield f"{prefix}.{e}.up_proj.bias", t[e, 1::2]
                 else:
+                    yield f"{prefix}.{e}.{proj}.bias", t[e]
+            continue
+        if kind is None:  # gpt-oss (Hugging Face): x @ W, [E, in, out], gate/up columns interleaved
+            t = stack(name, w, 3)
+            for e in range(experts):
+                if proj == "gate_up_proj":
                     yield f"{prefix}.{e}.gate_proj.weight", t[e, :, 0::2].t().contiguous()
                     yield f"{prefix}.{e}.up_proj.weight", t[e, :, 1::2].t().contiguous()
-            continue
-        if kind in ("_bias", ".bias"):  # [E, out]
-            t = as_float_tensor(w)
-            for e in range(experts):
-                yield f"{prefix}.{e}.{proj}.bias", t[e]
-            continue
-        if kind is None:  # gpt-oss's down_proj [E, in, out]
-            t = as_float_tensor(w)
-            for e in range(experts):
-                yield f"{prefix}.{e}.{proj}.weight", t[e].t().contiguous()
+                else:
+                    yield f"{prefix}.{e}.{proj}.weight", t[e].t().contiguous()
             continue
         # [E, out, in]; a GGUF's quantized stack comes as its E * out rows. llama.cpp's
         # --fuse-gate-up-exps writes gate_up_exps: each expert's gate rows, then its up rows.
-        rows = shape[0] // experts if isinstance(w, GGUFWeight) else shape[1] if len(shape) == 3 else -1
-        if rows <= 0 or (shape[0] != experts * rows if isinstance(w, GGUFWeight) else shape[0] != experts):
-            raise ModelFormatError(f"{name} has shape {shape}; expected [{experts}, out, in]")
-        pieces = _split_rows(w, [rows] * experts) if isinstance(w, GGUFWeight) else list(as_float_tensor(w))
+        if isinstance(w, GGUFWeight):
+            rows = w.shape[0] // experts
+            if rows == 0 or w.shape[0] != experts * rows:
+                raise ModelFormatError(f"{name} has {w.shape[0]} rows, not a whole number per expert of {experts}")
+            pieces = _split_rows(w, [rows] * experts)
+        else:
+            pieces = list(stack(name, w, 3))
         for e, piece in enumerate(pieces):
             if proj == "gate_up_proj":
-                gate, up = _split_rows(piece, [rows // 2] * 2)
+                gate, up = _split_rows(piece, [piece.shape[0] // 2] * 2)
                 yield f"{prefix}.{e}.gate_proj.weight", gate
                 yield f"{prefix}.{e}.up_proj.weight", up
             else:

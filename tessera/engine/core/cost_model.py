@@ -351,14 +351,27 @@ def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_to
         if times:
             points.append(CalibrationPoint(shape_of(chunks), min(times)))
     if experts is not None:
-        # One step past the tokens that activate nearly every expert, whatever the budget: without
-        # it the per-token and per-expert costs cannot be told apart, and the extension past the
-        # measured knots (see the module docstring) would guess.
-        saturating = min(max_tokens, max_context - 1, math.ceil(3 * experts[0] / experts[1]))
-        if max(p.shape.num_tokens for p in points) < saturating:
-            t0 = time.perf_counter()
-            if run_step([(0, saturating, False)]):
-                points.append(CalibrationPoint(shape_of([(0, saturating, False)]), time.perf_counter() - t0))
+        # Steps below, at and past the ~3E/k tokens that activate nearly every expert, whatever the
+        # budget (a large model's runs out after a decode or two): without them the per-token and
+        # per-expert costs cannot be told apart, and the extension past the measured knots (see
+        # the module docstring) would guess, by the last slope: minutes for a long prompt.
+        # A decode at a long context too, which tells attention's cost from the layers'.
+        saturating = math.ceil(3 * experts[0] / experts[1])
+        needed = [[(0, min(n, max_tokens, max_context - 1), False)]
+                  for n in sorted({max(2, saturating // 3), saturating, 2 * saturating})]
+        needed.append([(contexts[-1], 1, True)])
+        for chunks in needed:
+            shape = shape_of(chunks)
+            if any(p.shape == shape for p in points):
+                continue
+            times = []
+            for _ in range(2):  # the first call of a new size pays for its allocations
+                t0 = time.perf_counter()
+                if not run_step(chunks):
+                    break
+                times.append(time.perf_counter() - t0)
+            if times:
+                points.append(CalibrationPoint(shape, min(times)))
     if len(points) < 2:
         raise ValueError("step-cost calibration could not run two steps (KV cache too small?)")
     model = StepCostModel.fit(knots, points, time.perf_counter() - t_start, experts)
