@@ -25,9 +25,10 @@ from tessera.engine.core.kv_offload import DiskKVTier
 from tessera.engine.core.request import Request
 from tessera.engine.core.scheduler import Scheduler, make_chunk
 from tessera.engine.core.scheduler_output import SchedulerOutput
+from tessera.engine.core.spec_acceptance import AcceptanceModel, AdaptiveDraftLength
 from tessera.engine.input_processor import InputLimits, InputProcessor
 from tessera.engine.spec_decode import (
-    DraftModelProposer, LayerSkipProposer, Proposer, SpeculationPolicy, build_ngram, default_draft_layers,
+    DraftModelProposer, LayerSkipProposer, Proposer, SpeculationPolicy, build_lookup, default_draft_layers,
 )
 from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
 from tessera.engine.worker.sampler import Sampler
@@ -125,9 +126,9 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     if not mc.is_causal:
         return _build_encoder(config, loaded, max_model_len, groups, backend)
     spec = config.speculative_config
-    if spec is not None and spec.method != "ngram" and device.type != "cpu":
+    if spec is not None and spec.method not in ("ngram", "suffix") and device.type != "cpu":
         raise InvalidRequestError(f"--speculative-config: {spec.method} speculation runs on the CPU only; "
-                                  "on a GPU use ngram")
+                                  "on a GPU use ngram or suffix")
     draft = _load_draft(config, loaded) if spec is not None and spec.method == "draft_model" else None
     if draft is not None:  # its cache shares the target's block ids, so every block holds both
         dc = draft.config
@@ -151,15 +152,18 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
     cost_model = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
     logger.info("step-cost model: %s", cost_model.summary())
-    scheduler = Scheduler(config, kv, max_model_len, cost_model, structured)
+    acceptance = AcceptanceModel() if spec is not None and spec.adaptive else None
+    scheduler = Scheduler(config, kv, max_model_len, cost_model, structured, acceptance)
     offload = _build_offload(config, loaded, kv_format, runner)
     kv.offload = offload  # only now: calibration's synthetic blocks are not written
     proposer, policy = None, None
     if spec is not None:
         proposer = _build_proposer(config, loaded, draft, backend, groups, runner, num_blocks)
-        policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size)
-        logger.info("speculative decoding: %s, %d tokens, off above %d running request(s) or with a queue",
-                    spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size)
+        adaptive = AdaptiveDraftLength(cost_model, acceptance) if acceptance is not None else None
+        policy = SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size, adaptive)
+        logger.info("speculative decoding: %s, %s%d tokens, off above %d running request(s) or with a queue",
+                    spec.method, "adaptive, up to " if adaptive else "", spec.num_speculative_tokens,
+                    spec.disable_by_batch_size)
     tokens_per_gib = _log_kv_cache(config, groups, num_blocks, bytes_per_block, kv_format)
     if device.type == "cuda":
         _log_gpu_memory(config, device)
@@ -359,8 +363,8 @@ def _build_proposer(config: EngineConfig, loaded, draft, backend: AttentionBacke
                     runner: ModelRunner, num_blocks: int) -> Proposer:
     spec = config.speculative_config
     assert spec is not None
-    if spec.method == "ngram":
-        return build_ngram(spec)
+    if spec.method in ("ngram", "suffix"):
+        return build_lookup(spec)
     sampler = Sampler(config.seed + 1)
     mc = loaded.config
     if spec.method == "layer_skip":

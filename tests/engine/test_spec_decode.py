@@ -6,17 +6,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_engine import GREEDY, alone, loaded, make_llm, prompts, texts  # noqa: F401 (fixtures)
 from tiny_model import make_tiny_model
 
 from tessera.config import EngineConfig, SpeculativeConfig
-from tessera.engine.spec_decode import DraftInput, NgramProposer, SpeculationPolicy, default_draft_layers
+from tessera.engine.core.scheduler_output import Proposal
+from tessera.engine.core.spec_acceptance import PROBE_INTERVAL
+from tessera.engine.spec_decode import (
+    DraftInput, NgramProposer, SpeculationPolicy, SuffixProposer, default_draft_layers)
 from tessera.engine.worker.sampler import Sampler
 from tessera.errors import ConfigError
 from tessera.sampling_params import SamplingParams
 
+# On at any batch and at every proposal's full length here: the invariance tests want the
+# verification working (adaptive draft lengths would rightly stop it in a batch of 32).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-         "disable_by_batch_size": 64}  # on at any batch here: the invariance tests want it working
+         "disable_by_batch_size": 64, "adaptive": False}
 
 
 def _req(tokens: list[int], generator=None, **params):
@@ -29,14 +36,71 @@ def _req(tokens: list[int], generator=None, **params):
 def test_ngram_proposes_what_followed_the_latest_match():
     proposer = NgramProposer(min_n=1, max_n=3)
     tokens = [5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7]
-    assert proposer.lookup(tokens, 3) == [9, 2, 5]  # latest earlier "5 6 7" is followed by 9 2 5
-    assert proposer.lookup([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert proposer.lookup([4, 1, 2, 4], 5) == [1, 2, 4]  # a 1-gram, cut at the end of the context
-    assert NgramProposer(min_n=2, max_n=3).lookup([4, 1, 2, 4], 5) == []
+    assert proposer.find(tokens, 3) == ([9, 2, 5], 3)  # latest earlier "5 6 7" is followed by 9 2 5
+    assert proposer.find([1, 2, 3, 4], 3) == ([], 0)  # nothing repeats
+    assert proposer.find([4, 1, 2, 4], 5) == ([1, 2, 4], 1)  # a 1-gram, cut at the end of the context
+    assert NgramProposer(min_n=2, max_n=3).find([4, 1, 2, 4], 5) == ([], 0)
     out = proposer.propose([DraftInput("a", tokens, SamplingParams(), None, 2, []),
                             DraftInput("b", [4, 1, 2, 4], SamplingParams(), None, 1, [])])
     assert {rid: p.token_ids for rid, p in out.items()} == {"a": [9, 2], "b": [1]}
     assert all(p.draft_probs is None for p in out.values())
+
+
+def test_suffix_continues_the_longest_match_the_way_most_matches_continue():
+    proposer = SuffixProposer(max_depth=8, max_cached_requests=2, max_spec_factor=4.0, min_token_prob=0.1)
+    # "1 2 3" is matched twice in full, "9 1 2 3" once, after which 7 8 followed.
+    assert proposer.find([9, 1, 2, 3, 7, 8, 5, 1, 2, 3, 4, 6, 9, 1, 2, 3], 3) == ([7, 8, 5], 4)
+    # Three matches of "5 6": 7 follows two of them, the latest one 8 (frequency first); of the
+    # two after "5 6 7", the latest (ties go to recency).
+    assert proposer.find([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 8, 3, 5, 6], 2) == ([7, 2], 2)
+    assert proposer.find([1, 2, 3], 4) == ([], 0)
+    assert SuffixProposer(8, 2, 1.0, 0.1).find([4, 1, 2, 4], 5) == ([1], 1)  # at most 1.0 x the match
+    strict = SuffixProposer(8, 2, 4.0, min_token_prob=0.6)  # 7 follows only half of the matches
+    assert strict.find([5, 6, 7, 1, 5, 6, 8, 2, 5, 6], 3) == ([], 2)
+
+
+def test_suffix_matches_earlier_outputs_within_a_bounded_cache():
+    proposer = SuffixProposer(max_depth=16, max_cached_requests=2, max_spec_factor=4.0, min_token_prob=0.1)
+
+    def finish(rid: str, prompt: list[int], output: list[int]) -> None:
+        proposer.propose([DraftInput(rid, prompt + output, SamplingParams(), None, 1, [], len(prompt))])
+        proposer.retain([])
+
+    finish("a", [30, 31], [40, 41, 42, 43, 44])
+    assert proposer.find([7, 40, 41], 3) == ([42, 43, 44], 2)  # "40 41" was an earlier answer
+    assert proposer.find([7, 30, 31], 3) == ([], 0)  # prompts are not cached, only outputs
+    finish("b", [2], [50, 51, 52])
+    finish("c", [2], [60, 61, 62])
+    assert list(proposer.cache_tokens()) == [50, 51, 52, -1, 60, 61, 62, -1]  # "a" evicted
+    assert proposer.find([7, 40, 41], 3) == ([], 0)
+    assert proposer.find([52, 60], 3) == ([61, 62], 1)  # no match spans two outputs, nor a proposal
+    off = SuffixProposer(16, 0, 4.0, 0.1)
+    off.propose([DraftInput("a", [1, 40, 41], SamplingParams(), None, 1, [], 1)])
+    off.retain([])
+    assert off.cache_tokens().size == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(context=st.lists(st.integers(0, 3), min_size=2, max_size=60), k=st.integers(1, 6))
+def test_suffix_lookup_is_the_longest_earlier_match(context, k):
+    """Against a brute force: the match length is the longest suffix of the context (up to the
+    depth) that also ends earlier in it, and the first proposed token follows one of its
+    occurrences, the most frequent of their continuations."""
+    depth = 8
+    tokens, m = SuffixProposer(depth, 0, 100.0, 0.0).find(context, k)
+    n = len(context)
+
+    def followers(length: int) -> list[int]:
+        return [context[p] for p in range(length, n) if context[p - length:p] == context[n - length:]]
+
+    longest = max((length for length in range(1, min(depth, n - 1) + 1) if followers(length)), default=0)
+    assert m == longest
+    if longest:
+        counts = {t: followers(longest).count(t) for t in followers(longest)}
+        assert tokens and counts[tokens[0]] == max(counts.values())
+        assert len(tokens) <= k
+    else:
+        assert tokens == []
 
 
 def test_policy_shrinks_k_with_the_batch_and_stops_under_load():
@@ -52,11 +116,20 @@ def test_speculative_config_is_validated():
     assert draft.method == "draft_model" and draft.model == "qwen2.5-coder-0.5b"  # implied by "model", as vLLM
     skip = EngineConfig(speculative_config={"method": "layer_skip", "draft_layers": [0, 1]}).speculative_config
     assert skip.draft_layers == [0, 1]
+    suffix = EngineConfig(speculative_config='{"method": "suffix", "suffix_decoding_max_tree_depth": 12}')
+    assert suffix.speculative_config.suffix_decoding_max_tree_depth == 12
+    assert suffix.speculative_config.suffix_decoding_max_cached_requests == 1000  # the default filled in
+    assert suffix.speculative_config.adaptive and not SpeculativeConfig(adaptive=False).adaptive
     assert default_draft_layers(28) == [*range(14), 15, 17, 19, 21, 23, 25, 27] and default_draft_layers(1) == [0]
     for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', "not json", '{"k": 3}',
                 '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', '{"method": "draft_model"}',
                 '{"method": "ngram", "model": "x"}', '{"method": "layer_skip", "draft_layers": [2, 1]}',
-                '{"method": "layer_skip", "draft_layers": []}', '{"method": "ngram", "draft_layers": [0]}'):
+                '{"method": "layer_skip", "draft_layers": []}', '{"method": "ngram", "draft_layers": [0]}',
+                '{"method": "ngram", "suffix_decoding_max_tree_depth": 8}', '{"adaptive": "yes"}',
+                '{"method": "suffix", "suffix_decoding_max_tree_depth": 0}',
+                '{"method": "suffix", "suffix_decoding_max_cached_requests": -1}',
+                '{"method": "suffix", "suffix_decoding_max_spec_factor": 0}',
+                '{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}'):
         with pytest.raises(ConfigError, match="speculative-config"):
             EngineConfig(speculative_config=bad)
 
@@ -105,7 +178,7 @@ def test_rejection_sampling_keeps_the_target_distribution(fixed):
 
 # ----------------------------------------------------------------------------- the engine
 
-METHODS = ["ngram", "draft_model", "layer_skip"]
+METHODS = ["ngram", "suffix", "draft_model", "layer_skip"]
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +188,11 @@ def other_draft(tmp_path_factory):
 
 
 def _spec(method: str, loaded, other_draft, **extra) -> dict:  # noqa: F811
-    on_any_batch = {"num_speculative_tokens": 4, "disable_by_batch_size": 64}  # the invariance tests want it on
+    on_any_batch = {"num_speculative_tokens": 4, "disable_by_batch_size": 64, "adaptive": False}  # as NGRAM
     if method == "ngram":
         return {**NGRAM, **extra}
+    if method == "suffix":
+        return {"method": "suffix", **on_any_batch, **extra}
     if method == "draft_model":
         return {"model": str(extra.pop("draft", other_draft)), **on_any_batch, **extra}
     return {"method": "layer_skip", **on_any_batch, **extra}
@@ -145,6 +220,65 @@ def test_greedy_batch_of_32_identical(method, loaded, alone, other_draft):  # no
     assert texts(llm.generate(prompts(32), GREEDY)) == alone
     assert sum(a for _, a in steps) > 0, "no proposal was ever accepted: the test exercises nothing"
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_adaptive_draft_lengths_are_lossless_one_request_at_a_time(method, loaded, alone, other_draft):  # noqa: F811
+    """The default (adaptive) configuration as a single user runs it: every request alone,
+    greedy tokens identical to plain decoding, and runs of varying length verified."""
+    spec = {k: v for k, v in _spec(method, loaded, other_draft).items() if k not in ("adaptive", "disable_by_batch_size")}
+    llm = make_llm(loaded, speculative_config=spec)
+    _rows_nearly_free(llm)
+    steps = _counting(llm)
+    assert [texts(llm.generate([p], GREEDY))[0] for p in prompts(12)] == alone[:12]
+    assert steps, "nothing was verified"
+    assert len({p for p, _ in steps}) > 1, "every run had one length: nothing adapted"
+
+
+class _NearlyFreeRows:
+    """A step's price as on a large model at one user: the weights' read, rows almost free. (The
+    tiny model's steps cost 1.6x with a second row, where no proposal of a random model pays.)"""
+
+    def predict(self, shape) -> float:
+        return 0.06 + 0.001 * shape.num_tokens
+
+
+def _rows_nearly_free(llm) -> None:
+    llm.engine.spec_policy.adaptive.cost = _NearlyFreeRows()
+
+
+class _WrongProposer:
+    """Always proposes a token the target never emits."""
+
+    writes_kv = False
+    lookup = True
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, inputs):
+        return {d.request_id: Proposal([self.token] * d.budget, match_len=2) for d in inputs}
+
+    def retain(self, request_ids) -> None:
+        pass
+
+
+def test_rejected_proposals_stop_costing_rows_within_a_few_steps(loaded):  # noqa: F811
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    plain = [texts(make_llm(loaded).generate([p], params))[0] for p in prompts(4)]
+    never = next(t for t in range(3, 300) if all(t not in out for out in plain))
+    llm = make_llm(loaded, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm.engine.proposer = _WrongProposer(never)
+    _rows_nearly_free(llm)  # so that it does start speculating
+    steps = _counting(llm)
+    for p, expected in zip(prompts(4), plain):
+        before = len(steps)
+        assert texts(llm.generate([p], params))[0] == expected
+        runs = steps[before:]
+        assert all(accepted == 0 for _, accepted in runs)
+        # A few runs while its estimate falls, then a one-proposal probe every PROBE_INTERVAL steps.
+        assert len(runs) <= 4 + 64 // PROBE_INTERVAL, runs
+    assert len(steps) >= 1
 
 
 @pytest.mark.slow
@@ -219,7 +353,7 @@ def test_sampled_drafts_keep_the_target_distribution(loaded, other_draft):  # no
     prompt = prompts(1, seed=1)[0]
     first = int(forward_single(loaded, prompt)[-1].argmax())  # p = 0.31: condition on it
     p = forward_single(loaded, [*prompt, first])[-1].softmax(-1)
-    spec = {"model": str(other_draft), "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    spec = {"model": str(other_draft), "num_speculative_tokens": 3, "disable_by_batch_size": 64, "adaptive": False}
     llm = make_llm(loaded, speculative_config=spec, max_num_seqs=64)
     steps = _counting(llm)
     counts = torch.zeros_like(p)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from tessera.engine.core.spec_acceptance import AcceptanceEstimate
 from tessera.engine.outputs import RequestMetrics
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ class Request:
         # target in that step, never part of all_token_ids unless accepted.
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Optional[torch.Tensor] = None  # [len, vocab] q of drafted ones, when sampled
+        # How often its proposals were accepted lately: the draft length of each step is chosen from it.
+        self.spec_acceptance = AcceptanceEstimate()
         self.stop_reason: int | str | None = None
         # Whether the runner holds this request's tokens for its penalties (sent in its first
         # chunk after admission or preemption; the runner appends what it samples).

@@ -34,6 +34,7 @@ from tessera.engine.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixH
 from tessera.engine.core.request import Request, RequestStatus
 from tessera.engine.core.scheduler_output import (
     GrammarBitmask, Proposal, SamplingInputs, ScheduledChunk, SchedulerOutput, TokenHistory)
+from tessera.engine.core.spec_acceptance import AcceptanceModel
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
 
 if TYPE_CHECKING:
@@ -43,10 +44,13 @@ if TYPE_CHECKING:
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
                  cost_model: Optional[StepCostPredictor] = None,
-                 structured: Optional["StructuredOutputManager"] = None) -> None:
-        """`structured`: fills the step's grammar masks from the requests' grammar states."""
+                 structured: Optional["StructuredOutputManager"] = None,
+                 acceptance: Optional[AcceptanceModel] = None) -> None:
+        """`structured`: fills the step's grammar masks from the requests' grammar states.
+        `acceptance`: where verified runs are counted when draft lengths adapt to them."""
         self.config = config
         self.structured = structured
+        self.acceptance = acceptance
         self.kv = kv
         self.max_model_len = max_model_len
         self.cost_model = cost_model
@@ -67,11 +71,19 @@ class Scheduler:
     def set_proposals(self, proposals: dict[str, Proposal]) -> None:
         """Take a proposer's answer for the coming step: each running request verifies its own
         proposal, if any, and none left from an earlier step (the proposer sees plain inputs and
-        returns plain data; only the scheduler writes its requests)."""
+        returns plain data; only the scheduler writes its requests). A withheld proposal (no
+        tokens) counts toward the request's next re-probe."""
         for req in self.running:
             p = proposals.get(req.request_id)
             req.spec_token_ids = list(p.token_ids) if p is not None else []
             req.spec_draft_probs = p.draft_probs if p is not None else None
+            if p is None:
+                continue
+            est = req.spec_acceptance
+            if p.token_ids:
+                est.off_steps, est.match_len = 0, p.match_len
+            else:
+                est.off_steps += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -417,6 +429,9 @@ class Scheduler:
                 continue
             req.clear_speculation()
             tokens = sampled.get(req.request_id) or []
+            if s.num_spec_tokens and self.acceptance is not None and tokens:
+                # A verified run emits its accepted proposals and the target's next token.
+                self.acceptance.observe(req.spec_acceptance, s.num_spec_tokens, len(tokens) - 1)
             kept, reason = tokens, None
             for i, token in enumerate(tokens):  # a run ends at its first stop token or length limit
                 if token in req.stop_token_ids:

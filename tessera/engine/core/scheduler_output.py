@@ -23,10 +23,14 @@ from tessera.sampling_params import SamplingParams
 class Proposal:
     """Guessed tokens for one request, as a proposer hands them to the scheduler (which puts
     them in the request's next chunk); `draft_probs` [len, vocab] is the distribution each was
-    drawn from (rejection sampling needs it), None when they were fixed (lookup or greedy)."""
+    drawn from (rejection sampling needs it), None when they were fixed (lookup or greedy).
+    `match_len`: how many tokens of the context a lookup matched to find them (0: not a lookup);
+    a longer match is accepted more often. No tokens: the proposer had some, but verifying
+    them would not pay this step (`spec_acceptance.py`)."""
 
     token_ids: list[int]
     draft_probs: Optional[torch.Tensor] = None
+    match_len: int = 0
 
 
 @dataclass
