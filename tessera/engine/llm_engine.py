@@ -207,6 +207,8 @@ class LLMEngine:
         end = time.perf_counter()
         if sched.scheduled and not (sched.swap_in or sched.swap_out):  # block copies are not in the model
             self.cost_model.observe(sched.shape, end - t_step)
+            if self.spec_policy is not None and self.spec_policy.adaptive is not None:
+                self.spec_policy.adaptive.observe_step(sched.shape, end - t_step)
         stats.step_time = end - t0
         return outputs, stats
 

@@ -48,8 +48,8 @@ def test_k_is_monotone_in_acceptance_and_within_the_proposal(cost, a, b, availab
     for _ in range(others):
         step = step.plus(_one_decode(100))
     low, high = sorted((a, b))
-    k_low = best_draft_length(cost, low, available, step, context)
-    k_high = best_draft_length(cost, high, available, step, context)
+    k_low = best_draft_length(cost.predict, low, available, step, context)
+    k_high = best_draft_length(cost.predict, high, available, step, context)
     assert 0 <= k_low <= k_high <= available
 
 
@@ -62,7 +62,7 @@ def test_k_is_zero_whenever_verifying_cannot_pay(cost, a, available, context):
     step = _one_decode(context)
     plain = cost.predict(step)
     one_more = cost.predict(StepShape(2, 2, 0, 1))
-    k = best_draft_length(cost, a, available, step, context)
+    k = best_draft_length(cost.predict, a, available, step, context)
     bound = math.inf if a >= 1 else 1 / (1 - a)
     if bound <= (1 + MARGIN) * one_more / plain:
         assert k == 0
@@ -72,12 +72,12 @@ def test_k_is_zero_whenever_verifying_cannot_pay(cost, a, available, context):
 
 def test_free_rows_and_certain_acceptance_take_the_whole_proposal():
     step = _one_decode(50)
-    assert best_draft_length(LinearCost(0.05, 0.0), 0.99, 7, step, 50) == 7
-    assert best_draft_length(LinearCost(0.05, 0.0), 0.0, 7, step, 50) == 0  # nothing accepted: nothing gained
+    assert best_draft_length(LinearCost(0.05, 0.0).predict, 0.99, 7, step, 50) == 7
+    assert best_draft_length(LinearCost(0.05, 0.0).predict, 0.0, 7, step, 50) == 0  # nothing accepted: nothing gained
     # Each row adds a sixth of a one-row step: a = 0.1 pays for no run, a = 0.9 for all four.
     costly = LinearCost(0.1, 0.02)
-    assert best_draft_length(costly, 0.1, 4, StepShape(1, 1, 50, 0), 50) == 0
-    assert best_draft_length(costly, 0.9, 4, StepShape(1, 1, 50, 0), 50) == 4
+    assert best_draft_length(costly.predict, 0.1, 4, StepShape(1, 1, 50, 0), 50) == 0
+    assert best_draft_length(costly.predict, 0.9, 4, StepShape(1, 1, 50, 0), 50) == 4
 
 
 def _run(chooser: AdaptiveDraftLength, est: AcceptanceEstimate, match_len: int, accepted_fraction: float,
@@ -127,3 +127,19 @@ def test_accepted_proposals_keep_speculation_on_and_long_matches_count_for_more(
     assert model.acceptance(fresh, 16) > 0.9 > 0.1 > model.acceptance(fresh, 1)
     doubtful = AcceptanceEstimate(accepted=0.0, rejected=3.0)  # this request's last runs failed
     assert model.acceptance(doubtful, 1) < model.acceptance(doubtful, 16)
+
+
+def test_the_overhead_of_verified_runs_is_measured_not_taken_from_prompt_chunks():
+    """The cost model's multi-token term (fitted on prompt chunks) is left out of a run's price
+    until steps with runs show what they cost beyond their rows."""
+    cost = LinearCost(0.06, 0.001, multi=0.2)  # prompt chunks pay 0.2 s more than their rows
+    chooser = AdaptiveDraftLength(cost)
+    run = StepShape(5, 5, 250, 1)
+    assert chooser.price(run) == cost.predict(StepShape(5, 5, 250, 0))
+    assert chooser.choose(AcceptanceEstimate(), 8, 4, _one_decode(50), 50) > 0
+    for _ in range(30):  # here runs do pay it: the one-token steps run as one call, runs do not
+        chooser.observe_step(run, cost.predict(run))
+    assert abs(chooser.price(run) - cost.predict(run)) < 0.01
+    assert chooser.choose(AcceptanceEstimate(), 8, 4, _one_decode(50), 50) == 0
+    chooser.observe_step(StepShape(40, 1, 900, 1), 5.0)  # a prompt chunk: not a run's price
+    assert abs(chooser.price(run) - cost.predict(run)) < 0.01

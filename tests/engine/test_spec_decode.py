@@ -307,7 +307,7 @@ def test_a_draft_equal_to_the_target_is_almost_always_right(method, loaded, alon
     nearly always: anything less means the drafter's K/V (catch-up, fed-back guesses, the slots
     the verification rewrites) went out of step with the tokens."""
     spec = ({"model": str(loaded.path)} if method == "draft_model" else {"method": "layer_skip", "draft_layers": [0, 1]})
-    spec |= {"num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    spec |= {"num_speculative_tokens": 4, "disable_by_batch_size": 64, "adaptive": False}
     llm = make_llm(loaded, speculative_config=spec, max_num_batched_tokens=16)  # chunked catch-up too
     steps = _counting(llm)
     assert texts(llm.generate(prompts(8), GREEDY)) == alone[:8]

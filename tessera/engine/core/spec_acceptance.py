@@ -10,8 +10,12 @@ is expected to emit outrun its extra cost. Both are plain numbers before the ste
   recent runs, decayed) combined with how often proposals of the same match length were accepted
   across all requests (a lookup that matched 16 tokens is right far more often than one that
   matched 1);
-- the step's price with those rows, from the step-cost model (`cost_model.py`), which real steps
-  keep corrected.
+- the step's price with those rows: the step-cost model's (`cost_model.py`) for the rows as
+  one-token rows, plus what a step with verified runs has been measured to cost beyond that
+  (`AdaptiveDraftLength.run_overhead_s`). The model's own term for a step with a multi-token chunk
+  is fitted on prompt chunks, which take the prefill path; a verified run takes the decode
+  kernels, and pays that term only where one-token steps run as one C call and a run does not.
+  The overhead starts at none, so speculation is tried, and the first verified steps measure it.
 
 Each step takes, per request, the k that maximises expected tokens per second of the step; k = 0
 (plain decoding: no extra rows, no cost) unless some k beats it by a margin, so a request whose
@@ -23,7 +27,8 @@ estimate on its own and needs no probe.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from tessera.engine.core.cost_model import StepCostPredictor, StepShape
 
@@ -40,6 +45,8 @@ GLOBAL_DECAY = 0.995
 MARGIN = 0.05
 # Steps with a proposal but no verification after which one proposal is verified anyway.
 PROBE_INTERVAL = 16
+# Weight of one measured step in the overhead of steps with verified runs.
+RUN_OVERHEAD_ALPHA = 0.2
 # Match lengths grouped for the table: exact up to 3, then by powers of two; 0 = not a lookup.
 _MATCH_BUCKET_LIMITS = (0, 1, 2, 3, 4, 8, 16, 32)
 # The table's starting belief (accepted, rejected pseudo-counts), longer matches more often right.
@@ -117,14 +124,16 @@ class AcceptanceModel:
         row[1] = GLOBAL_DECAY * row[1] + rejected
 
 
-def best_draft_length(cost: StepCostPredictor, a: float, available: int, step: StepShape, context: int) -> int:
-    """The k in [0, available] that maximises the step's expected tokens per predicted second,
-    where `step` holds one plain decode row per decoding request (this one's at `context` tokens)
-    and this request's k proposals add k rows; 0 unless some k beats plain decoding by `MARGIN`.
-    The others' rows count one token each, so a crowded step needs a larger gain per row."""
+def best_draft_length(price: Callable[[StepShape], float], a: float, available: int, step: StepShape,
+                      context: int) -> int:
+    """The k in [0, available] that maximises the step's expected tokens per predicted second
+    (`price`), where `step` holds one plain decode row per decoding request (this one's at
+    `context` tokens) and this request's k proposals add k rows; 0 unless some k beats plain
+    decoding by `MARGIN`. The others' rows count one token each, so a crowded step needs a larger
+    gain per row."""
     rows = step.num_sampled
     own = StepShape.chunk(context - 1, 1, True)
-    plain = cost.predict(step)
+    plain = price(step)
     if available <= 0 or rows <= 0 or plain <= 0:
         return 0
     best_k, best_rate = 0, rows / plain * (1.0 + MARGIN)
@@ -132,7 +141,7 @@ def best_draft_length(cost: StepCostPredictor, a: float, available: int, step: S
         run = StepShape.chunk(context - 1, 1 + k, True)
         shape = StepShape(step.num_tokens + k, step.num_sampled + k,
                           step.num_attended + run.num_attended - own.num_attended, step.num_multi + 1)
-        rate = (rows - 1 + expected_tokens(k, a)) / cost.predict(shape)
+        rate = (rows - 1 + expected_tokens(k, a)) / price(shape)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
@@ -144,9 +153,25 @@ class AdaptiveDraftLength:
 
     cost: StepCostPredictor
     model: AcceptanceModel = field(default_factory=AcceptanceModel)
+    # Seconds a step with verified runs (and no prompt chunk) took beyond the cost model's price
+    # of its rows as one-token rows, exponentially weighted over such steps.
+    run_overhead_s: float = 0.0
+
+    def price(self, shape: StepShape) -> float:
+        """Predicted seconds of a step of one-token rows and verified runs."""
+        if shape.num_multi == 0:
+            return self.cost.predict(shape)
+        return self.cost.predict(replace(shape, num_multi=0)) + max(0.0, self.run_overhead_s)
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """Learn the overhead from an executed step, if it verified runs and computed no prompt
+        (every row sampled: a prompt chunk samples only its last)."""
+        if shape.num_multi > 0 and shape.num_sampled == shape.num_tokens:
+            extra = seconds - self.cost.predict(replace(shape, num_multi=0))
+            self.run_overhead_s += RUN_OVERHEAD_ALPHA * (extra - self.run_overhead_s)
 
     def choose(self, est: AcceptanceEstimate, match_len: int, available: int, step: StepShape, context: int) -> int:
-        k = best_draft_length(self.cost, self.model.acceptance(est, match_len), available, step, context)
+        k = best_draft_length(self.price, self.model.acceptance(est, match_len), available, step, context)
         if k == 0 and available > 0 and est.off_steps >= PROBE_INTERVAL:
             return 1
         return k
