@@ -120,12 +120,16 @@ def _scheduling_args(g: Any, d: EngineConfig) -> None:
 def _other_args(g: Any, d: EngineConfig) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4}' (prompt lookup), '{\"model\": \"qwen2.5-coder-0.5b\", "
+                        "\"prompt_lookup_max\": 4}' (prompt lookup), '{\"method\": \"suffix\", "
+                        "\"num_speculative_tokens\": 8}' (suffix decoding: the request's own tokens and earlier "
+                        "requests' outputs; vLLM's suffix_decoding_* fields), '{\"model\": \"qwen2.5-coder-0.5b\", "
                         "\"num_speculative_tokens\": 4}' (a draft model with the same tokenizer) or "
                         "'{\"method\": \"layer_skip\", \"draft_layers\": [0, 1, 2]}' (a subset of the target's own layers "
                         "draft; default the first half and every other one after); also prompt_lookup_min and disable_by_batch_size (no "
                         "speculation above that many running requests; default 1: measured here, verification "
-                        "already cost more than it saved at 4). Requests opt out with \"speculative\": false "
+                        "already cost more than it saved at 4) and adaptive (default true: each step each request "
+                        "verifies as many proposals as pay, from its acceptance and the step-cost model, none where "
+                        "none pays). Requests opt out with \"speculative\": false "
                         "(default: off)")
     g.add_argument("--pooling", choices=POOLING_TYPES, default=None,
                    help="embeddings (/v1/embeddings) from this model by mean, cls or last-token pooling of its "
