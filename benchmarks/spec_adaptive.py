@@ -289,6 +289,7 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--limit", type=int, default=0, help="first N prompts only (a quick check)")
+    ap.add_argument("--only", default="", help="these prompts only, by name, comma-separated (a re-measurement)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each prompt each way; the fastest counts")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -301,6 +302,12 @@ def main() -> None:
                "--no-enable-prefix-caching",
                "--speculative-config", args.spec]
     prompts = prompt_set()[:args.limit or None]
+    if args.only:
+        names = set(args.only.split(","))
+        unknown = names - {p["name"] for p in prompts}
+        if unknown:
+            raise SystemExit(f"--only: no prompt named {', '.join(sorted(unknown))}")
+        prompts = [p for p in prompts if p["name"] in names]
     rows = []
     with open(log, "w") as f:
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
