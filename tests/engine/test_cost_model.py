@@ -279,3 +279,23 @@ def test_a_stored_calibration_the_corrections_show_wrong_is_removed(tmp_path):
             model.observe(StepShape(8, 0, 0), factor * model.predict_raw(StepShape(8, 0, 0)))
             stored.review(model)
     assert good.exists() and not bad.exists()
+
+
+def test_knots_past_the_measured_steps_are_lifted_to_the_roofline(monkeypatch):
+    """Measured only up to 16 tokens, where the weights' read dominates, the last slope would put
+    a 256-token step far below what its products take at the host's FLOP rate."""
+    roofline = cm.Roofline(weight_bytes=1e6, flops_per_token=2e8, bandwidth=1e9, flops=1e11, dispatch_s=0.05)
+    now = [0.0]
+
+    def run_step(chunks):
+        tokens = sum(n for _, n, _ in chunks)
+        now[0] += max(0.004, roofline.floor(tokens) * 2)  # memory-bound to 16 tokens, then twice the roofline
+        return True
+
+    monkeypatch.setattr(cm.time, "perf_counter", lambda: now[0])
+    model = cm.calibrate_checked(run_step, max_tokens=256, max_rows=1, max_context=64, budget_s=0.05,
+                                 roofline=roofline)
+    assert max(p.shape.num_tokens for p in model.calibration) < 256
+    assert model.predict(StepShape(256, 0, 0, 1)) >= roofline.floor(256)
+    times = [model.predict(StepShape(t, 0, 0, 1)) for t in range(2, 257)]
+    assert all(b >= a for a, b in zip(times, times[1:]))

@@ -227,6 +227,14 @@ class StepCostModel:
             self._abs_rel_error + CORRECTION_ALPHA * (min(err, 10.0) - self._abs_rel_error)
         self.observations += 1
 
+    def raise_to(self, roofline: "Roofline") -> None:
+        """Lift every knot to at least the roofline's floor: knots past the measured steps follow the
+        last measured slope, which from the memory-bound steps a calibration reaches in its budget is
+        nearly flat (a 1,024-token step of a 135M model extrapolated to 69 ms where its products
+        alone take over a second at the host's FLOP rate)."""
+        for i, k in enumerate(self.knots):
+            self.knot_seconds[i] = max(self.knot_seconds[i], roofline.floor(k), self.knot_seconds[i - 1] if i else 0.0)
+
     def drift(self) -> Optional[str]:
         """Why the calibration itself is wrong, or None: in some bucket the median of the last
         steps' observed / uncorrected predicted time lies outside DRIFT_BOUNDS over at least DRIFT_MIN_STEPS
@@ -594,6 +602,8 @@ def calibrate_checked(run_step: RunStep, *, max_tokens: int, max_rows: int, max_
         model = calibrate(run_step, max_tokens=max_tokens, max_rows=max_rows, max_context=max_context,
                           budget_s=budget_s, prefill_only=prefill_only, experts=experts, checks=checks)
         after, wall = host_load() if host_load else None, time.perf_counter() - t0
+        if roofline is not None:
+            model.raise_to(roofline)
         other = None if before is None or after is None or wall <= 0 else max(0.0, (after - before) / wall)
         model.verdict = CalibrationVerdict(other, attempt, tuple(check_calibration(model, checks, roofline, other)))
         if model.verdict.trusted:
