@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -445,13 +446,23 @@ def _calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBacken
                 synthetic_step, max_tokens=config.max_num_batched_tokens, max_rows=config.max_num_seqs,
                 max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S,
                 prefill_only=not loaded.config.is_causal, experts=_experts(loaded.config),
-                checks=CALIBRATION_CHECKS, roofline=roofline, host_load=others_cpu_seconds)
+                checks=CALIBRATION_CHECKS, roofline=roofline, host_load=others_cpu_seconds,
+                spare_cores=_spare_cores())
             save_cached(path, model)
         for chunks in _warm_up_steps(config, loaded.config.is_causal):
             synthetic_step(chunks)
     finally:
         runner.sampler.generator.set_state(state)
     return model, StoredCalibration(path)
+
+
+def _spare_cores() -> float:
+    """Cores this process's threads leave free: what others may take without disturbing its steps."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    return float(max(0, usable - torch.get_num_threads()))
 
 
 def _warm_up_steps(config: EngineConfig, causal: bool) -> list[list[tuple[int, int, bool]]]:

@@ -299,3 +299,10 @@ def test_knots_past_the_measured_steps_are_lifted_to_the_roofline(monkeypatch):
     assert model.predict(StepShape(256, 0, 0, 1)) >= roofline.floor(256)
     times = [model.predict(StepShape(t, 0, 0, 1)) for t in range(2, 257)]
     assert all(b >= a for a, b in zip(times, times[1:]))
+
+
+def test_cores_the_calibration_leaves_free_may_be_busy(monkeypatch):
+    """Another replica calibrating on the core this one's threads leave free is no hog."""
+    host = FakeHost(hog_attempts=99)
+    model = checked(host, monkeypatch, spare_cores=1.0)
+    assert model.verdict.trusted and host.sleeps == [] and model.verdict.other_cores == pytest.approx(1.0)

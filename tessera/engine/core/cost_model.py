@@ -558,13 +558,16 @@ def calibrate(run_step: RunStep, *, max_tokens: int, max_rows: int,
 
 
 def check_calibration(model: StepCostModel, checks: CalibrationChecks, roofline: Optional[Roofline],
-                      other_cores: Optional[float]) -> list[str]:
-    """What is wrong with a calibration (empty: nothing): a busy host, steps that break
-    monotonicity after their re-measurement, knots outside the roofline's bounds."""
+                      other_cores: Optional[float], spare_cores: float = 0.0) -> list[str]:
+    """What is wrong with a calibration (empty: nothing): a busy host (other processes took more
+    than the `spare_cores` this process's threads leave free, plus `checks.max_other_cores`: two
+    replicas of one thread each calibrate side by side on two cores without disturbing each
+    other), steps that break monotonicity after their re-measurement, knots outside the
+    roofline's bounds."""
     problems = []
-    if other_cores is not None and other_cores > checks.max_other_cores:
+    if other_cores is not None and other_cores > spare_cores + checks.max_other_cores:
         problems.append(f"other processes took {other_cores:.2f} cores during it "
-                        f"(more than {checks.max_other_cores:g})")
+                        f"(more than {spare_cores + checks.max_other_cores:g})")
     pts = model.calibration
     for i, j in monotone_violations(pts, checks.monotone_slack)[:1]:
         problems.append(f"a step of {pts[i].shape.num_tokens} tokens took {pts[i].seconds * 1000:.1f} ms, "
@@ -591,11 +594,12 @@ def calibrate_checked(run_step: RunStep, *, max_tokens: int, max_rows: int, max_
                       budget_s: float = 3.0, prefill_only: bool = False,
                       experts: Optional[tuple[int, int]] = None,
                       checks: CalibrationChecks = CalibrationChecks(), roofline: Optional[Roofline] = None,
-                      host_load: Optional[HostLoadMeter] = None,
+                      host_load: Optional[HostLoadMeter] = None, spare_cores: float = 0.0,
                       sleep: Callable[[float], None] = time.sleep) -> StepCostModel:
     """`calibrate`, checked (`check_calibration`) and measured again after a pause while it
     fails, at most `checks.attempts` times; the result's `verdict` says whether it may be stored.
     Of failed attempts the one taken on the quietest host is kept."""
+    busy = spare_cores + checks.max_other_cores
     best: Optional[StepCostModel] = None
     for attempt in range(1, checks.attempts + 1):
         before, t0 = host_load() if host_load else None, time.perf_counter()
@@ -605,14 +609,15 @@ def calibrate_checked(run_step: RunStep, *, max_tokens: int, max_rows: int, max_
         if roofline is not None:
             model.raise_to(roofline)
         other = None if before is None or after is None or wall <= 0 else max(0.0, (after - before) / wall)
-        model.verdict = CalibrationVerdict(other, attempt, tuple(check_calibration(model, checks, roofline, other)))
+        model.verdict = CalibrationVerdict(other, attempt,
+                                           tuple(check_calibration(model, checks, roofline, other, spare_cores)))
         if model.verdict.trusted:
             return model
         logger.warning("step-cost calibration %d of %d not trusted: %s", attempt, checks.attempts,
                        "; ".join(model.verdict.problems))
         if best is None or (other or 0.0) < (best.verdict.other_cores or 0.0):
             best = model
-        if attempt < checks.attempts and other is not None and other > checks.max_other_cores:
+        if attempt < checks.attempts and other is not None and other > busy:
             sleep(checks.pause_s)  # busy: give whatever ran beside it a moment; noise alone retries at once
     assert best is not None
     best.verdict = CalibrationVerdict(best.verdict.other_cores, checks.attempts, best.verdict.problems)
