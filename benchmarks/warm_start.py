@@ -9,7 +9,10 @@ new host. Runs, one after the other:
 - fresh: start, probe at once (the first requests it ever serves), probe again (warm);
 - reused: restart on the fresh run's home, whose calibration it reuses, and probe once;
 - hog: a new home, a process spinning on one core from before the start until /health is 200
-  (the calibration runs beside it), then the hog stops and the server is probed once.
+  (the calibration runs beside it), then the hog stops and the server is probed once;
+- hog_reused: restart on the hog run's home (a calibration stored there beside the hog would be
+  reused) and probe once.
+`--server-repo` runs the servers and the client from another checkout, for a baseline.
 A probe is `tessera bench capacity` held at one rate (`--start-rate R --max-probes 1`): the
 random mix of 10-60-word prompts and 4-32 output tokens, open loop for --probe-duration seconds,
 no warm-up request, passing when TTFT p95 <= 1 s and ITL p50 <= 50 ms. Each run records the
@@ -148,22 +151,29 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8127)
     p.add_argument("--rate", type=float, default=2.0, help="requests/s of every probe (default: %(default)s)")
     p.add_argument("--probe-duration", type=float, default=30.0)
-    p.add_argument("--runs", default="fresh,reused,hog", help="which runs, in order (default: %(default)s)")
+    p.add_argument("--runs", default="fresh,reused,hog,hog_reused", help="which runs, in order (default: %(default)s)")
+    p.add_argument("--server-repo", type=Path, default=None,
+                   help="run servers and client from this checkout (another commit, for a baseline)")
     p.add_argument("--wait-quiet", type=float, default=600.0,
                    help="seconds each run may wait for other processes to leave the host (default: %(default)s)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    args.out = args.out.resolve()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.with_suffix("")
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
-    result: dict = {"host": lscpu_model(), "machine": machine_info("tessera"), "model": args.model,
+    if args.server_repo is not None:  # `python -m tessera` imports the checkout it runs in
+        os.chdir(args.server_repo)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result: dict = {"host": lscpu_model(), "machine": machine_info("tessera"), "model": args.model, "commit": commit,
                     "rate": args.rate, "probe_duration_s": args.probe_duration,
                     "slo": {"ttft_p95_ms": 1000, "itl_p50_ms": 50}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="tessera-warm-") as tmp:
         homes: dict[str, Path] = {}
         for run in args.runs.split(","):
-            home = homes["fresh"] if run == "reused" and "fresh" in homes else fresh_home(Path(tmp), run)
+            source = {"reused": "fresh", "hog_reused": "hog"}.get(run)
+            home = homes[source] if source in homes else fresh_home(Path(tmp), run)
             homes[run] = home
             quiet = wait_quiet(0.2, 5.0, args.wait_quiet)
             hog = None

@@ -271,7 +271,7 @@ def test_unchecked_and_untrusted_files_are_not_reused(tmp_path):
 def test_a_stored_calibration_the_corrections_show_wrong_is_removed(tmp_path):
     points = [CalibrationPoint(StepShape(t, 0, 0), 0.001 * (4 + t)) for t in (1, 2, 4, 8, 16, 32)]
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    for path, factor in ((good, 1.2), (bad, 0.3)):  # real steps at 1.2x the prediction, or 0.3x
+    for path, factor in ((good, 1.6), (bad, 0.3)):  # real steps at 1.6x the prediction, or 0.3x
         model = StepCostModel.fit(default_knots(32), points)
         cm.save_cached(path, model)
         stored = cm.StoredCalibration(path)
@@ -306,3 +306,14 @@ def test_cores_the_calibration_leaves_free_may_be_busy(monkeypatch):
     host = FakeHost(hog_attempts=99)
     model = checked(host, monkeypatch, spare_cores=1.0)
     assert model.verdict.trusted and host.sleeps == [] and model.verdict.other_cores == pytest.approx(1.0)
+
+
+def test_an_untrusted_calibration_is_never_reviewed_for_removal(tmp_path):
+    points = [CalibrationPoint(StepShape(t, 0, 0), 0.001 * (4 + t)) for t in (1, 2, 4, 8)]
+    model = StepCostModel.fit(default_knots(8), points)
+    model.verdict = cm.CalibrationVerdict(1.0, 2, ("busy",))
+    stored = cm.StoredCalibration(tmp_path / "never-written.json")
+    for _ in range(cm.DRIFT_MIN_STEPS * 2):
+        model.observe(StepShape(8, 0, 0), 0.3 * model.predict_raw(StepShape(8, 0, 0)))
+        stored.review(model)
+    assert model.drift() is not None and stored.removed is None
