@@ -35,8 +35,8 @@ A calibration is checked before it is trusted or stored (`calibrate_checked`): a
 work in any term must not cost more (samples that disagree are measured again, their median
 kept); every knot must lie between half the bandwidth floor and a multiple of the roofline the
 host's measured bandwidth and FLOP/s predict; and other processes must not have taken CPU during
-it (one took every core a compiler wanted and a 1,024-token step was stored at 18 s instead of
-a fraction of it, then reused by every later start). A calibration that fails is measured again
+it (beside a compiler a 1,024-token step of SmolLM2 measured 18 s, and a stored calibration is
+reused by every later start). A calibration that fails is measured again
 after a pause; one that still fails serves this run only, untrusted: its first observed step in
 a bucket replaces the correction outright and unobserved buckets borrow the nearest observed
 one, so it is corrected within a few steps, and it is never stored. A stored calibration that
