@@ -1,10 +1,15 @@
-"""Facts about the host that sizing and kernel choices depend on (memory, CPU features)."""
+"""Facts about the host that sizing, kernel choices and the step-cost model's checks depend on
+(memory, CPU features, how busy other processes keep it, its measured bandwidth and FLOP/s)."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sys
+import time
+from dataclasses import asdict, dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Optional
 
 
@@ -165,3 +170,71 @@ def resident_bytes(pid: Optional[int] = None) -> int:
     except OSError:
         pass
     return 0
+
+
+def others_cpu_seconds() -> Optional[float]:
+    """CPU seconds every other process (and the hypervisor, as steal) has used since boot: the
+    host's busy time in /proc/stat less this process's own. Read twice around a measurement it
+    says how many cores others took meanwhile. None where /proc/stat is absent."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]] + [0] * max(0, 9 - len(fields))
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
+    own = os.times()
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK") - (own.user + own.system)
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """What the step-cost model's roofline check needs of the host: read bandwidth and the FLOP
+    rate of a large matrix product in one dtype at the thread count in use."""
+
+    bandwidth: float  # bytes/s, a reduction over a tensor far larger than the caches
+    flops: float  # FLOP/s of a 1024 x 1024 product
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth > 0 and self.flops > 0):
+            raise ValueError(f"host rates must be positive: {self}")
+
+
+def host_rates(dtype: str, cache_dir: Path, max_other_cores: float = 0.3) -> HostRates:
+    """Measured once per host, dtype, thread count and torch version (~0.3 s; the best of three
+    of each), and kept in `cache_dir` unless other processes took more than `max_other_cores`
+    meanwhile (a busy host's rates would loosen the bounds for every later start)."""
+    import torch
+
+    key = "-".join(str(x).replace(" ", "_").replace("/", "_") for x in (
+        cpu_model_name(), dtype, torch.get_num_threads(), torch.__version__))
+    path = cache_dir / f"rates-{key}.json"
+    try:
+        return HostRates(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    before, t0 = others_cpu_seconds(), time.perf_counter()
+    data = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB: past any cache
+    a, b = torch.randn(1024, 1024).to(getattr(torch, dtype)), torch.randn(1024, 1024).to(getattr(torch, dtype))
+    read, mm = float("inf"), float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        data.sum()
+        read = min(read, time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        mm = min(mm, time.perf_counter() - t)
+    rates = HostRates(data.numel() * data.element_size() / read, 2 * 1024 ** 3 / mm)
+    after, wall = others_cpu_seconds(), time.perf_counter() - t0
+    if before is not None and after is not None and (after - before) / wall > max_other_cores:
+        return rates
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.partial")
+        tmp.write_text(json.dumps(asdict(rates)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return rates

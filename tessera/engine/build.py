@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -19,7 +20,9 @@ import torch
 from tessera.attention import AttentionBackend, get_backend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.core.cost_model import StepCostModel, calibrate, load_cached, save_cached
+from tessera.engine.core.cost_model import (
+    CalibrationChecks, Roofline, StepCostModel, StoredCalibration, calibrate_checked, load_cached, save_cached,
+)
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.kv_offload import DiskKVTier
 from tessera.engine.core.request import Request
@@ -34,7 +37,7 @@ from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
 from tessera.engine.worker.sampler import Sampler
 from tessera.engine.core.structured_output import StructuredOutputManager
 from tessera.errors import TesseraError
-from tessera.hostinfo import available_memory, cpu_model_name, source_digest
+from tessera.hostinfo import available_memory, cpu_model_name, host_rates, others_cpu_seconds, source_digest
 from tessera.kernels import KernelUnavailable
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.sizing import activation_bytes, default_kv_cache_memory
@@ -44,6 +47,7 @@ logger = logging.getLogger("tessera")
 
 DEFAULT_MAX_MODEL_LEN = 4096
 CALIBRATION_BUDGET_S = 3.0  # start-up time the step-cost calibration may take; online refinement does the rest
+CALIBRATION_CHECKS = CalibrationChecks()
 
 
 @dataclass
@@ -62,6 +66,7 @@ class EngineParts:
     structured: StructuredOutputManager
     inputs: InputProcessor
     cost_model: StepCostModel
+    stored_calibration: StoredCalibration  # deleted by the loop once real steps show the model wrong
     scheduler: Scheduler
     offload: Optional[DiskKVTier]
     proposer: Optional[Proposer]
@@ -150,7 +155,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups)
     logger.info("%s", config.profile_summary())
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
-    cost_model = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
+    cost_model, stored = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
     logger.info("step-cost model: %s", cost_model.summary())
     acceptance = AcceptanceModel() if spec is not None and spec.adaptive else None
     scheduler = Scheduler(config, kv, max_model_len, cost_model, structured, acceptance)
@@ -171,8 +176,8 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         _log_memory(config)
     return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
                        kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
-                       inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=offload,
-                       proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
+                       inputs=inputs, cost_model=cost_model, stored_calibration=stored, scheduler=scheduler,
+                       offload=offload, proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
                        kv_tokens_per_gib=tokens_per_gib)
 
 
@@ -257,12 +262,13 @@ def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVC
                 "tokens a step", mc.architecture, pooler.pooling, ", normalised" if pooler.normalize else "",
                 pooler.max_seq_length or max_model_len, config.max_num_batched_tokens)
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
-    cost_model = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
+    cost_model, stored = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
     logger.info("step-cost model: %s", cost_model.summary())
     scheduler = Scheduler(config, kv, max_model_len, cost_model, structured)
     return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
                        kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
-                       inputs=inputs, cost_model=cost_model, scheduler=scheduler, offload=None, proposer=None,
+                       inputs=inputs, cost_model=cost_model, stored_calibration=stored, scheduler=scheduler,
+                       offload=None, proposer=None,
                        spec_policy=None, kv_capacity_tokens=kv_capacity_tokens, kv_tokens_per_gib=0.0)
 
 
@@ -398,20 +404,18 @@ def _ranges(ids: list[int]) -> str:
 
 # -- step-cost model ------------------------------------------------------------------
 def _calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBackend, kv_format: str,
-                          kv: KVCacheManager, runner: ModelRunnerBase) -> StepCostModel:
-    """Time synthetic steps on free KV blocks (nothing is cached or running yet) and fit the model.
+                          kv: KVCacheManager, runner: ModelRunnerBase) -> tuple[StepCostModel, StoredCalibration]:
+    """Time synthetic steps on free KV blocks (nothing is cached or running yet) and fit the model,
+    checked (cost_model.calibrate_checked) against the host's roofline and load; then run the
+    steps the first requests would otherwise pay for.
 
-    The fit is kept in $TESSERA_HOME/cost_models under a key of everything that changes step
+    A trusted fit is kept in $TESSERA_HOME/cost_models under a key of everything that changes step
     times (model, dtype, weights' storage, step limits, threads, CPU, Tessera's source), so a
     restart skips the ~3 s; online correction absorbs what differs today.
     """
     from tessera.models.registry import tessera_home
 
     path = tessera_home() / "cost_models" / f"{_cost_model_key(config, loaded, backend, kv_format)}.json"
-    cached = load_cached(path)
-    if cached is not None:
-        logger.info("step-cost model: calibration reused from %s", path)
-        return cached
     vocab = loaded.config.vocab_size
 
     def synthetic_step(chunks: list[tuple[int, int, bool]]) -> bool:
@@ -437,13 +441,71 @@ def _calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBacken
 
     state = runner.sampler.generator.get_state()  # calibration must not shift seeded output
     try:
-        model = calibrate(synthetic_step, max_tokens=config.max_num_batched_tokens, max_rows=config.max_num_seqs,
-                          max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S,
-                          prefill_only=not loaded.config.is_causal, experts=_experts(loaded.config))
+        model = load_cached(path)
+        if model is not None:
+            logger.info("step-cost model: calibration reused from %s", path)
+        else:
+            roofline = _roofline(config, loaded)
+            model = calibrate_checked(
+                synthetic_step, max_tokens=config.max_num_batched_tokens, max_rows=config.max_num_seqs,
+                max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S,
+                prefill_only=not loaded.config.is_causal, experts=_experts(loaded.config),
+                checks=CALIBRATION_CHECKS, roofline=roofline, host_load=others_cpu_seconds,
+                spare_cores=_spare_cores())
+            save_cached(path, model)
+        for chunks in _warm_up_steps(config, loaded.config.is_causal):
+            synthetic_step(chunks)
     finally:
         runner.sampler.generator.set_state(state)
-    save_cached(path, model)
-    return model
+    return model, StoredCalibration(path)
+
+
+def _spare_cores() -> float:
+    """Cores this process's threads leave free: what others may take without disturbing its steps."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    return float(max(0, usable - torch.get_num_threads()))
+
+
+def _warm_up_steps(config: EngineConfig, causal: bool) -> list[list[tuple[int, int, bool]]]:
+    """Steps of the shapes first requests bring (a prompt chunk, decodes alone, decodes beside a
+    chunk), run before the engine reports ready whether or not the calibration was reused: a
+    reused one runs no step, and the first requests would pay for the thread pool's start,
+    oneDNN's kernels for their row counts and first-touch allocations (encoders: whole inputs)."""
+    chunk = max(1, min(64, config.max_num_batched_tokens - 4, config.max_model_len - 2))
+    if not causal:
+        return [[(0, chunk, False)], [(0, chunk, False)] * max(1, min(4, config.max_num_seqs))]
+    context = min(64, config.max_model_len - 2)
+    rows = max(1, min(4, config.max_num_seqs - 1))
+    return [[(0, chunk, False)], [(context, 1, True)], [(context, 1, True)] * rows,
+            [(context, 1, True)] * rows + [(0, chunk, False)]]
+
+
+def _roofline(config: EngineConfig, loaded) -> Optional[Roofline]:
+    """The host's roofline for this model's steps on the CPU (None on a GPU: the host's rates say
+    nothing of it): every Linear's weights as stored read once, two FLOPs per parameter per token;
+    a mixture of experts' experts count by the share a token chooses. The LM head is left out (its
+    cost is the sampled rows', not the tokens'), so both bounds stay lenient."""
+    from tessera.layers.linear import Linear, VocabEmbedding
+    from tessera.models.registry import tessera_home
+
+    if config.device != "cpu":
+        return None
+    moe = loaded.config.moe
+    share = 1.0 if moe is None else moe.top_k / moe.num_experts
+    weight_bytes, params = 0.0, 0.0
+    for name, module in loaded.model.named_modules():
+        if isinstance(module, Linear) and not isinstance(module, VocabEmbedding):
+            part = share if ".experts." in f".{name}." else 1.0
+            weight_bytes += part * module.quant_method.nbytes(module)
+            params += part * module.input_size * module.output_size
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    rates = host_rates(dtype if dtype in ("float32", "bfloat16", "float16") else "float32", tessera_home() / "host",
+                       CALIBRATION_CHECKS.max_other_cores)
+    return Roofline(weight_bytes, 2 * params, rates.bandwidth, rates.flops,
+                    dispatch_s=0.02 + 0.002 * loaded.config.num_layers)
 
 
 def _experts(mc: ModelConfig) -> Optional[tuple[int, int]]:

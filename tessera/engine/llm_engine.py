@@ -207,6 +207,7 @@ class LLMEngine:
         end = time.perf_counter()
         if sched.scheduled and not (sched.swap_in or sched.swap_out):  # block copies are not in the model
             self.cost_model.observe(sched.shape, end - t_step)
+            self.parts.stored_calibration.review(self.cost_model)
             if self.spec_policy is not None and self.spec_policy.adaptive is not None:
                 self.spec_policy.adaptive.observe_step(sched.shape, end - t_step)
         stats.step_time = end - t0
@@ -266,7 +267,9 @@ class LLMEngine:
         return self.scheduler.load_snapshot()
 
     def cost_model_stats(self) -> dict:
-        return self.cost_model.describe()
+        stored = self.parts.stored_calibration
+        return {**self.cost_model.describe(), "stored_calibration": str(stored.path),
+                "stored_calibration_removed": stored.removed}
 
     def kv_cache_info(self) -> dict:
         """The KV cache's format and capacity, for /v1/engine/stats."""

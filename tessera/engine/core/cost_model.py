@@ -30,6 +30,18 @@ refined online: every real step's time updates a correction factor for its
 token-count bucket (an exponentially weighted mean of observed / predicted),
 so load from elsewhere on the machine, or shapes the calibration extrapolated,
 are learned within a few steps.
+
+A calibration is checked before it is trusted or stored (`calibrate_checked`): a step of no more
+work in any term must not cost more (samples that disagree are measured again, their median
+kept); every knot must lie between half the bandwidth floor and a multiple of the roofline the
+host's measured bandwidth and FLOP/s predict; and other processes must not have taken CPU during
+it (beside a compiler a 1,024-token step of SmolLM2 measured 18 s, and a stored calibration is
+reused by every later start). A calibration that fails is measured again
+after a pause; one that still fails serves this run only, untrusted: its first observed step in
+a bucket replaces the correction outright and unobserved buckets borrow the nearest observed
+one, so it is corrected within a few steps, and it is never stored. A stored calibration that
+the online corrections show wrong (`StepCostModel.drift`) is deleted, so the next start
+measures again.
 """
 from __future__ import annotations
 
@@ -38,7 +50,9 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol, Sequence
@@ -49,7 +63,16 @@ logger = logging.getLogger("tessera")
 
 CORRECTION_ALPHA = 0.05  # weight of one observed step in its bucket's correction factor
 CORRECTION_CLAMP = (0.25, 4.0)  # an observation further off than this (a GC pause, a swap) is clipped
+# An untrusted calibration may be far off (a busy host made steps 40x slower): wider, so it is corrected.
+UNTRUSTED_CLAMP = (0.01, 4.0)
 MAX_CACHED_CALIBRATIONS = 64
+CALIBRATION_FORMAT = 2  # stored files of another format (unchecked ones) are measured again
+DRIFT_WINDOW = 32  # recent observed/predicted ratios kept per bucket
+DRIFT_MIN_STEPS = 32  # a bucket judged only once it has this many
+# A median ratio outside these says the stored calibration is wrong. Wide: a served step is timed
+# with its scheduling and output processing, which calibration's steps leave out, and that alone
+# put SmolLM2's one-token steps at ~1.5x.
+DRIFT_BOUNDS = (0.5, 2.0)
 
 
 @dataclass(frozen=True)
@@ -101,12 +124,34 @@ class CalibrationPoint:
     seconds: float
 
 
+@dataclass(frozen=True)
+class CalibrationVerdict:
+    """What the checks of one calibration found: stored only when `problems` is empty."""
+
+    other_cores: Optional[float] = None  # CPU other processes took during it, in cores (None: not measured)
+    attempts: int = 1
+    problems: tuple[str, ...] = ()
+
+    @property
+    def trusted(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {"other_cores": self.other_cores, "attempts": self.attempts, "problems": list(self.problems)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CalibrationVerdict":
+        other = d["other_cores"]
+        return cls(None if other is None else float(other), int(d["attempts"]), tuple(str(x) for x in d["problems"]))
+
+
 class StepCostModel:
     """Piecewise-linear step-cost model with online per-bucket correction."""
 
     def __init__(self, knots: Sequence[int], knot_seconds: Sequence[float], per_sampled: float,
                  per_attended: float, calibration: Sequence[CalibrationPoint] = (),
-                 calibration_seconds: float = 0.0, per_multi_step: float = 0.0) -> None:
+                 calibration_seconds: float = 0.0, per_multi_step: float = 0.0,
+                 verdict: CalibrationVerdict = CalibrationVerdict()) -> None:
         if len(knots) < 2 or list(knots) != sorted(set(knots)) or knots[0] < 0:
             raise ValueError("knots must be at least two increasing token counts")
         self.knots = list(knots)
@@ -116,7 +161,10 @@ class StepCostModel:
         self.per_multi_step = max(0.0, per_multi_step)
         self.calibration = list(calibration)
         self.calibration_seconds = calibration_seconds
+        self.verdict = verdict
         self.corrections = [1.0] * len(self.knots)
+        self.bucket_steps = [0] * len(self.knots)
+        self._ratios = [deque(maxlen=DRIFT_WINDOW) for _ in self.knots]  # observed / predicted, recent steps
         self.observations = 0
         self._abs_rel_error = 0.0  # exponentially weighted, of the corrected prediction
 
@@ -145,7 +193,18 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
-        return self.predict_raw(shape) * self.corrections[self._bucket(shape.num_tokens)]
+        return self.predict_raw(shape) * self._correction(self._bucket(shape.num_tokens))
+
+    def _correction(self, bucket: int) -> float:
+        """The bucket's correction factor; an untrusted calibration's unobserved bucket takes the
+        nearest observed one's, since what made its steps wrong (a busy host) made them all wrong
+        and a bucket the scheduler avoids because it is overpredicted would never be corrected."""
+        if self.verdict.trusted or self.bucket_steps[bucket]:
+            return self.corrections[bucket]
+        seen = [i for i, n in enumerate(self.bucket_steps) if n]
+        if not seen:
+            return 1.0
+        return self.corrections[min(seen, key=lambda i: abs(i - bucket))]
 
     # -- online refinement --------------------------------------------------------
     def observe(self, shape: StepShape, seconds: float) -> None:
@@ -156,13 +215,41 @@ class StepCostModel:
         if raw <= 0:
             return
         b = self._bucket(shape.num_tokens)
-        predicted = raw * self.corrections[b]
-        ratio = min(max(seconds / raw, CORRECTION_CLAMP[0]), CORRECTION_CLAMP[1])
-        self.corrections[b] += CORRECTION_ALPHA * (ratio - self.corrections[b])
+        predicted = raw * self._correction(b)
+        self._ratios[b].append(seconds / raw)
+        if self.verdict.trusted:
+            ratio = min(max(seconds / raw, CORRECTION_CLAMP[0]), CORRECTION_CLAMP[1])
+            alpha = CORRECTION_ALPHA
+        else:  # a running mean from the first step: the calibration is not believed
+            ratio = min(max(seconds / raw, UNTRUSTED_CLAMP[0]), UNTRUSTED_CLAMP[1])
+            alpha = max(CORRECTION_ALPHA, 1.0 / (self.bucket_steps[b] + 1))
+        self.corrections[b] += alpha * (ratio - self.corrections[b])
+        self.bucket_steps[b] += 1
         err = abs(predicted - seconds) / seconds
         self._abs_rel_error = err if self.observations == 0 else \
             self._abs_rel_error + CORRECTION_ALPHA * (min(err, 10.0) - self._abs_rel_error)
         self.observations += 1
+
+    def raise_to(self, roofline: "Roofline") -> None:
+        """Lift every knot to at least the roofline's floor: knots past the measured steps follow the
+        last measured slope, which from the memory-bound steps a calibration reaches in its budget is
+        nearly flat (a 1,024-token step of a 135M model extrapolated to 69 ms where its products
+        alone take over a second at the host's FLOP rate)."""
+        for i, k in enumerate(self.knots):
+            self.knot_seconds[i] = max(self.knot_seconds[i], roofline.floor(k), self.knot_seconds[i - 1] if i else 0.0)
+
+    def drift(self) -> Optional[str]:
+        """Why the calibration itself is wrong, or None: in some bucket the median of the last
+        steps' observed / uncorrected predicted time lies outside DRIFT_BOUNDS over at least DRIFT_MIN_STEPS
+        steps. The corrections already absorb it in this run; the stored file must not carry it
+        into the next."""
+        for knot, ratios in zip(self.knots, self._ratios):
+            if len(ratios) >= DRIFT_MIN_STEPS:
+                median = statistics.median(ratios)
+                if not DRIFT_BOUNDS[0] <= median <= DRIFT_BOUNDS[1]:
+                    return (f"steps near {knot} tokens took {median:.2f}x the prediction "
+                            f"(median of the last {len(ratios)})")
+        return None
 
     # -- reporting ---------------------------------------------------------------------
     def describe(self) -> dict:
@@ -179,6 +266,8 @@ class StepCostModel:
             "mean_abs_rel_error": round(self._abs_rel_error, 4) if self.observations else None,
             "calibration_points": len(self.calibration),
             "calibration_s": round(self.calibration_seconds, 3),
+            "calibration_trusted": self.verdict.trusted,
+            "calibration_checks": self.verdict.to_dict(),
         }
 
     def summary(self) -> str:
@@ -196,14 +285,16 @@ class StepCostModel:
                 "per_attended": self.per_attended, "per_multi_step": self.per_multi_step,
                 "calibration_seconds": self.calibration_seconds,
                 "calibration": [[p.shape.num_tokens, p.shape.num_sampled, p.shape.num_attended, p.shape.num_multi,
-                                 p.seconds] for p in self.calibration]}
+                                 p.seconds] for p in self.calibration],
+                "format": CALIBRATION_FORMAT, "checks": self.verdict.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepCostModel":
         points = [CalibrationPoint(StepShape(int(t), int(s), int(a), int(m)), float(sec))
                   for t, s, a, m, sec in d["calibration"]]
         return cls([int(k) for k in d["knots"]], [float(x) for x in d["knot_seconds"]], float(d["per_sampled"]),
-                   float(d["per_attended"]), points, float(d["calibration_seconds"]), float(d["per_multi_step"]))
+                   float(d["per_attended"]), points, float(d["calibration_seconds"]), float(d["per_multi_step"]),
+                   CalibrationVerdict.from_dict(d["checks"]))
 
     # -- fitting ----------------------------------------------------------------------
     @classmethod
@@ -295,20 +386,118 @@ def default_knots(max_tokens: int) -> list[int]:
     return knots
 
 
-def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_tokens: int, max_rows: int,
+RunStep = Callable[[list[tuple[int, int, bool]]], bool]
+
+
+class HostLoadMeter(Protocol):
+    """A counter of the CPU seconds other processes have used (hostinfo.others_cpu_seconds; a fake
+    one in tests): read before and after a calibration, it says how busy the host was."""
+
+    def __call__(self) -> Optional[float]:
+        """Seconds so far, or None where the host does not say."""
+        ...
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The least a step can cost on this host, from its measured bandwidth and FLOP/s: the weights
+    a step reads once at the bandwidth, or its products at the FLOP rate, whichever is longer."""
+
+    weight_bytes: float  # read by every step (a mixture of experts: the share of experts one token reads)
+    flops_per_token: float  # 2 x parameters of the products a token runs through
+    bandwidth: float  # bytes/s read
+    flops: float  # FLOP/s of a large matrix product in the compute dtype
+    dispatch_s: float  # what running the layers costs beyond the arithmetic (operator calls), allowed on top
+
+    def __post_init__(self) -> None:
+        if not (self.weight_bytes >= 0 and self.flops_per_token >= 0 and self.bandwidth > 0 and self.flops > 0
+                and self.dispatch_s >= 0):
+            raise ValueError(f"roofline needs positive rates and non-negative sizes: {self}")
+
+    def floor(self, tokens: int) -> float:
+        return max(self.weight_bytes / self.bandwidth, self.flops_per_token * tokens / self.flops)
+
+
+@dataclass(frozen=True)
+class CalibrationChecks:
+    """When a calibration is trusted (module docstring); the defaults leave a quiet host's
+    calibration alone and refuse one taken beside a process spinning on a core."""
+
+    max_other_cores: float = 0.3  # CPU other processes may take during it, in cores
+    attempts: int = 2  # calibrations tried before one that fails serves this run only
+    pause_s: float = 1.0  # between attempts: a compiler or a test run may be done by then
+    disagree: float = 0.3  # two samples of a shape further apart than this are measured again
+    extra_samples: int = 3  # taken then; the median of all is kept
+    monotone_slack: float = 0.3  # a step of no more work may cost this much more (plus 0.5 ms) and pass
+    max_over_roofline: float = 20.0  # a knot above this multiple of the roofline (plus dispatch) is refused
+    min_of_bandwidth_floor: float = 0.5  # a step below this share of the bandwidth floor is refused
+
+    def __post_init__(self) -> None:
+        if self.max_other_cores < 0 or self.attempts < 1 or self.pause_s < 0 or self.disagree <= 0 \
+                or self.extra_samples < 0 or self.monotone_slack < 0 or self.max_over_roofline <= 1 \
+                or not 0 <= self.min_of_bandwidth_floor <= 1:
+            raise ValueError(f"invalid calibration checks: {self}")
+
+
+def _measure(run_step: RunStep, chunks: list[tuple[int, int, bool]], checks: CalibrationChecks,
+             clock: Callable[[], float], extra: bool = False) -> Optional[list[float]]:
+    """Samples of one step: two, and `extra_samples` more when they disagree (or `extra`); None if
+    it does not fit."""
+    times: list[float] = []
+    for i in range(2 + checks.extra_samples):
+        if i == 2 and not extra and max(times) <= min(times) * (1 + checks.disagree):
+            break
+        t0 = clock()
+        if not run_step(chunks):
+            return None
+        times.append(clock() - t0)
+    return times
+
+
+def _kept(times: list[float]) -> float:
+    """Two samples that agree: the faster (the slower caught a hiccup); more: their median."""
+    return min(times) if len(times) <= 2 else statistics.median(times)
+
+
+def _shape_of(chunks: list[tuple[int, int, bool]]) -> StepShape:
+    total = StepShape()
+    for start, n, samples in chunks:
+        total = total.plus(StepShape.chunk(start, n, samples))
+    return total
+
+
+def _dominates(a: StepShape, b: StepShape) -> bool:
+    """`a` does at least the work of `b` in every term of the model."""
+    return (a.num_tokens >= b.num_tokens and a.num_sampled >= b.num_sampled and a.num_attended >= b.num_attended
+            and a.num_multi >= b.num_multi)
+
+
+def monotone_violations(points: Sequence[CalibrationPoint], slack: float) -> list[tuple[int, int]]:
+    """Pairs (i, j) where step i does no more work than step j in any term yet cost more than
+    (1 + slack) times it plus 0.5 ms: one of the two was disturbed."""
+    return [(i, j) for i, p in enumerate(points) for j, q in enumerate(points)
+            if i != j and p.shape != q.shape and _dominates(q.shape, p.shape)
+            and p.seconds > q.seconds * (1 + slack) + 0.0005]
+
+
+def calibrate(run_step: RunStep, *, max_tokens: int, max_rows: int,
               max_context: int, budget_s: float = 3.0, prefill_only: bool = False,
-              experts: Optional[tuple[int, int]] = None) -> StepCostModel:
+              experts: Optional[tuple[int, int]] = None,
+              checks: CalibrationChecks = CalibrationChecks()) -> StepCostModel:
     """Measure synthetic steps and fit a model.
 
     `run_step(chunks)` executes one step made of chunks (start, num_tokens, samples) on
     scratch KV blocks and returns False when the KV cache cannot hold it (skipped). Prefill-only steps cover the knots (smallest first), decode-only
     steps cover rows x context; each shape is measured twice after a warm-up, keeping the
-    faster (the slower one caught a hiccup). When `budget_s` runs out the larger shapes
+    faster (the slower one caught a hiccup), or, when the two disagree, more times, keeping the
+    median; steps that break monotonicity (`monotone_violations`) are measured again the same way.
+    When `budget_s` runs out the larger shapes
     are skipped and the model extrapolates them until real steps correct it (`experts`: a mixture
     of experts' (E, k), see the module docstring). `prefill_only`
     (an encoder, whose every step is whole inputs and nothing decodes): the knots, and batches
     of 64-token inputs in place of the decode and mixed steps.
     """
+    clock = time.perf_counter
     knots = default_knots(max_tokens)
     shapes: list[list[tuple[int, int, bool]]] = []
     rows = sorted({1, min(4, max_rows), min(16, max_rows), max_rows})
@@ -329,27 +518,16 @@ def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_to
             shapes.append([(min(64, max_context - 1), 1, True)] * r + [(0, k, False)])
     shapes.sort(key=lambda chunks: sum(n for _, n, _ in chunks))
 
-    def shape_of(chunks: list[tuple[int, int, bool]]) -> StepShape:
-        total = StepShape()
-        for start, n, samples in chunks:
-            total = total.plus(StepShape.chunk(start, n, samples))
-        return total
-
-    t_start = time.perf_counter()
+    t_start = clock()
     run_step(shapes[len(shapes) // 3])  # warm-up: first-call allocations, thread pool start
-    points: list[CalibrationPoint] = []
+    measured: list[tuple[list[tuple[int, int, bool]], list[float]]] = []
     for chunks in shapes:
-        spent = time.perf_counter() - t_start
-        if len(points) >= 2 and spent + 2 * points[-1].seconds > budget_s:  # two at least, however slow
+        spent = clock() - t_start
+        if len(measured) >= 2 and spent + 2 * _kept(measured[-1][1]) > budget_s:  # two at least, however slow
             break
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            if not run_step(chunks):
-                break
-            times.append(time.perf_counter() - t0)
+        times = _measure(run_step, chunks, checks, clock)
         if times:
-            points.append(CalibrationPoint(shape_of(chunks), min(times)))
+            measured.append((chunks, times))
     if experts is not None:
         # Steps below, at and past the ~3E/k tokens that activate nearly every expert, whatever the
         # budget (a large model's runs out after a decode or two): without them the per-token and
@@ -360,38 +538,115 @@ def calibrate(run_step: Callable[[list[tuple[int, int, bool]]], bool], *, max_to
         needed = [[(0, min(n, max_tokens, max_context - 1), False)]
                   for n in sorted({max(2, saturating // 3), saturating, 2 * saturating})]
         needed.append([(contexts[-1], 1, True)])
-        for chunks in needed:
-            shape = shape_of(chunks)
-            if any(p.shape == shape for p in points):
-                continue
-            times = []
-            for _ in range(2):  # the first call of a new size pays for its allocations
-                t0 = time.perf_counter()
-                if not run_step(chunks):
-                    break
-                times.append(time.perf_counter() - t0)
-            if times:
-                points.append(CalibrationPoint(shape, min(times)))
-    if len(points) < 2:
+        for chunks in needed:  # two samples at least: the first call of a new size pays for its allocations
+            if not any(_shape_of(c) == _shape_of(chunks) for c, _ in measured):
+                times = _measure(run_step, chunks, checks, clock)
+                if times:
+                    measured.append((chunks, times))
+    if len(measured) < 2:
         raise ValueError("step-cost calibration could not run two steps (KV cache too small?)")
-    model = StepCostModel.fit(knots, points, time.perf_counter() - t_start, experts)
-    measured = max(p.shape.num_tokens for p in points)
-    if measured < max_tokens:
+    points = [CalibrationPoint(_shape_of(c), _kept(t)) for c, t in measured]
+    for i in sorted({k for pair in monotone_violations(points, checks.monotone_slack) for k in pair}):
+        chunks, times = measured[i]  # one more round for each step of a pair that disagrees
+        again = _measure(run_step, chunks, checks, clock, extra=True)
+        if again:
+            times.extend(again)
+            points[i] = CalibrationPoint(points[i].shape, statistics.median(times))
+    model = StepCostModel.fit(knots, points, clock() - t_start, experts)
+    largest = max(p.shape.num_tokens for p in points)
+    if largest < max_tokens:
         logger.info("step-cost calibration stopped at %d tokens (budget %.1f s); larger steps are "
-                    "extrapolated and corrected online", measured, budget_s)
+                    "extrapolated and corrected online", largest, budget_s)
     return model
 
 
+def check_calibration(model: StepCostModel, checks: CalibrationChecks, roofline: Optional[Roofline],
+                      other_cores: Optional[float], spare_cores: float = 0.0) -> list[str]:
+    """What is wrong with a calibration (empty: nothing): a busy host (other processes took more
+    than the `spare_cores` this process's threads leave free, plus `checks.max_other_cores`: two
+    replicas of one thread each calibrate side by side on two cores without disturbing each
+    other), steps that break monotonicity after their re-measurement, knots outside the
+    roofline's bounds."""
+    problems = []
+    if other_cores is not None and other_cores > spare_cores + checks.max_other_cores:
+        problems.append(f"other processes took {other_cores:.2f} cores during it "
+                        f"(more than {spare_cores + checks.max_other_cores:g})")
+    pts = model.calibration
+    for i, j in monotone_violations(pts, checks.monotone_slack)[:1]:
+        problems.append(f"a step of {pts[i].shape.num_tokens} tokens took {pts[i].seconds * 1000:.1f} ms, "
+                        f"more than the larger step of {pts[j].shape.num_tokens} ({pts[j].seconds * 1000:.1f} ms)")
+    if roofline is not None:
+        bandwidth_floor = roofline.weight_bytes / roofline.bandwidth
+        for p in pts:
+            if p.seconds < checks.min_of_bandwidth_floor * bandwidth_floor:
+                problems.append(f"a step of {p.shape.num_tokens} tokens took {p.seconds * 1000:.2f} ms, under "
+                                f"{checks.min_of_bandwidth_floor:g}x the {bandwidth_floor * 1000:.2f} ms reading "
+                                "the weights takes at the measured bandwidth")
+                break
+        for k, sec in zip(model.knots, model.knot_seconds):
+            bound = checks.max_over_roofline * roofline.floor(k) + roofline.dispatch_s
+            if sec > bound:
+                problems.append(f"{k} tokens at {sec * 1000:.1f} ms exceed {checks.max_over_roofline:g}x the "
+                                f"roofline ({roofline.floor(k) * 1000:.2f} ms) plus {roofline.dispatch_s * 1000:.0f} ms "
+                                "of dispatch")
+                break
+    return problems
+
+
+def calibrate_checked(run_step: RunStep, *, max_tokens: int, max_rows: int, max_context: int,
+                      budget_s: float = 3.0, prefill_only: bool = False,
+                      experts: Optional[tuple[int, int]] = None,
+                      checks: CalibrationChecks = CalibrationChecks(), roofline: Optional[Roofline] = None,
+                      host_load: Optional[HostLoadMeter] = None, spare_cores: float = 0.0,
+                      sleep: Callable[[float], None] = time.sleep) -> StepCostModel:
+    """`calibrate`, checked (`check_calibration`) and measured again after a pause while it
+    fails, at most `checks.attempts` times; the result's `verdict` says whether it may be stored.
+    Of failed attempts the one taken on the quietest host is kept."""
+    busy = spare_cores + checks.max_other_cores
+    best: Optional[StepCostModel] = None
+    for attempt in range(1, checks.attempts + 1):
+        before, t0 = host_load() if host_load else None, time.perf_counter()
+        model = calibrate(run_step, max_tokens=max_tokens, max_rows=max_rows, max_context=max_context,
+                          budget_s=budget_s, prefill_only=prefill_only, experts=experts, checks=checks)
+        after, wall = host_load() if host_load else None, time.perf_counter() - t0
+        if roofline is not None:
+            model.raise_to(roofline)
+        other = None if before is None or after is None or wall <= 0 else max(0.0, (after - before) / wall)
+        model.verdict = CalibrationVerdict(other, attempt,
+                                           tuple(check_calibration(model, checks, roofline, other, spare_cores)))
+        if model.verdict.trusted:
+            return model
+        logger.warning("step-cost calibration %d of %d not trusted: %s", attempt, checks.attempts,
+                       "; ".join(model.verdict.problems))
+        if best is None or (other or 0.0) < (best.verdict.other_cores or 0.0):
+            best = model
+        if attempt < checks.attempts and other is not None and other > busy:
+            sleep(checks.pause_s)  # busy: give whatever ran beside it a moment; noise alone retries at once
+    assert best is not None
+    best.verdict = CalibrationVerdict(best.verdict.other_cores, checks.attempts, best.verdict.problems)
+    logger.warning("step-cost model: serving with an untrusted calibration, not stored; real steps replace "
+                   "its corrections from the first one")
+    return best
+
+
 def load_cached(path: Path) -> Optional[StepCostModel]:
-    """A calibration saved by save_cached(), or None if absent or unreadable (then recalibrate)."""
+    """A calibration saved by save_cached() and checked when it was taken, or None if absent,
+    unreadable, of another format or unchecked (then recalibrate)."""
     try:
-        return StepCostModel.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        d = json.loads(path.read_text())
+        if d.get("format") != CALIBRATION_FORMAT:
+            return None
+        model = StepCostModel.from_dict(d)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    return model if model.verdict.trusted else None
 
 
 def save_cached(path: Path, model: StepCostModel) -> None:
-    """Write atomically; a cache that cannot be written only costs the next start-up a calibration."""
+    """Write atomically; a cache that cannot be written only costs the next start-up a calibration.
+    An untrusted calibration is never written."""
+    if not model.verdict.trusted:
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.partial")
@@ -402,3 +657,28 @@ def save_cached(path: Path, model: StepCostModel) -> None:
             old.unlink(missing_ok=True)
     except OSError as exc:
         logger.warning("could not save the step-cost calibration to %s: %s", path, exc)
+
+
+class StoredCalibration:
+    """The file a served calibration came from or went to: deleted once the online corrections
+    show the calibration wrong (`StepCostModel.drift`), so the next start measures again instead
+    of starting from it. Checked every DRIFT_MIN_STEPS observed steps."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.removed: Optional[str] = None  # why, once removed
+
+    def review(self, model: StepCostModel) -> None:
+        if self.removed is not None or not model.verdict.trusted or model.observations % DRIFT_MIN_STEPS:
+            return  # an untrusted calibration was never stored
+        why = model.drift()
+        if why is None:
+            return
+        self.removed = why
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("could not remove the step-cost calibration %s: %s", self.path, exc)
+            return
+        logger.warning("step-cost model: %s; removed the stored calibration %s, the next start measures again",
+                       why, self.path)
