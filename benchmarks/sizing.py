@@ -4,8 +4,9 @@ For each (model, setting) the prediction is computed (the same code as `tessera 
 `tessera serve` is started with the same flags, a load that reaches the largest step is sent
 (max_num_seqs concurrent requests, prompts long enough to fill the token budget, then decodes),
 and the server's resident memory is read from /proc, summed over its processes (front-end and
-engine core): VmRSS after the load and VmHWM, each process's peak over its whole life (loading
-included). Writes a JSON file and prints a Markdown table.
+engine core): VmRSS at start and after the load, and VmHWM, each process's peak over its whole life
+(loading included). The KV cache's pages are mapped as tokens are written, so the prediction after
+the load is `tessera size`'s start-up figure plus the blocks the load's requests held. Writes a JSON file and prints a Markdown table.
 
     python benchmarks/sizing.py --out benchmarks/results/sizing/sizing.json
 """
@@ -64,15 +65,17 @@ def predict(model: str, flags: list[str]) -> dict:
     return estimate(config_from_args(args, model)).to_dict()
 
 
-def load(url: str, num: int, prompt_words: int) -> None:
-    """`num` concurrent completions: prompts that fill the step budget, then a few decodes."""
-    def one(i: int) -> None:
+def load(url: str, num: int, prompt_words: int) -> list[int]:
+    """`num` concurrent completions: prompts that fill the step budget, then a few decodes.
+    Returns each request's tokens (prompt and output), which its KV blocks hold."""
+    def one(i: int) -> int:
         words = " ".join(f"word{(i * 7919 + j) % 5000}" for j in range(prompt_words))
         r = httpx.post(f"{url}/v1/completions", json={"prompt": words, "max_tokens": 24, "temperature": 0.0,
                                                       "ignore_eos": True}, timeout=900)
         r.raise_for_status()
+        return r.json()["usage"]["total_tokens"]
     with concurrent.futures.ThreadPoolExecutor(num) as pool:
-        list(pool.map(one, range(num)))
+        return list(pool.map(one, range(num)))
 
 
 def measure(model: str, flags: list[str], port: int, prompt_words: int, log: Path) -> dict:
@@ -84,10 +87,10 @@ def measure(model: str, flags: list[str], port: int, prompt_words: int, log: Pat
         wait_for_health(url, proc, str(log))
         started = proc_status(proc.pid)
         num = int(flags[flags.index("--max-num-seqs") + 1])
-        load(url, num, prompt_words)
+        tokens = load(url, num, prompt_words)
         after = proc_status(proc.pid)
         return {"rss_started": started["VmRSS"], "rss_after_load": after["VmRSS"], "hwm": after["VmHWM"],
-                "by_process_after_load": after["by_process"]}
+                "by_process_after_load": after["by_process"], "tokens_per_request": tokens}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -108,11 +111,14 @@ def main() -> int:
             flags = SETTINGS[name]
             pred = predict(model, flags)
             got = measure(model, flags, args.port, args.prompt_words, args.out.with_suffix(f".{model}.{name}.log"))
-            # The swap pool is allocated untouched: resident only once requests are swapped out, which
-            # the measuring request never causes, so it is not in the figure the processes show.
-            resident = pred["total_bytes"] - pred["swap_bytes"]
+            # The KV cache and the swap pool are mapped as they are written: resident is the start-up
+            # figure plus the blocks the load's requests held (all at once: they run concurrently).
+            block = 16
+            written = sum(-(-t // block) * block for t in got["tokens_per_request"]) * pred["kv_bytes_per_token"]
+            resident = pred["startup_bytes"] + min(int(written), pred["kv_cache_bytes"])
             row = {"model": model, "setting": name, "flags": " ".join(flags), "predicted": pred, **got,
-                   "predicted_resident": resident,
+                   "predicted_resident": resident, "predicted_startup": pred["startup_bytes"],
+                   "error_started": pred["startup_bytes"] / got["rss_started"] - 1,
                    "error_vs_rss": resident / got["rss_after_load"] - 1,
                    "error_vs_hwm": resident / got["hwm"] - 1}
             rows.append(row)

@@ -10,7 +10,10 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 def available_memory() -> int:
@@ -112,6 +115,56 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages the OS maps only when first written (a private anonymous
+    mapping; reads of untouched pages see the shared zero page). torch.zeros writes every
+    byte, so a cache sized for 32 sequences of 4,096 tokens is all resident from the start
+    whether or not a token is ever stored; this one costs what is written. Huge pages are
+    declined for it: one touched block would otherwise fault in 2 MiB."""
+    import mmap
+
+    import torch
+
+    n = 1
+    for dim in shape:
+        n *= dim
+    nbytes = n * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def resident_tensor_bytes(tensors: "list[torch.Tensor]") -> Optional[int]:
+    """Bytes of these CPU tensors' storage whose pages are resident (mincore), None where the
+    call is unavailable. Counts what the KV cache really holds in memory, which VmRSS cannot
+    tell apart from the weights and the runtime. An untouched page that was only read maps the
+    shared zero page and counts here, not in VmRSS; the cache reads only blocks it wrote."""
+    import ctypes
+    import mmap
+
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mincore"):
+        return None
+    page = mmap.PAGESIZE
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    total = 0
+    for t in tensors:
+        nbytes = t.untyped_storage().nbytes()
+        if t.device.type != "cpu" or nbytes == 0:
+            continue
+        start = t.untyped_storage().data_ptr()
+        first = start - start % page
+        pages = (start + nbytes - first + page - 1) // page
+        vec = ctypes.create_string_buffer(pages)
+        if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), vec) != 0:
+            return None
+        total += (pages - vec.raw.count(0)) * page  # a page's byte is 1 (low bit) when resident
+    return total
 
 
 def release_free_memory() -> None:

@@ -6,8 +6,9 @@ The usual serving-memory formula, term by term, with Tessera's own storage rules
              + KV cache (bytes per token x tokens) + swap space (when preemption swaps)
              + activations of the largest step
 
-The swap pool is allocated untouched, so it becomes resident only as requests are swapped out: the
-total is the peak once the pool is full, a server that never swaps stays `swap space` below it.
+The KV cache (on a CPU) and the swap pool are allocated untouched, so their pages become resident only
+as tokens are cached and requests swapped out: the total is the reserved peak, reached once both are
+full; `startup_bytes` is what a server holds before its first request.
 
 Weights come from the checkpoint's tensor table alone (GGUF header or safetensors headers) run
 through the same rule the loader uses (`QuantConfig.storage_for`) and the bytes each method keeps
@@ -77,6 +78,13 @@ class SizeEstimate:
                 + self.swap_bytes + self.activation_bytes)
 
     @property
+    def startup_bytes(self) -> int:
+        """Resident before any token is cached: the KV cache and swap pool are reserved address
+        space whose pages the OS maps on first write, so they join the resident set block by block
+        as requests use them, up to `total_bytes`."""
+        return self.total_bytes - self.kv_cache_bytes - self.swap_bytes
+
+    @property
     def concurrency_at_max_len(self) -> float:
         """Sequences of max_model_len tokens the KV cache holds at once."""
         return self.kv_cache_tokens / self.max_model_len
@@ -90,7 +98,8 @@ class SizeEstimate:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(total_bytes=self.total_bytes, concurrency_at_max_len=self.concurrency_at_max_len)
+        d.update(total_bytes=self.total_bytes, startup_bytes=self.startup_bytes,
+                 concurrency_at_max_len=self.concurrency_at_max_len)
         return d
 
 
@@ -276,7 +285,9 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         f"  runtime        {gib(e.runtime_bytes):>10}   (interpreter, torch, server; tokenizer {gib(e.tokenizer_bytes)})",
         *([f"  front-end      {gib(e.frontend_bytes):>10}   (the server's process beside the engine's)"]
           if e.frontend_bytes else []),
-        f"  total          {gib(e.total_bytes):>10}   resident, predicted",
+        f"  total          {gib(e.total_bytes):>10}   reserved: resident, predicted, once the KV cache is full",
+        f"  at start-up    {gib(e.startup_bytes):>10}   resident, predicted: the KV cache's pages are mapped as "
+        + (f"tokens are written ({e.kv_bytes_per_token / 1024:.2f} KiB each)" if e.kv_bytes_per_token else "used"),
     ]
     if memory is not None:
         lines.append(f"  in {gib(memory)} (keeping {e.margin:.0%} free): {e.fits(memory)} sequences of "

@@ -40,3 +40,19 @@ def test_cuda_probe_agrees_with_torch_and_skips_it_without_a_driver(monkeypatch)
     monkeypatch.delitem(sys.modules, "torch")
     assert hostinfo.cuda_available() is False
     assert "torch" not in sys.modules
+
+
+def test_lazy_zeros_reads_as_zeros_and_becomes_resident_only_where_written():
+    import torch
+
+    from tessera.hostinfo import lazy_zeros, resident_tensor_bytes
+
+    t = lazy_zeros((64, 1024, 256), torch.float32)  # 64 MiB
+    assert t.shape == (64, 1024, 256) and t.dtype == torch.float32
+    assert resident_tensor_bytes([t]) < 1 << 20
+    rss = resident_bytes()
+    t[3].fill_(1.0)  # one 1 MiB block
+    assert (1 << 20) <= resident_tensor_bytes([t]) < 2 << 20
+    assert resident_bytes() - rss < 4 << 20
+    assert not t[5].any() and t.sum().item() == 1024 * 256
+    assert resident_tensor_bytes([torch.ones(1 << 18)]) >= 1 << 20  # an ordinary tensor is all resident

@@ -28,6 +28,7 @@ import torch
 
 from tessera import kernels
 from tessera.config import KV_CACHE_DTYPES
+from tessera.hostinfo import lazy_zeros
 
 SCALE_BYTES = 4  # one float32 scale at the end of each quantized block row
 
@@ -149,7 +150,8 @@ class AttentionBackend(ABC):
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  model_dtype: torch.dtype, host: bool = False) -> list[torch.Tensor]:
-        """One zeroed cache tensor per layer on the backend's device. `host=True`: the host pool
+        """One zeroed cache tensor per layer on the backend's device, on a CPU mapped on first
+        write (hostinfo.lazy_zeros: resident memory follows the blocks used). `host=True`: the host pool
         for swapped-out blocks instead, left untouched (a swapped block is always written whole
         before it is read, so pages no block has used stay out of the resident set: 1 GiB of swap
         space costs nothing until requests are swapped out) and pinned when the cache is on a GPU
@@ -159,6 +161,8 @@ class AttentionBackend(ABC):
         if host:
             pin = self.device.type == "cuda"
             return [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        if self.device.type == "cpu":
+            return [lazy_zeros(shape, dtype) for _ in range(num_layers)]
         return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     def copy_blocks(self, src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor,

@@ -173,7 +173,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     if device.type == "cuda":
         _log_gpu_memory(config, device)
     else:
-        _log_memory(config)
+        _log_memory(config, runner.kv_slots)
     return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
                        kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
                        inputs=inputs, cost_model=cost_model, stored_calibration=stored, scheduler=scheduler,
@@ -308,13 +308,13 @@ def _log_gpu_memory(config: EngineConfig, device: torch.device) -> None:
                 config.gpu_memory_utilization)
 
 
-def _log_memory(config: EngineConfig) -> None:
-    """Resident memory now, next to `tessera size`'s prediction for this process (the KV
-    cache's pages count once requests have touched them, so start-up is below the prediction).
-    `tessera size` prints the whole server by default, front-end process included; this line
-    compares like with like (this process) and names the difference, so the two figures a user
-    sees do not look contradictory."""
-    from tessera.hostinfo import resident_bytes
+def _log_memory(config: EngineConfig, kv_slots: list) -> None:
+    """Resident memory now, next to `tessera size`'s prediction for this process: reserved (the
+    KV cache full) and at start-up (its pages mapped only as tokens are written, so a server holds
+    what it caches, not what it could). `tessera size` prints the whole server by default,
+    front-end process included; this line compares like with like (this process) and names the
+    difference, so the two figures a user sees do not look contradictory."""
+    from tessera.hostinfo import resident_bytes, resident_tensor_bytes
     from tessera.sizing import estimate
 
     try:
@@ -322,10 +322,15 @@ def _log_memory(config: EngineConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - a log line must not stop a start (e.g. an unregistered path)
         logger.debug("no memory prediction: %s", exc)
         return
-    logger.info("memory: %.0f MiB resident at start-up in this process; `tessera size` predicts %.0f MiB for "
-                "it once the KV cache is in use (%.0f MiB for the server with its front-end process, "
-                "`--no-engine-process` drops that)", resident_bytes() / 2**20,
-                (e.total_bytes - e.frontend_bytes) / 2**20, e.total_bytes / 2**20)
+    kv_resident = resident_tensor_bytes(kv_slots)
+    kv_text = (f"; KV cache {kv_resident / 2**20:.0f} MiB resident of {config.kv_cache_memory / 2**20:.0f} MiB "
+               "reserved" if kv_resident is not None else "")
+    front = e.frontend_bytes
+    logger.info("memory: %.0f MiB resident at start-up in this process%s; `tessera size` predicts %.0f MiB at "
+                "start-up and %.0f MiB reserved (the KV cache full) for it, %.0f / %.0f MiB for the server with "
+                "its front-end process (`--no-engine-process` drops that)", resident_bytes() / 2**20, kv_text,
+                (e.startup_bytes - front) / 2**20, (e.total_bytes - front) / 2**20, e.startup_bytes / 2**20,
+                e.total_bytes / 2**20)
 
 
 def _build_offload(config: EngineConfig, loaded, kv_format: str, runner: ModelRunnerBase) -> Optional[DiskKVTier]:

@@ -79,10 +79,13 @@ def test_size_command(folder, capsys):
     assert main(["size", str(folder), "--dtype", "float32", "--max-model-len", "256", "--memory", "1GiB"]) == 0
     text = capsys.readouterr().out
     assert "weights" in text and "KV cache" in text and "sequences of 256 tokens at once" in text
+    assert "reserved" in text and "at start-up" in text
     assert main(["size", str(folder), "--dtype", "float32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["total_bytes"] == sum(data[k] for k in ("runtime_bytes", "frontend_bytes", "weights_bytes",
                                                         "kv_cache_bytes", "swap_bytes", "activation_bytes"))
+    # the KV cache and swap pool are mapped as written: a fresh server holds neither
+    assert data["startup_bytes"] == data["total_bytes"] - data["kv_cache_bytes"] - data["swap_bytes"]
     # serve's default: the engine in its own process, beside a front-end without torch
     assert data["frontend_bytes"] == FRONTEND_RUNTIME_BYTES + data["tokenizer_bytes"] < data["runtime_bytes"]
     # each process holds a tokenizer, sized by its tokenizer.json

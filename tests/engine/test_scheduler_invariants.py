@@ -41,7 +41,7 @@ def check_pool(kv: KVCacheManager, live: list[Request]) -> None:
     for block in kv.pool.blocks:
         assert block.ref_cnt >= 0
         assert block.ref_cnt == held.get(block.block_id, 0), (block, held.get(block.block_id))
-        assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free_queue)
+        assert (block.ref_cnt == 0) == kv.pool.is_free(block.block_id)
     for h, block in kv.pool.cached.items():
         assert block.block_hash == h
 

@@ -1,8 +1,15 @@
 """KV blocks, their reference counts, and the prefix cache index.
 
-A block is free when no request holds it (ref_cnt == 0). Free blocks wait in
-an LRU queue; a free block may still carry a hash, which keeps its contents
-findable by the prefix cache until the block is handed out again (eviction).
+A block is free when no request holds it (ref_cnt == 0). A free block may still
+carry a hash, which keeps its contents findable by the prefix cache until the
+block is handed out again (eviction); such blocks wait in an LRU queue.
+
+Blocks are handed out from the warm end: the most recently freed block whose
+contents nobody can find again (no hash) first, then a block no request has
+ever used, and only then the least recently freed cached block. The cache's
+pages are mapped by the OS on first write (attention/base.py), so the server's
+resident memory grows with the tokens actually held or cached rather than with
+the cache's reserved size.
 """
 from __future__ import annotations
 
@@ -42,23 +49,41 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Allocation takes from the front: the least recently freed block goes first.
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # Free blocks a request has used, in three places by warmth. Unhashed ones (nothing can
+        # find their contents) on a stack, the most recently freed on top; hashed ones in LRU
+        # order, kept findable by the prefix cache until nothing else is left.
+        self.recycled: list[int] = []
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict()
+        # Never-used blocks, popped lowest id first; their pages are not resident yet.
+        self.untouched: list[int] = list(range(num_blocks - 1, -1, -1))
         self.cached: dict[int, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.recycled) + len(self.untouched) + len(self.free_queue)
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks some request has written: an upper bound on the cache's resident pages."""
+        return self.num_blocks - len(self.untouched)
+
+    def is_free(self, block_id: int) -> bool:
+        return self.blocks[block_id].ref_cnt == 0
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def allocate(self, n: int) -> list[KVBlock]:
-        if n > len(self.free_queue):
-            raise NoFreeBlocksError(f"need {n} blocks, {len(self.free_queue)} free")
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
+            if self.recycled:
+                block = self.blocks[self.recycled.pop()]
+            elif self.untouched:
+                block = self.blocks[self.untouched.pop()]
+            else:
+                _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:  # evict its cached contents
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
@@ -79,11 +104,14 @@ class BlockPool:
 
     def free(self, blocks: Iterable[KVBlock], evict_first: bool = False) -> None:
         """Drop one reference each; pass tail blocks first so they are evicted first. With
-        `evict_first`, blocks that become free go ahead of every other free block."""
+        `evict_first`, cached blocks that become free go ahead of every other cached block."""
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.recycled.append(block.block_id)
+                    continue
                 self.free_queue[block.block_id] = block
                 if evict_first:
                     self.free_queue.move_to_end(block.block_id, last=False)
