@@ -51,8 +51,8 @@ def _weight_args(g: Any, d: EngineConfig) -> None:
                         "auto: when the copy is under 1 GiB and 1/8 of free RAM (default: %(default)s)")
     g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=d.int8_activations,
                    help="Q6_K and Q4_K tensors keep the file's blocks and decode-sized products multiply "
-                        "int8-quantized activations (bfloat16 compute; fewer bytes per step than int8 groups or int4 "
-                        "tiles); --no-int8-activations stores them int8/int4 times bfloat16 activations (default: on)")
+                        "int8-quantized activations (fewer bytes per step than int8 groups or int4 tiles); "
+                        "--no-int8-activations stores them int8/int4 times unrounded activations (default: on)")
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run every step through the model's modules, without the one-call C decode step of "
                         "llama-family models (slower; for comparison or to rule it out)")

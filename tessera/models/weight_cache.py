@@ -44,7 +44,8 @@ def cache_path(root: Path, model_sha256: str, quant: QuantConfig, extra: str = "
     from tessera.hostinfo import source_digest
 
     built = kernels.available() is None
-    host = (int4pack_layout(), built, built and kernels.bf16_matmuls(), built and kernels.int4_i8_matmuls())
+    host = (int4pack_layout(), built, built and kernels.bf16_matmuls(), built and kernels.int4_i8_matmuls(),
+            built and kernels.avx2_matmuls())
     key = hashlib.sha256(repr((FORMAT, model_sha256, repr(quant), extra, source_digest(),
                                torch.__version__, host)).encode()).hexdigest()[:20]
     return root / f"{model_sha256[:16]}-{key}.pt"

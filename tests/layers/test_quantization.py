@@ -15,7 +15,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from torch import nn
 
+from tessera import kernels
 from tessera.layers import FloatWeight, GGUFWeight, Linear, QuantConfig
+from tessera.layers.quantization.base import int4pack_layout
+from tessera.layers.quantization.int4 import AVX2_LAYOUT, pack_avx2_layout
 from tessera.layers.quantization import (ROW_BUCKET_MIN, Int4Method, Int8Method, dense_linear, method_for,
                                         quantize_int4, row_bucket)
 from tessera.llm import LLM
@@ -88,6 +91,28 @@ def test_small_and_large_steps_compute_the_same_weight(method_cls, dense_copy, r
         torch.testing.assert_close(method.apply(layer, x), x @ deq.T, atol=2e-5, rtol=1e-5)
     ids = torch.tensor([[0, 5], [63, rows - 1]])
     torch.testing.assert_close(method.embedding(layer, ids), deq[ids])
+
+
+@pytest.mark.skipif(not kernels.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
+def test_float32_int4_takes_the_avx2_kernel_whatever_the_hosts_layout():
+    """On an AVX-512 host without BF16 PyTorch packs its AVX-512 layout, which only its own
+    ~1 GFLOP/s float32 product reads: the method packs the AVX2 layout itself there."""
+    torch.manual_seed(0)
+    method, layer = _layer(Int4Method, torch.randn(128, 64) * 0.05)
+    assert layer.use_f32_kernel and method.layout.avx2_layout
+    assert layer.torch_layout == (int4pack_layout() is method.layout)
+
+
+def test_own_avx2_packing_is_the_layout_it_names():
+    codes = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
+    packed = pack_avx2_layout(codes)
+    tiles = packed.view(2, 96, 16)  # [tile, k, byte]
+    low, high = AVX2_LAYOUT.rows_in_nibble(0), AVX2_LAYOUT.rows_in_nibble(1)
+    unpacked = torch.empty(2, 32, 96, dtype=torch.uint8)
+    unpacked[:, low], unpacked[:, high] = (tiles & 15).transpose(1, 2), (tiles >> 4).transpose(1, 2)
+    assert torch.equal(unpacked.view(64, 96), codes)
+    if int4pack_layout().avx2_layout:  # where PyTorch packs this layout itself, the same bytes
+        assert torch.equal(packed, torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
 
 
 def test_int4_from_q4_1_keeps_the_codes_and_is_exact():
@@ -645,7 +670,7 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype):
     assert ((got.double() - exact).norm() / exact.norm()) < 0.02
 
 
-def test_kquants_are_chosen_for_whole_kquant_weights_in_bfloat16_only():
+def test_kquants_are_chosen_for_whole_kquant_weights_with_int8_activations():
     from tessera import kernels
 
     if not kernels.kquant_matmuls():
@@ -656,10 +681,11 @@ def test_kquants_are_chosen_for_whole_kquant_weights_in_bfloat16_only():
     assert bf16.storage_for([Q.Q4_K, Q.Q6_K], 1536) == "int8"  # a merged weight of two kinds
     assert bf16.storage_for([Q.Q4_K], 1600) == "int4"  # not whole super-blocks
     assert bf16.storage_for([Q.Q4_1], 1536) == "int4"
-    assert QuantConfig("auto", torch.float32).storage_for([Q.Q6_K], 1536) == "int8"  # exact products
-    assert QuantConfig("auto", torch.float32).storage_for([Q.Q4_K], 1536) == "int4"
-    off = QuantConfig("auto", torch.bfloat16, int8_activations=False)
-    assert off.storage_for([Q.Q6_K], 1536) == "int8" and off.storage_for([Q.Q4_K], 1536) == "int4"
+    f32 = QuantConfig("auto", torch.float32)  # hosts without native bfloat16: the same bytes per step
+    assert f32.storage_for([Q.Q6_K], 1536) == "q6_k" and f32.storage_for([Q.Q4_K], 1536) == "q4_k"
+    for dtype in (torch.bfloat16, torch.float32):  # exact products when asked for
+        off = QuantConfig("auto", dtype, int8_activations=False)
+        assert off.storage_for([Q.Q6_K], 1536) == "int8" and off.storage_for([Q.Q4_K], 1536) == "int4"
     assert QuantConfig("int8", torch.bfloat16).storage_for([Q.Q6_K], 1536) == "int8"  # asked for
 
 

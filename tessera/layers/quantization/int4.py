@@ -1,6 +1,12 @@
 """Int4 weights in PyTorch's CPU int4pack layout (the host's tiles), multiplied by Tessera's
 int4 kernels for few rows (bfloat16, int8-activation and AVX2 float32 forms), PyTorch's
-weight-only kernel or a dense product."""
+weight-only kernel or a dense product.
+
+A float32 server on an AVX-512 host without AVX512-BF16 packs the AVX2 layout itself instead
+of the host's: no kernel of ours reads the AVX-512 layout in float32, and PyTorch's float32
+int4pack product runs at ~1 GFLOP/s (a SmolLM2-135M decode step took 213 ms, 96 % of it there,
+on an Intel Xeon with AVX-512 VNNI and no BF16), while the AVX2 + FMA kernel runs on any
+AVX-512 host."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -11,9 +17,22 @@ from torch import Tensor, nn
 from tessera import kernels
 from tessera.layers.quantization.base import (
     INT4_GEMM_MAX_ROWS, INT4_GROUP, INT4_ROW_TILE, LOAD_CHUNK_ROWS, Int4PackLayout, QuantConfig, WeightOnlyMethod,
-    int4pack_layout,
+    dense_linear, int4pack_layout,
 )
 from tessera.layers.weights import AnyWeight, GGUFWeight
+
+
+AVX2_LAYOUT = Int4PackLayout(32, tuple(2 * r if r < 16 else 2 * (r - 16) + 1 for r in range(32)))
+
+
+def pack_avx2_layout(codes: Tensor) -> Tensor:
+    """[N, K] codes (0..15, N a multiple of 32) packed as PyTorch packs them on AVX2 hosts:
+    tiles of 32 rows, each column k of a tile 16 bytes, byte c holding row c in its low nibble
+    and row 16 + c in its high one ([N, K/2] bytes, tile after tile)."""
+    n, k = codes.shape
+    tiles = codes.to(torch.uint8).view(n // 32, 32, k)
+    pairs = tiles[:, :16] | (tiles[:, 16:] << 4)  # [T, 16, K]
+    return pairs.transpose(1, 2).contiguous().view(n, k // 2)
 
 
 class Int4Method(WeightOnlyMethod):
@@ -46,8 +65,11 @@ class Int4Method(WeightOnlyMethod):
             exact = exact and isinstance(src, GGUFWeight) and src.int4_exact
         packed = torch.empty(n_pad, k // 2, dtype=torch.uint8)
         step = LOAD_CHUNK_ROWS  # a multiple of the 64-row tile: tiles pack independently
+        own = self.layout is not int4pack_layout()
         for i in range(0, n_pad, step):
-            packed[i:i + step] = torch._convert_weight_to_int4pack_for_cpu(codes[i:i + step].to(torch.int32), 1)
+            chunk = codes[i:i + step]
+            packed[i:i + step] = (pack_avx2_layout(chunk) if own
+                                  else torch._convert_weight_to_int4pack_for_cpu(chunk.to(torch.int32), 1))
         del codes
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(self.config.dtype)
         layer.register_buffer("qweight", packed, persistent=False)
@@ -59,6 +81,7 @@ class Int4Method(WeightOnlyMethod):
         layer.use_i8_kernel = native and getattr(layer, "int8_inputs", True) and self.int8_activation_kernel(self.config)
         layer.use_f32_kernel = self.config.dtype == torch.float32 and self.layout.avx2_layout \
             and kernels.avx2_matmuls()
+        layer.torch_layout = self.layout is int4pack_layout()  # PyTorch's own int4pack product reads it
         self._finish(layer)
 
     @staticmethod
@@ -86,8 +109,12 @@ class Int4Method(WeightOnlyMethod):
 
     @property
     def layout(self) -> Int4PackLayout:
+        """The layout this config packs: the host's, or the AVX2 one for float32 where the host's
+        is another and the AVX2 + FMA kernel runs (see the module docstring)."""
         layout = int4pack_layout()
         assert layout is not None, "storage_for never picks int4 without a known int4pack layout"
+        if self.config.dtype == torch.float32 and not layout.avx2_layout and kernels.avx2_matmuls():
+            return AVX2_LAYOUT
         return layout
 
     def _rows(self, layer: nn.Module, rows: Tensor) -> Tensor:
@@ -139,6 +166,9 @@ class Int4Method(WeightOnlyMethod):
         return super().apply(layer, x)
 
     def _small(self, layer, x):
+        if not getattr(layer, "torch_layout", True):  # packed by us: PyTorch's kernel reads another layout
+            dense = getattr(layer, "dense_weight", None)
+            return dense_linear(x, dense if dense is not None else self.dequantize(layer))
         out = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP, layer.scales_zeros)
         return out if out.shape[1] == layer.out_rows else out[:, :layer.out_rows]
 

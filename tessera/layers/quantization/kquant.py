@@ -1,5 +1,5 @@
 """Q6_K and Q4_K weights kept in the file's super-blocks, multiplied with int8 activations by
-the K-quant kernels (bfloat16 compute)."""
+the K-quant kernels (bfloat16 or float32 compute)."""
 from __future__ import annotations
 
 from abc import abstractmethod
