@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from tessera.bench.client import wait_for_health
+from tessera.hostinfo import cpu_model_name
 
 SETTINGS = {
     "short": ["--max-model-len", "1024", "--max-num-seqs", "4", "--preemption-mode", "recompute"],
@@ -125,7 +126,7 @@ def main() -> int:
             print(f"{model} {name}: predicted {resident / 2**20:.0f} MiB, RSS {got['rss_after_load'] / 2**20:.0f}"
                   f" MiB ({row['error_vs_rss']:+.1%}), peak {got['hwm'] / 2**20:.0f} MiB ({row['error_vs_hwm']:+.1%})",
                   flush=True)
-    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    meta = {"machine": cpu_model_name() or platform.machine(), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print("\n| model | setting | predicted MiB | RSS after load MiB | error | peak (VmHWM) MiB | error |")
