@@ -143,3 +143,16 @@ def test_the_overhead_of_verified_runs_is_measured_not_taken_from_prompt_chunks(
     assert chooser.choose(AcceptanceEstimate(), 8, 4, _one_decode(50), 50) == 0
     chooser.observe_step(StepShape(40, 1, 900, 1), 5.0)  # a prompt chunk: not a run's price
     assert abs(chooser.price(run) - cost.predict(run)) < 0.01
+
+
+def test_a_new_request_verifies_one_proposal_however_confident_the_table_is():
+    """Other requests' acceptance is tried cheaply before it is trusted: one proposal until the
+    request's own are accepted, then runs that grow with them."""
+    chooser = AdaptiveDraftLength(LinearCost(0.05, 0.0))  # free rows: only the cap limits k
+    for _ in range(200):
+        chooser.model.observe(AcceptanceEstimate(match_len=16), 8, 8)
+    assert chooser.choose(AcceptanceEstimate(), 16, 8, _one_decode(200), 200) == 1
+    ks = _run(chooser, AcceptanceEstimate(), match_len=16, accepted_fraction=1.0, steps=4)
+    assert ks[0] == 1 and ks[1] == 3 and ks[-1] == 8, ks
+    rejected = _run(chooser, AcceptanceEstimate(), match_len=16, accepted_fraction=0.0, steps=6)
+    assert max(rejected) == 1, rejected
