@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from tessera.bench.client import wait_for_health
+from tessera.bench.client import stop_server, wait_for_health
 from tessera.hostinfo import cpu_model_name, process_tree, tree_proportional_bytes, tree_resident_bytes
 
 LLAMA_SERVER = Path(os.environ.get("PEERS_DIR", "/work/peers")) / "llama.cpp/build/bin/llama-server"
@@ -96,11 +96,7 @@ def measure(server: str, args: argparse.Namespace, gguf: str, kv_token_bytes: in
                 "peak_rss": peak["rss"], "peak_pss": peak["pss"], "after_rss": tree_resident_bytes(proc.pid),
                 "after_pss": tree_proportional_bytes(proc.pid)}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 60)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from tessera.bench.client import wait_for_health
+from tessera.bench.client import stop_server, wait_for_health
 from tessera.hostinfo import cpu_model_name
 
 SETTINGS = {
@@ -93,8 +93,7 @@ def measure(model: str, flags: list[str], port: int, prompt_words: int, log: Pat
         return {"rss_started": started["VmRSS"], "rss_after_load": after["VmRSS"], "hwm": after["VmHWM"],
                 "by_process_after_load": after["by_process"], "tokens_per_request": tokens}
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server(proc, 60)
 
 
 def main() -> int:

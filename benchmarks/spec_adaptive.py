@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from tessera.bench.client import wait_for_health
+from tessera.bench.client import stop_server, wait_for_health
 from tessera.hostinfo import cpu_model_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -336,11 +336,7 @@ def main() -> None:
                       f"{on['draft_tokens']} in {on['drafts']} runs  {'same' if row['identical'] else 'DIFFERENT'}",
                       flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     code = [r for r in rows if r["kind"] == "code_edit"]
     summary = {
         "min_ratio": min(r["ratio"] for r in rows),

@@ -179,6 +179,11 @@ def launch_server(model: str, port: int, log: Path, *flags: str) -> subprocess.P
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 120) -> int:
-    """SIGTERM (the server drains) and its exit code."""
+    """SIGTERM (the server drains) and its exit code; killed if it outlives `timeout` (a negative
+    code then), so a stuck server never keeps the port from the next run."""
     proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=timeout)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -68,7 +68,9 @@ class BlockPool:
         return self.num_blocks - len(self.untouched)
 
     def is_free(self, block_id: int) -> bool:
-        return self.blocks[block_id].ref_cnt == 0
+        """Whether the block waits in one of the free structures (a check for tests and
+        invariants, linear in the free blocks: the reference count says the same when all is well)."""
+        return block_id in self.free_queue or block_id in self.recycled or block_id in self.untouched
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0

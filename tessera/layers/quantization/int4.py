@@ -9,6 +9,7 @@ on an Intel Xeon with AVX-512 VNNI and no BF16), while the AVX2 + FMA kernel run
 AVX-512 host."""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -107,10 +108,11 @@ class Int4Method(WeightOnlyMethod):
             for w in src.row_chunks(LOAD_CHUNK_ROWS):
                 yield quantize_int4(w)
 
-    @property
+    @functools.cached_property
     def layout(self) -> Int4PackLayout:
         """The layout this config packs: the host's, or the AVX2 one for float32 where the host's
-        is another and the AVX2 + FMA kernel runs (see the module docstring)."""
+        is another and the AVX2 + FMA kernel runs (see the module docstring). Cached: embedding
+        lookups read it every step."""
         layout = int4pack_layout()
         assert layout is not None, "storage_for never picks int4 without a known int4pack layout"
         if self.config.dtype == torch.float32 and not layout.avx2_layout and kernels.avx2_matmuls():
