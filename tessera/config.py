@@ -306,6 +306,43 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One adapter served from start-up (vLLM's --lora-modules): `name=path`, or the JSON form
+    `{"name": ..., "path": ..., "base_model_name": ...}` (the base name is informational)."""
+
+    name: str
+    path: str
+    base_model_name: Optional[str] = None
+
+    @classmethod
+    def parse(cls, value: Any) -> "LoRAModule":
+        if isinstance(value, LoRAModule):
+            return value
+        if isinstance(value, dict):
+            fields_ = value
+        elif isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                fields_ = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--lora-modules: {value!r} is not JSON: {exc}") from None
+        elif isinstance(value, str) and "=" in value:
+            name, path = value.split("=", 1)
+            fields_ = {"name": name, "path": path}
+        else:
+            raise ConfigError(f"--lora-modules takes name=path or JSON with name and path, not {value!r}")
+        unknown = set(fields_) - {"name", "path", "base_model_name"}
+        if unknown or not isinstance(fields_, dict):
+            raise ConfigError(f"--lora-modules: unknown field(s) {', '.join(sorted(unknown))}")
+        name, path = fields_.get("name"), fields_.get("path")
+        if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"--lora-modules: {value!r} needs a non-empty name and path")
+        return cls(name.strip(), path.strip(), fields_.get("base_model_name"))
+
+
 @dataclass
 class EngineConfig:
     """Every serving knob; the CLI maps flags 1:1 onto these fields.
@@ -364,6 +401,18 @@ class EngineConfig:
     # Embeddings from a decoder (or another pooling for an encoder): mean, cls or last token;
     # None = the model folder's own (sentence-transformers), else the model does not embed.
     pooling: Optional[Literal["mean", "cls", "last"]] = None
+    # LoRA adapters (vLLM's flags): served from start-up (`lora_modules`) or loaded at run time
+    # (/v1/load_lora_adapter, which needs enable_lora); at most `max_loras` different adapters in
+    # one step, at most `max_cpu_loras` (default max_loras) kept in memory, the rest read again
+    # from their files when asked for.
+    enable_lora: bool = False
+    lora_modules: tuple = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+    # The adapters' weights (vLLM's --lora-dtype): auto = bfloat16, which halves their bytes (a decode
+    # step reads every adapter it serves) whatever the activations' dtype; float32 for exactness.
+    lora_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # Profile fields given explicitly (they beat the profile); filled in when the profile is applied.
     profile_overrides: tuple[str, ...] = ()
 
@@ -403,6 +452,7 @@ class EngineConfig:
                                   "draft_model speculation (ngram and layer_skip are fine)")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ConfigError(f"--pooling must be one of {', '.join(POOLING_TYPES)}, not {self.pooling!r}")
+        self._check_lora()
         util = self.gpu_memory_utilization
         if not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be a fraction in (0, 1], not {util!r}")
@@ -417,6 +467,30 @@ class EngineConfig:
         if not isinstance(target, (int, float)) or not math.isfinite(target) or target < 0:
             raise ConfigError(f"--target-itl-ms must be a number of milliseconds >= 0 (0 = no target), "
                               f"not {target!r}")
+
+    def _check_lora(self) -> None:
+        self.lora_modules = tuple(LoRAModule.parse(m) for m in (self.lora_modules or ()))
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--lora-modules names an adapter twice: {', '.join(names)}")
+        if self.lora_modules:
+            self.enable_lora = True
+        for name in ("max_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1")
+        if self.max_lora_rank not in LORA_MAX_RANKS:
+            raise ConfigError(f"--max-lora-rank must be one of {', '.join(map(str, LORA_MAX_RANKS))}, "
+                              f"not {self.max_lora_rank}")
+        if self.lora_dtype not in DTYPES:
+            raise ConfigError(f"--lora-dtype must be one of {', '.join(DTYPES)}, not {self.lora_dtype!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                              f"({self.max_loras})")
+
+    @property
+    def lora_cache_size(self) -> int:
+        """How many adapters stay in memory (vLLM's max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def for_encoder(self) -> "EngineConfig":
         """This config for an encoder's engine: the encoder step size where no flag set it, no

@@ -28,3 +28,8 @@ class ConfigError(TesseraError, ValueError):
     """An engine option out of range (a ValueError too, for Python API callers)."""
 
     exit_code = 2
+
+
+class AdapterError(TesseraError):
+    """A LoRA adapter that cannot be served on its base model (format, shapes, rank, targets); the
+    server answers 400."""

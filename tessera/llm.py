@@ -25,8 +25,11 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = False,
+        lora: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
-        """Run all prompts through the engine together; results come back in prompt order."""
+        """Run all prompts through the engine together; results come back in prompt order.
+        `lora`: the adapter (a name from `lora_modules` or `add_lora`) each prompt runs through,
+        one for all or one per prompt; None is the base model."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
@@ -35,11 +38,23 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise ValueError("give one adapter, or one per prompt")
         batch = uuid.uuid4().hex[:8]
         ids = [f"{batch}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt, p)
+        for rid, prompt, p, adapter in zip(ids, prompts, params, adapters):
+            prepared = self.engine.prepare_request(rid, prompt, p)
+            prepared.lora_name = adapter
+            self.engine.add_prepared(prepared)
         return self._run(ids, "generate", use_tqdm)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` (a PEFT folder or a LoRA GGUF) as `name` (needs
+        enable_lora=True); raises AdapterError for one that does not fit the model."""
+        from tessera.models.adapters import read_adapter
+
+        self.engine.add_lora(read_adapter(name, path, self.engine.model_config, self.engine.config.max_lora_rank))
 
     def embed(self, inputs: Union[Prompt, Sequence[Prompt]], pooling: Optional[PoolingParams] = None,
               use_tqdm: bool = False) -> list[RequestOutput]:

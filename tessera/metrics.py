@@ -115,6 +115,9 @@ class PrometheusStatLogger:
         self._request_metrics()
         self._latency_histograms(token_buckets, max_num_batched_tokens)
         self._spec_decode_metrics()
+        self._lora_info: Optional[Gauge] = None  # created by enable_lora_info
+        self._max_loras = 0
+        self._lora_labels: Optional[tuple[str, ...]] = None  # the series set last
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return self.families.get(Gauge, PREFIX + name, doc, self._labels).labels(*self._label_values)
@@ -237,6 +240,31 @@ class PrometheusStatLogger:
             "Per finished request that verified proposals: accepted / proposed tokens.",
             [0.1 * i for i in range(1, 11)])
 
+    def enable_lora_info(self, max_loras: int) -> None:
+        """Export vLLM's LoRA gauge (`lora_requests_info`) for a model served with LoRA adapters:
+        one series whose labels name the adapters running and waiting (comma-joined) and
+        `max_lora`, valued at the time of its last update, as vLLM sets it."""
+        self._max_loras = max_loras
+        self._lora_info = self.families.get(
+            Gauge, PREFIX + "lora_requests_info", "Running stats on LoRA requests: the adapters of the running "
+            "and waiting requests (comma-joined names) and max_lora; the value is the time of the update.",
+            self._labels + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+
+    def _record_lora(self, scheduler_stats: SchedulerStats) -> None:
+        """The LoRA gauge from the requests per adapter (SchedulerStats.lora_running / lora_waiting);
+        only the current label set is kept, so adapters coming and going add no stale series."""
+        assert self._lora_info is not None
+        running = ",".join(sorted(getattr(scheduler_stats, "lora_running", None) or {}))
+        waiting = ",".join(sorted(getattr(scheduler_stats, "lora_waiting", None) or {}))
+        labels = (*self._label_values, running, waiting, str(self._max_loras))
+        if self._lora_labels is not None and self._lora_labels != labels:
+            try:
+                self._lora_info.remove(*self._lora_labels)
+            except KeyError:
+                pass
+        self._lora_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
+
     # -- StatLogger ---------------------------------------------------------------------------
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
@@ -246,6 +274,8 @@ class PrometheusStatLogger:
             self.num_requests_waiting.set(scheduler_stats.num_waiting)
             self.num_requests_swapped.set(scheduler_stats.num_swapped)
             self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+            if self._lora_info is not None:
+                self._record_lora(scheduler_stats)
             if scheduler_stats.gpu_memory_total_bytes:
                 if self.gpu_memory is None:
                     self.gpu_memory = (

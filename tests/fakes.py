@@ -103,10 +103,17 @@ class FakeCore:
     running: list[_Req] = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
     num_steps: int = 0
+    # LoRA: the engine config's flags; adapters given by add_lora; the adapter of each request added
+    # (its greedy reply is then "[name] " + reply, so a test sees which adapter answered)
+    enable_lora: bool = False
+    lora_modules: tuple = ()
+    loras: dict = field(default_factory=dict)
+    lora_requests: dict[str, Optional[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.config = EngineConfig(model=MODEL, max_model_len=self.max_model_len, block_size=self.block_size,
-                                   max_num_seqs=self.max_num_seqs)
+                                   max_num_seqs=self.max_num_seqs, enable_lora=self.enable_lora,
+                                   lora_modules=self.lora_modules)
         self.model_config = ModelConfig(architecture="llama", vocab_size=257, hidden_size=8, intermediate_size=8,
                                         num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, name=MODEL)
         self.free_blocks = self.num_blocks
@@ -133,7 +140,14 @@ class FakeCore:
             raise InvalidRequestError("prompt plus max_tokens can never fit the KV cache")
         return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
 
+    def add_lora(self, spec) -> None:
+        self.loras[spec.name] = spec
+
+    def remove_lora(self, name: str) -> None:
+        self.loras.pop(name, None)
+
     def add_prepared(self, p: PreparedRequest) -> None:
+        self.lora_requests[p.request_id] = getattr(p, "lora_name", None)
         children = []
         for i in range(p.params.n):
             rng = None
@@ -196,7 +210,8 @@ class FakeCore:
     def _next_token(self, req: _Req, child: _Child) -> int:
         produced = len(child.out.token_ids)
         if child.rng is None:
-            reply = self.reply.encode()
+            lora = getattr(req.prepared, "lora_name", None)
+            reply = (self.reply if lora is None else f"[{lora}] {self.reply}").encode()
             if produced < len(reply):
                 return reply[produced]
             return ord(" ") if req.prepared.params.ignore_eos else EOS

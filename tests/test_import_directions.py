@@ -29,7 +29,8 @@ OPENAI = "tessera.server.openai"
 SERVER_APIS = (OPENAI, "tessera.server.responses", "tessera.server.anthropic", "tessera.server.ollama",
                "tessera.server.tokenize")
 OPENAI_HANDLERS = tuple(f"{OPENAI}.{m}" for m in ("chat", "completions", "embeddings", "router"))
-SERVER_TOP = ("tessera.server.app", "tessera.server.launch", "tessera.server.topology", "tessera.server.admin")
+SERVER_TOP = ("tessera.server.app", "tessera.server.launch", "tessera.server.topology", "tessera.server.admin",
+              "tessera.server.lora")
 SERVER_SHARED = tuple(f"tessera.server.{m}" for m in (
     "access_log", "auth", "config", "endpoint", "errors", "generation", "model_router", "output",
     "output_parsers", "ratelimit", "serving", "tools", "traffic", "transport", "ui"))

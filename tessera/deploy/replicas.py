@@ -33,6 +33,7 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.stats import SchedulerStats
+from tessera.models.adapters import AdapterSpec
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
@@ -98,6 +99,7 @@ class ReplicaSet:
         self.kv_transfer_bytes = 0
         self.prefill_seconds = 0.0  # wall time of the prefill stage, transfers included
         self._build = build
+        self._loras: dict[str, AdapterSpec] = {}  # adapters added at run time, given to every replica
         self._close = close
         self._on_rejection = on_rejection
         self.policy_name = policy
@@ -139,6 +141,8 @@ class ReplicaSet:
             logger.exception("replica %d failed to start", replica.replica_id)
             replica.state, replica.error = "failed", f"{type(exc).__name__}: {exc}"
             return
+        for spec in list(self._loras.values()):
+            engine.add_lora(spec)
         replica.engine = engine
         with self._lock:
             if replica.state == "starting":  # not drained while it loaded: into rotation
@@ -218,12 +222,15 @@ class ReplicaSet:
 
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                        add_special_tokens: bool = True, deadline_s: Optional[float] = None,
-                       restartable: bool = False, pooling: Optional[PoolingParams] = None) -> AsyncIterator[RequestOutput]:
+                       restartable: bool = False, pooling: Optional[PoolingParams] = None,
+                       lora_name: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """AsyncLLMEngine.generate on the replica the policy picks (see the module's docstring).
         `restartable` (the caller reads only the final output, e.g. a non-streaming HTTP request):
         a request whose replica dies mid-way is rerun from its prompt on another replica."""
         first = self._any_engine()
         prepared = await first.prepare(prompt, params, request_id, add_special_tokens, pooling)
+        if lora_name is not None:
+            prepared = dataclasses.replace(prepared, lora_name=lora_name)
         role: ReplicaRole = "mixed"
         if self.pd is not None and pooling is not None:
             role = "prefill"  # an embedding is prefill alone: nothing to hand over to a decode replica
@@ -318,6 +325,23 @@ class ReplicaSet:
         replica = self._where.get(request_id)
         if replica is not None and replica.engine is not None:
             await replica.engine.abort(request_id)
+
+    def add_lora(self, spec: AdapterSpec) -> None:
+        """Serve an adapter on every replica, and on those started later."""
+        self._loras[spec.name] = spec
+        for r in self.replicas:
+            if r.engine is not None:
+                r.engine.add_lora(spec)
+
+    def remove_lora(self, name: str) -> None:
+        self._loras.pop(name, None)
+        for r in self.replicas:
+            if r.engine is not None:
+                r.engine.remove_lora(name)
+
+    def lora_adapters(self) -> list[AdapterSpec]:
+        engine = next((r.engine for r in self.replicas if r.engine is not None), None)
+        return list({**({s.name: s for s in engine.lora_adapters()} if engine else {}), **self._loras}.values())
 
     # -- the AsyncLLMEngine surface the server reads -----------------------------------------
     def check_health(self) -> None:

@@ -30,6 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _weight_args(g, d)
     _kv_cache_args(g, d)
     _scheduling_args(g, d)
+    _lora_args(g, d)
     _other_args(g, d)
 
 
@@ -115,6 +116,26 @@ def _scheduling_args(g: Any, d: EngineConfig) -> None:
                    help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), "
                         "reference (a plain loop, for checking), triton (the GPU's kernel reading the paged cache in "
                         "place); auto: triton on a GPU, else paged where its kernel builds (default: %(default)s)")
+
+
+def _lora_args(g: Any, d: EngineConfig) -> None:
+    g.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
+                   help="serve LoRA adapters of this model: requests name one as their model; adapters load at "
+                        "run time through /v1/load_lora_adapter (implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", default=list(d.lora_modules), metavar="NAME=PATH",
+                   help="adapters served from start-up: name=path (a PEFT folder with adapter_config.json and "
+                        "adapter_model.safetensors, or a llama.cpp LoRA GGUF), or JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="most different adapters in one step (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest adapter rank accepted (default: %(default)s)")
+    g.add_argument("--lora-dtype", choices=DTYPES, default=d.lora_dtype,
+                   help="the adapters' weights: auto = bfloat16 (half the bytes a step reads for them); float32 "
+                        "for results equal to a float32 reference (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in memory; others are read from their files again when asked for "
+                        "(default: --max-loras)")
 
 
 def _other_args(g: Any, d: EngineConfig) -> None:

@@ -30,6 +30,7 @@ from tessera.engine.core.scheduler import Scheduler, make_chunk
 from tessera.engine.core.scheduler_output import SchedulerOutput
 from tessera.engine.core.spec_acceptance import AcceptanceModel, AdaptiveDraftLength
 from tessera.engine.input_processor import InputLimits, InputProcessor
+from tessera.engine.lora_manager import LoRAManager
 from tessera.engine.spec_decode import (
     DraftModelProposer, LayerSkipProposer, Proposer, SpeculationPolicy, build_lookup, default_draft_layers,
 )
@@ -39,6 +40,8 @@ from tessera.engine.core.structured_output import StructuredOutputManager
 from tessera.errors import TesseraError
 from tessera.hostinfo import available_memory, cpu_model_name, host_rates, others_cpu_seconds, source_digest
 from tessera.kernels import KernelUnavailable
+from tessera.models.adapters import read_adapter
+from tessera.models.lora_weights import load_lora_weights
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.sizing import activation_bytes, default_kv_cache_memory
 from tessera.tokenizer import Tokenizer
@@ -73,6 +76,7 @@ class EngineParts:
     spec_policy: Optional[SpeculationPolicy]
     kv_capacity_tokens: int  # the longest sequence the cache holds
     kv_tokens_per_gib: float  # at max_model_len
+    lora: Optional[LoRAManager] = None  # the served LoRA adapters, with --enable-lora
 
     @property
     def kv_cache_format(self) -> str:
@@ -153,6 +157,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
     inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
     runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups)
+    lora = _build_lora(config, mc, dtype, runner) if config.enable_lora else None
     logger.info("%s", config.profile_summary())
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
     cost_model, stored = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
@@ -178,7 +183,22 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                        kv_groups=groups, attn_backend=backend, kv=kv, runner=runner, structured=structured,
                        inputs=inputs, cost_model=cost_model, stored_calibration=stored, scheduler=scheduler,
                        offload=offload, proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
-                       kv_tokens_per_gib=tokens_per_gib)
+                       kv_tokens_per_gib=tokens_per_gib, lora=lora)
+
+
+def _build_lora(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, runner: ModelRunner) -> LoRAManager:
+    """The adapters' store and the model's slots; the --lora-modules adapters are checked now (a
+    bad one stops the start with its reason) and loaded when first asked for."""
+    device = str(runner.device)
+    lora_dtype = torch.bfloat16 if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+    manager = LoRAManager(config.lora_cache_size, lambda spec: load_lora_weights(spec, mc, lora_dtype, device))
+    runner.enable_lora(manager.weights, lora_dtype)
+    for m in config.lora_modules:
+        manager.add(read_adapter(m.name, m.path, mc, config.max_lora_rank))
+    logger.info("LoRA: up to %d adapter(s) a step, rank <= %d, %s, %d kept in memory; serving %s",
+                config.max_loras, config.max_lora_rank, str(lora_dtype).removeprefix("torch."), config.lora_cache_size,
+                ", ".join(m.name for m in config.lora_modules) or "none yet (/v1/load_lora_adapter)")
+    return manager
 
 
 def _refuse_what_cannot_fit(config: EngineConfig) -> None:
@@ -241,7 +261,8 @@ def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVC
     max_model_len tokens) and no tensor backs them; nothing to swap, offload or speculate."""
     mc, dtype = loaded.config, loaded.dtype
     for flag, given in (("--kv-offload-dir", config.kv_offload_dir is not None),
-                        ("--speculative-config", config.speculative_config is not None)):
+                        ("--speculative-config", config.speculative_config is not None),
+                        ("--enable-lora", config.enable_lora)):
         if given:
             raise InvalidRequestError(f"{flag} does not apply to {config.model!r}: an encoder keeps no KV cache and "
                                       "generates nothing")

@@ -36,6 +36,8 @@ class PreparedRequest:
     kv_import: Optional[KVTransfer] = None
     # An embedding request (resolved): its prompt is computed in one step and pooled, nothing sampled.
     pooling: Optional[PoolingParams] = None
+    # The LoRA adapter this request runs with (a name the engine was given by add_lora); None: the base.
+    lora_name: Optional[str] = None
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:

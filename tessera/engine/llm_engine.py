@@ -27,6 +27,8 @@ from tessera.engine.output_processor import OutputProcessor
 from tessera.engine.outputs import KVTransfer, RequestOutput
 from tessera.engine.spec_decode import propose_all
 from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
+from tessera.errors import AdapterError
+from tessera.models.adapters import AdapterSpec
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 
@@ -45,6 +47,7 @@ class LLMEngine:
         self.structured, self.inputs, self.cost_model, self.offload = p.structured, p.inputs, p.cost_model, p.offload
         self.proposer, self.spec_policy = p.proposer, p.spec_policy
         self.kv_capacity_tokens = p.kv_capacity_tokens
+        self.lora = p.lora
         self.outputs = OutputProcessor(self.tokenizer, stop=self._stop_string_hit, export=self._export_kv)
         self._offload_seen = (0, 0)  # the tier's bytes read and written, as last reported
         self._aborted: list[str] = []  # parents aborted since the last step, to report
@@ -68,6 +71,40 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.flush()
         self.structured.close()
+        if self.lora is not None:
+            self.lora.close()
+
+    # -- LoRA adapters --------------------------------------------------------------
+    def add_lora(self, spec: AdapterSpec) -> None:
+        """Serve the adapter (checked by models.adapters.read_adapter); it loads off the loop."""
+        if self.lora is None:
+            raise AdapterError(f"{self.config.model} was started without LoRA support; restart with --enable-lora")
+        if spec.rank > self.config.max_lora_rank:
+            raise AdapterError(f"LoRA adapter {spec.name!r} has rank {spec.rank}, above --max-lora-rank "
+                               f"{self.config.max_lora_rank}")
+        self.lora.add(spec)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
+
+    def lora_adapters(self) -> list[AdapterSpec]:
+        return [] if self.lora is None else list(self.lora.specs.values())
+
+    def _sync_adapters(self) -> None:
+        """Before scheduling: start loading what waiting requests need, tell the scheduler what is
+        loaded, and refuse the waiting requests whose adapter failed to load."""
+        assert self.lora is not None
+        sched = self.scheduler
+        in_use = {r.lora_name for r in sched.running if r.lora_name is not None}
+        wanted = {r.lora_name for r in sched.waiting if r.lora_name is not None}
+        self.lora.want(wanted, in_use | wanted)
+        sched.lora_ready = self.lora.ready()
+        broken = [r.request_id for r in sched.waiting if r.lora_name in self.lora.failed]
+        if broken:
+            self._step_touched = broken
+            name = next(r.lora_name for r in sched.waiting if r.lora_name in self.lora.failed)
+            raise AdapterError(f"LoRA adapter {name!r} could not be loaded: {self.lora.failed[name]}")
 
     # -- admission ------------------------------------------------------------
     def prepare_request(
@@ -108,10 +145,17 @@ class LLMEngine:
                 assert p.params.structured_outputs is not None
                 req.grammar = self.structured.new_state(p.grammar, p.params.structured_outputs.kind)
                 req.metrics.grammar_compile_time = p.grammar_compile_time
+            if p.lora_name is not None:
+                req.lora_name, req.lora_salt = p.lora_name, self._adapter_salt(p.lora_name)
             children.append(req)
         self.outputs.add(p, children)
         for req in children:
             self.scheduler.add_request(req)
+
+    def _adapter_salt(self, name: str) -> str:
+        if self.lora is None or name not in self.lora.specs:
+            raise InvalidRequestError(f"The model `{name}` does not exist: no LoRA adapter of that name is served")
+        return self.lora.salt(name)
 
     def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                     arrival_time: Optional[float] = None) -> None:
@@ -178,7 +222,11 @@ class LLMEngine:
             self.scheduler.set_proposals(propose_all(self.proposer, self.spec_policy, self.scheduler.running,
                                                      len(self.scheduler.waiting), self.config.max_model_len, self.kv))
         t_step = time.perf_counter()  # drafting is not part of the step the cost model predicts
+        if self.lora is not None:
+            self._sync_adapters()
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.lora is not None and self.lora.loading:
+            time.sleep(0.002)  # only adapters' loads to wait for: leave their thread the interpreter
         # What a failure from here on touched: the scheduled requests and any swapped this step.
         self._step_touched = [s.request_id for s in sched.scheduled] + sched.preempted
         t_exec = time.perf_counter()

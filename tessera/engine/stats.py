@@ -40,6 +40,9 @@ class SchedulerStats:
     # of the step in flight), and the device's memory.
     gpu_memory_allocated_bytes: int = 0
     gpu_memory_total_bytes: int = 0
+    # Requests per LoRA adapter (vLLM's lora_requests_info), running and waiting.
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

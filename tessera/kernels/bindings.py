@@ -155,6 +155,12 @@ SIGNATURES: dict[str, Signature] = {
     "decode_step_bf16": _sig(
         INT, ("layers", P), ("L", I64), ("d", P), ("final_norm", P), ("M", I64), *_names(P, "x", "cos", "sin"),
         ("half", I64), *_names(P, "slots", "block_tables", "seq_lens"), ("max_len", I64), ("workspace", P)),
+    # lora.c
+    "lora_add": _sig(
+        INT, ("x", P), ("x_stride", I64), ("y", P), ("y_stride", I64), ("x_bf16", INT), ("w_bf16", INT),
+        *_names(I64, "M", "K", "N"),
+        *_names(P, "row_slots", "a_ptrs", "b_ptrs", "ranks"), ("num_slots", I64), ("part_ends", P), ("P", I64),
+        ("t", P), ("t_stride", I64)),
 }
 
 

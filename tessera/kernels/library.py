@@ -22,7 +22,7 @@ from typing import Optional
 from tessera.kernels import bindings
 
 SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c",
-           "int4_avx2.c", "kquant_gemm.c", "kquant_dequant.c", "mxfp4_gemm.c", "decode_step.c")
+           "int4_avx2.c", "kquant_gemm.c", "kquant_dequant.c", "mxfp4_gemm.c", "decode_step.c", "lora.c")
 HEADERS = ("tessera_kernels.h", "bf16.h", "softmax.h", "kquant.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 

@@ -145,4 +145,10 @@ int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const ui
                      uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace);
 
+/* ---- lora.c ---- */
+int lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride, int x_bf16, int w_bf16, int64_t M,
+             int64_t K, int64_t N, const int32_t *row_slots, const int64_t *a_ptrs, const int64_t *b_ptrs,
+             const int64_t *ranks, int64_t num_slots, const int64_t *part_ends, int64_t P, float *t,
+             int64_t t_stride);
+
 #endif

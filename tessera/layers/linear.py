@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera import kernels
 from tessera.errors import ModelFormatError
+from tessera.layers.lora import LoRATable
 from tessera.layers.quantization import Activation, QuantConfig, QuantMethod, method_for
 from tessera.layers.weights import AnyWeight, as_source
 
@@ -45,6 +47,8 @@ class Linear(nn.Module):
         self._has_bias = bias
         self._pending: dict[str, AnyWeight] = {}
         self._pending_bias: dict[str, Tensor] = {}
+        # Adapters beside the stored weight (layers/lora.py); set by the model when LoRA is enabled.
+        self.lora: Optional[LoRATable] = None
 
     @property
     def loaded(self) -> bool:
@@ -90,9 +94,21 @@ class Linear(nn.Module):
         """x W^T (+ b), then `activation` (GELU) or `+ residual` when given: applied by the matrix
         product itself where the method can (dense bfloat16: oneDNN's post-ops), which saves a
         pass over the output each."""
+        if self.lora is not None and self.lora.slots.active:
+            return self._forward_lora(x, activation, residual)
         if self.bias is None and activation is None and residual is None:
             return self.quant_method.apply(self, x)
         return self.quant_method.apply_with_bias(self, x, self.bias, activation, residual)
+
+    def _forward_lora(self, x: Tensor, activation: Optional[Activation], residual: Optional[Tensor]) -> Tensor:
+        """The product with the step's adapters added before the activation and the residual
+        (which the method would otherwise fold into the product)."""
+        y = self.quant_method.apply(self, x) if self.bias is None else \
+            self.quant_method.apply_with_bias(self, x, self.bias, None, None)
+        self.lora.add_to(x.reshape(-1, self.input_size), y.view(-1, self.output_size))
+        if activation is not None:
+            y = F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return y if residual is None else y + residual
 
     def kernel_operand(self) -> Optional[kernels.LinearOperand]:
         """This layer's weight and bias as the C decode step reads them, or None (see

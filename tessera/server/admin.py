@@ -1,4 +1,5 @@
-"""The routes about the server rather than a model's API: GET /v1/models, /health (503 once
+"""The routes about the server rather than a model's API: GET /v1/models (and /v1/models/{id}),
+/health (503 once
 an engine loop has died), /metrics (Prometheus), and /v1/engine/stats, /v1/engine/live and
 POST /v1/engine/replicas for operators, the dashboard and tests that watch the KV cache drain."""
 from __future__ import annotations
@@ -14,7 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from tessera.config import PROFILE_FIELDS
 from tessera.server.auth import request_key
 from tessera.server.endpoint import server_state
-from tessera.server.errors import APIError
+from tessera.server.errors import APIError, model_not_found
+from tessera.server.model_router import ServedModel
 from tessera.server.openai.response_models import ModelCard, ModelList
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 def build_router() -> APIRouter:
     router = APIRouter()
     router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])
     router.add_api_route("/health", health, methods=["GET"])
     router.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
     router.add_api_route("/v1/engine/stats", engine_stats, methods=["GET"])
@@ -32,19 +35,40 @@ def build_router() -> APIRouter:
     return router
 
 
-async def models(request: Request) -> ModelList:
-    """Every name served (aliases included), loaded or not; `status` says which."""
+def _model_cards(request: Request) -> list[ModelCard]:
+    """A card per name the request's key may use: each model and alias, then each LoRA adapter
+    (as vLLM lists one: `root` its path, `parent` its base model)."""
     state = server_state(request)
     grant = request_key(request.scope)
     cards = []
     for name, served in state.router.names():
         if grant is not None and not grant[0].allows_model(name, served.name):
             continue  # a key sees only the models it may use
-        engine = served.engine
-        cards.append(ModelCard(id=name, created=int(state.started), root=served.spec.model,
-                               max_model_len=engine.config.max_model_len if engine is not None else None,
-                               status=served.status))
-    return ModelList(data=cards)
+        cards.append(_card(state.started, name, served, served.spec.model))
+    for served in state.router.models:
+        for name, path in sorted(served.adapters().items()):
+            if grant is None or grant[0].allows_model(name, name):  # an adapter is allowed by its own name
+                cards.append(_card(state.started, name, served, path, parent=served.name))
+    return cards
+
+
+def _card(started: float, name: str, served: ServedModel, root: str, parent: Optional[str] = None) -> ModelCard:
+    engine = served.engine
+    return ModelCard(id=name, created=int(started), root=root, parent=parent, status=served.status,
+                     max_model_len=engine.config.max_model_len if engine is not None else None)
+
+
+async def models(request: Request) -> ModelList:
+    """Every name served (aliases and LoRA adapters included), loaded or not; `status` says which."""
+    return ModelList(data=_model_cards(request))
+
+
+async def model_card(model_id: str, request: Request) -> ModelCard:
+    """One name's card (OpenAI's retrieve model); 404 for a name not served or not the key's."""
+    card = next((c for c in _model_cards(request) if c.id == model_id), None)
+    if card is None:
+        raise model_not_found(model_id)
+    return card
 
 
 async def health(request: Request, model: Optional[str] = None) -> Response:
@@ -97,7 +121,8 @@ async def engine_stats(request: Request, model: Optional[str] = None) -> Respons
                          "scheduler": dataclasses.asdict(stats),
                          "profile": {"name": config.profile, "overrides": list(config.profile_overrides),
                                      **{name: getattr(config, name) for name in PROFILE_FIELDS},
-                                     "max_num_queued_requests": engine.max_num_queued_requests},
+                                     "max_num_queued_requests": engine.max_num_queued_requests,
+            "max_loras": config.max_loras if getattr(config, "enable_lora", False) else None},
                          "step_cost_model": engine.cost_model_stats(),
                          "kv_cache": engine.kv_cache_info(),
                          "predicted_queue_wait_s": None if wait is None else round(wait, 4),
@@ -153,7 +178,11 @@ async def engine_live(request: Request, seconds: int = 120) -> Response:
         snapshot["current"] = {"running": stats.num_running, "waiting": stats.num_waiting,
                                "swapped": stats.num_swapped, "kv_usage": round(stats.kv_cache_usage, 4),
                                "num_blocks_total": stats.num_blocks_total,
-                               "num_blocks_free": stats.num_blocks_free}
+                               "num_blocks_free": stats.num_blocks_free,
+                               # requests per LoRA adapter name (empty without adapters)
+                               "lora_running": dict(getattr(stats, "lora_running", None) or {}),
+                               "lora_waiting": dict(getattr(stats, "lora_waiting", None) or {})}
+        snapshot["adapters"] = sorted(served.adapters())
         snapshot["settings"] = engine_settings(engine)
         if state.slo is not None:  # does live traffic still fit the SLO the settings were tuned for?
             snapshot["slo"] = state.slo.check_live(snapshot["summary"])
@@ -176,4 +205,5 @@ def engine_settings(engine: AsyncLLMEngine) -> dict[str, Any]:
             "enable_prefix_caching": config.enable_prefix_caching, "preemption_mode": config.preemption_mode,
             "speculative": None if spec is None or spec.method is None else spec.method,
             "attention_backend": config.attention_backend, "num_threads": config.num_threads,
-            "max_num_queued_requests": engine.max_num_queued_requests}
+            "max_num_queued_requests": engine.max_num_queued_requests,
+            "max_loras": config.max_loras if getattr(config, "enable_lora", False) else None}

@@ -5,7 +5,7 @@ Endpoints, by package: openai/ (POST /v1/completions, /v1/chat/completions, /v1/
 responses/ (POST /v1/responses and GET, DELETE, POST .../cancel of a stored response),
 anthropic/ (POST /v1/messages and /v1/messages/count_tokens), ollama/ (/api/*), tokenize/
 (POST /tokenize, /detokenize), admin.py (GET /v1/models, /health, /metrics and
-/v1/engine/*), ui.py (the chat page at / and /dashboard). Serving it is launch.py's job.
+/v1/engine/*), lora.py (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), ui.py (the chat page at / and /dashboard). Serving it is launch.py's job.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 from fastapi import FastAPI
 
-from tessera.server import admin
+from tessera.server import admin, lora
 from tessera.server.access_log import AccessLog
 from tessera.server.anthropic import router as anthropic_api
 from tessera.server.auth import AccessControl, AccessSettings
@@ -58,7 +58,7 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     # Each API's APIRouter gives its routes to the app itself (not include_router), so that
     # app.router.routes lists every route: access control and the access log match on them.
     routers = [openai_api.build_router(), responses_api.build_router(), anthropic_api.build_router(),
-               admin.build_router(), tokenize_api.build_router(),
+               admin.build_router(), lora.build_router(), tokenize_api.build_router(),
                ollama_api.build_router(root=not ui)]  # "Ollama is running" at / without the chat page
     app = FastAPI(title="Tessera", summary="OpenAI-compatible LLM inference server", docs_url="/docs",
                   redoc_url=None, routes=[route for r in routers for route in r.routes])

@@ -11,7 +11,7 @@ keys file (`--api-keys-file keys.toml`) that stores each key only as its SHA-256
     rpm = 60                       # requests per minute
     tpm = 20000                    # tokens per minute, prompt + generated
     max_concurrent = 4
-    models = ["coder", "chat"]     # names or aliases it may use (default: all)
+    models = ["coder", "chat"]     # names, aliases or LoRA adapters it may use (default: all)
 
 Every route of the app has an entry in ROUTE_SCOPES (a test walks the route table and fails on
 one without), so a route added later is closed until someone decides who may call it. A key is
@@ -83,6 +83,7 @@ ROUTE_SCOPES: Mapping[str, str] = MappingProxyType({
     "/api/blobs/{}": ADMIN,
     # the server itself: what it runs, and changing it
     "/v1/engine/stats": ADMIN, "/v1/engine/live": ADMIN, "/v1/engine/replicas": ADMIN,
+    "/v1/load_lora_adapter": ADMIN, "/v1/unload_lora_adapter": ADMIN,
 })
 
 
@@ -151,7 +152,7 @@ class ApiKey:
     rpm: Optional[int] = None
     tpm: Optional[int] = None
     max_concurrent: Optional[int] = None
-    models: Optional[frozenset[str]] = None  # names or aliases it may use; None: every one
+    models: Optional[frozenset[str]] = None  # names, aliases or adapters it may use; None: every one
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _KEY_NAME.fullmatch(self.name):

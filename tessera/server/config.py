@@ -16,6 +16,7 @@
     max_num_queued_requests = 16
     max_queue_wait = 5.0
     tool_call_parser = "hermes"   # also reasoning_parser, chat_template (flags of the same names)
+    lora_modules = ["sql=/srv/adapters/sql"]   # LoRA adapters served as models of their own (--lora-modules)
     [model.engine]                # any engine flag, spelled with underscores
     max_num_seqs = 8
     kv_cache_memory = "1GiB"
@@ -50,7 +51,7 @@ from tessera.slo import SLOSpec
 
 _DURATION = re.compile(r"\s*(-?[0-9.]+)\s*(ms|s|m|h)?\s*$")
 MODEL_KEYS = {"name", "model", "aliases", "preload", "keep_alive", "fallback", "when", "max_num_queued_requests",
-              "max_queue_wait", "engine", "tool_call_parser", "reasoning_parser", "chat_template"}
+              "max_queue_wait", "engine", "tool_call_parser", "reasoning_parser", "chat_template", "lora_modules"}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig)) - {"model"}
 
@@ -156,13 +157,15 @@ class ServingSpec:
         unknown = set(self.engine_options) - _ENGINE_FIELDS
         if unknown:
             raise ConfigError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        adapters: dict[str, str] = {}  # LoRA adapter name -> its model's
         for m in self.models:  # a bad engine option is an error now, not a model failing to load later
             try:
-                self.engine_config(m)
+                config = self.engine_config(m)
             except ConfigError as exc:
                 if not m.engine_overrides:
                     raise
                 raise ConfigError(f"model {m.name!r}: {exc}") from None
+            _check_adapter_names(m.name, config, seen, adapters)
         if not self.host:
             raise ConfigError("--host must not be empty")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -254,6 +257,20 @@ class ServingSpec:
         return model.max_queue_wait if model.max_queue_wait is not None else self.max_queue_wait
 
 
+def _check_adapter_names(model: str, config: EngineConfig, models: Mapping[str, str], adapters: dict[str, str]) -> None:
+    """An adapter's name is a model name in every API: it must not be a model's, an alias or
+    another model's adapter's (`adapters` collects them)."""
+    for lora in config.lora_modules:
+        if lora.name in models:
+            raise ConfigError(f"LoRA adapter {lora.name!r} of model {model!r} has the name of the served model "
+                              f"{models[lora.name]!r}; rename it in --lora-modules")
+        if lora.name in adapters:
+            raise ConfigError(f"LoRA adapter {lora.name!r} is served by models {adapters[lora.name]!r} and "
+                              f"{model!r}; rename one (--lora-modules on the command line applies to every "
+                              "model: give each its own `lora_modules` in --config)")
+        adapters[lora.name] = model
+
+
 def _load_toml(path: Path) -> dict:
     if sys.version_info >= (3, 11):
         import tomllib
@@ -343,6 +360,13 @@ def models_from_toml(path: Path, keep_alive: Optional[float], preload: bool,
         engine = t.get("engine", {})
         if not isinstance(engine, dict):
             raise TesseraError(f"{where}: [model.engine] must be a table")
+        if "lora_modules" in t:  # the model's adapters, beside its name rather than in [model.engine]
+            if "lora_modules" in engine:
+                raise TesseraError(f"{where}: lora_modules is set twice (also in [model.engine])")
+            if not isinstance(t["lora_modules"], list):
+                raise TesseraError(f"{where}: lora_modules must be a list of \"name=path\" strings or "
+                                   "{name, path} tables")
+            engine = {**engine, "lora_modules": t["lora_modules"]}
         specs.append(_model_spec(
             where, name=str(t.get("name") or registry.display_name(str(t["model"]))), model=str(t["model"]),
             aliases=[str(a) for a in t.get("aliases", [])], preload=bool(t.get("preload", preload_all)),

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tessera.errors import AdapterError
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.openai.protocol import REQUEST_FIELDS, UNION_FIELDS
 from tessera.server.openai.response_models import ErrorInfo, ErrorResponse
@@ -83,6 +84,8 @@ def api_error_from(exc: BaseException) -> APIError:
         message = str(exc) or "invalid request"
         first_word = message.split()[0]
         return APIError(400, message, param=first_word if first_word in REQUEST_FIELDS else None)
+    if isinstance(exc, AdapterError):  # a LoRA adapter file that cannot serve on its base
+        return APIError(400, str(exc) or "invalid LoRA adapter", code="invalid_lora_adapter")
     if isinstance(exc, QueueFullError):
         retry = RETRY_AFTER_SECONDS if exc.retry_after is None else \
             min(MAX_RETRY_AFTER_SECONDS, max(1, math.ceil(exc.retry_after)))

@@ -65,13 +65,15 @@ class Generation:
     def __init__(self, engine: ServingEngine, request: Optional[Request], prompts: list[Union[str, list[int]]],
                  params: SamplingParams, request_id: str, deadline: Optional[float] = None,
                  live: Optional[set[Generation]] = None, restartable: bool = False,
-                 log_requests: bool = False, pooling: Optional[PoolingParams] = None) -> None:
+                 log_requests: bool = False, pooling: Optional[PoolingParams] = None,
+                 lora_name: Optional[str] = None) -> None:
         """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;
         `live` is the server's set of running generations, which this one joins while it runs;
         `restartable`: only final outputs are read (not streamed), so the engine may rerun a prompt
         from scratch on another replica if the one running it dies. `log_requests`: write the prompts,
         settings and outputs to the log (--log-requests; never otherwise); `pooling`: the prompts are
-        embedding inputs (each one final output with its vector)."""
+        embedding inputs (each one final output with its vector); `lora_name`: the LoRA adapter they
+        run through (None: the base model)."""
         self.engine = engine
         self.request = request
         self.prompts = prompts
@@ -84,6 +86,7 @@ class Generation:
         grant = request_key(request.scope) if request is not None else None
         self.meter = grant[1] if grant is not None else None  # charges the key's tokens as they come
         self.pooling = pooling
+        self.lora_name = lora_name
         self._queue: asyncio.Queue = asyncio.Queue()
         self._drains: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
@@ -138,10 +141,12 @@ class Generation:
     async def _drain(self, index: int, prompt: Union[str, list[int]]) -> None:
         try:
             deadline_s = None if self.deadline is None else self.deadline - time.monotonic()
+            # lora_name only when set: engines (and test fakes) without adapters take no such argument
+            lora = {} if self.lora_name is None else {"lora_name": self.lora_name}
             async with contextlib.aclosing(
                     self.engine.generate(prompt, self.params, self.engine_request_id(index),
                                          deadline_s=deadline_s, restartable=self.restartable,
-                                         pooling=self.pooling)) as stream:
+                                         pooling=self.pooling, **lora)) as stream:
                 async for output in stream:
                     if self.meter is not None:
                         self.meter.observe(self.engine_request_id(index), output)

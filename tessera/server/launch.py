@@ -110,7 +110,8 @@ def serve(spec: ServingSpec) -> int:
                             "(queue_full, queue_wait, kv_usage, unavailable).", ["model_name", "fallback", "cause"])
     if spec.ray is not None:
         init_ray(spec.ray)
-    router = ModelRouter([ServedModel(m) for m in spec.models],
+    # each model's --lora-modules named up front, so a model not loaded yet answers to its adapters
+    router = ModelRouter([ServedModel(m, lora_modules=spec.engine_config(m).lora_modules) for m in spec.models],
                          builder=lambda served: build_serving_engine(served, spec, families),
                          closer=close_serving_engine, max_loaded=spec.max_loaded_models,
                          on_degraded=lambda asked, answered, cause: degraded.labels(asked, answered, cause).inc())

@@ -16,6 +16,12 @@ unavailable (loading, restarting after a crash, failed). The answer says who
 answered (the response's `model`, `x-tessera-model`, and
 `x-tessera-fallback-from` / `x-tessera-fallback-cause`); a request can forbid
 it with `x-tessera-no-fallback: 1`.
+
+LoRA adapters (vLLM's --lora-modules and /v1/load_lora_adapter) are names too: an adapter
+resolves to its base model, and the `Route` carries the adapter's name for the engine. An
+adapter never falls back (another model has no such adapter). Adapters loaded at run time are
+kept on their `ServedModel`, so a model unloaded (keep_alive, room) and loaded again serves
+them still.
 """
 from __future__ import annotations
 
@@ -27,12 +33,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Optional
 
+from tessera.config import LoRAModule
 from tessera.errors import TesseraError
 from tessera.server.errors import APIError, model_not_found
 from tessera.server.output_parsers import OutputParsing
 
 if TYPE_CHECKING:
     from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.models.adapters import AdapterSpec
 
 logger = logging.getLogger("tessera")
 
@@ -112,9 +120,17 @@ class ModelSpec:
 class ServedModel:
     """A configured model and, while loaded, its engine."""
 
-    def __init__(self, spec: ModelSpec, engine: Optional[ServingEngine] = None) -> None:
+    def __init__(self, spec: ModelSpec, engine: Optional[ServingEngine] = None,
+                 lora_modules: Optional[tuple[LoRAModule, ...]] = None) -> None:
+        """`lora_modules`: the adapters its engine config serves from start-up (default: those of
+        `engine`'s config), named before the engine is built so a lazy model's adapters route."""
         self.spec = spec
         self.engine = engine
+        if lora_modules is None:
+            lora_modules = tuple(getattr(engine.config, "lora_modules", ())) if engine is not None else ()
+        self.lora_modules: tuple[LoRAModule, ...] = lora_modules
+        self.added_loras: dict[str, AdapterSpec] = {}  # loaded at run time, given again to a rebuilt engine
+        self.removed_loras: set[str] = set()  # unloaded at run time: hidden from the configured and engine lists
         self.status: ModelStatus = "ready" if engine is not None else "unloaded"
         self.error: Optional[str] = None
         self.last_used = time.monotonic()
@@ -146,6 +162,28 @@ class ServedModel:
         engine = self.engine
         template = getattr(engine.tokenizer, "chat_template", None) if engine is not None else None
         return self.spec.parsing.resolved(template)
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served on this model, name -> path: its engine's (once loaded), its
+        configured ones, and those loaded at run time, less those unloaded at run time."""
+        out = {m.name: m.path for m in self.lora_modules if m.name not in self.removed_loras}
+        engine = self.engine
+        listed = getattr(engine, "lora_adapters", None) if engine is not None else None
+        if listed is not None:
+            out.update((a.name, a.path) for a in listed() if a.name not in self.removed_loras)
+        out.update((name, a.path) for name, a in self.added_loras.items())
+        return out
+
+    def restore_adapters(self, engine: ServingEngine) -> None:
+        """Give a newly built engine the adapter changes made at run time before it was built."""
+        if not (self.added_loras or self.removed_loras):
+            return
+        listed = getattr(engine, "lora_adapters", None)
+        present = {m.name for m in self.lora_modules} | {a.name for a in (listed() if listed else ())}
+        for name in self.removed_loras & present:
+            engine.remove_lora(name)
+        for spec in self.added_loras.values():
+            engine.add_lora(spec)
 
     def available(self) -> bool:
         if self.status != "ready" or self.engine is None:
@@ -184,7 +222,7 @@ class ServedModel:
                 "status": self.status, "error": self.error,
                 "fallback": None if self.spec.fallback is None else {
                     "model": self.spec.fallback.model, "when": [str(c) for c in self.spec.fallback.when]},
-                "keep_alive_s": self.keep_alive, "loaded_at": self.loaded_at,
+                "adapters": sorted(self.adapters()), "keep_alive_s": self.keep_alive, "loaded_at": self.loaded_at,
                 "engine_core": None if self.engine is None else self.engine.core_info()}
 
 
@@ -195,10 +233,11 @@ EngineCloser = Callable[[ServedModel], None]
 
 @dataclass
 class Route:
-    model: ServedModel  # who answers
+    model: ServedModel  # who answers (an adapter's base model)
     requested: str  # the name the client asked for
     cause: Optional[str] = None  # why another model answers, if one does
     allow_fallback: bool = True  # False when the request forbids it
+    adapter: Optional[str] = None  # the LoRA adapter the engine runs the request with; None: the base
 
     @property
     def reported(self) -> str:
@@ -233,6 +272,13 @@ class ModelRouter:
                 if name in self._by_name:
                     raise ValueError(f"model name {name!r} is used twice")
                 self._by_name[name] = m
+        adapters: dict[str, str] = {}
+        for m in models:
+            for name in m.adapters():
+                if name in self._by_name or name in adapters:
+                    raise ValueError(f"LoRA adapter name {name!r} is already "
+                                     f"{'a model name' if name in self._by_name else 'an adapter of ' + repr(adapters[name])}")
+                adapters[name] = m.name
         for m in models:
             rule = m.spec.fallback
             if rule is not None:
@@ -257,13 +303,60 @@ class ModelRouter:
         return self.models[0]
 
     def resolve(self, requested: Optional[str]) -> ServedModel:
-        """The model a name (or alias) designates; the first model when none is given; 404 else."""
+        """The model a name (or alias, or adapter) designates; the first model when none is given;
+        404 else."""
+        return self.lookup(requested)[0]
+
+    def lookup(self, requested: Optional[str]) -> tuple[ServedModel, Optional[str]]:
+        """The model a name designates and, for a LoRA adapter's name, the adapter (else None)."""
         if requested is None or requested == "":
-            return self.default
+            return self.default, None
         served = self._by_name.get(requested)
-        if served is None:
+        if served is not None:
+            return served, None
+        owner = self.adapter_owner(requested)
+        if owner is None:
             raise model_not_found(requested)
-        return served
+        return owner, requested
+
+    def adapter_owner(self, name: str) -> Optional[ServedModel]:
+        """The model serving the LoRA adapter `name`; None when no model does."""
+        return next((m for m in self.models if name in m.adapters()), None)
+
+    def check_adapter_name(self, name: str) -> None:
+        """400 for a new adapter's name that a model, an alias or another adapter has already."""
+        if name in self._by_name:
+            raise APIError(400, f"The lora adapter '{name}' has the name of a served model; pick another "
+                                "lora_name.", param="lora_name", code="lora_name_taken")
+        if self.adapter_owner(name) is not None:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                           code="lora_already_loaded")
+
+    def add_adapter(self, served: ServedModel, spec: AdapterSpec) -> None:
+        """Serve `spec` on `served` (loaded) from now on, and again whenever it is reloaded.
+        400 for a name a model or another adapter has already."""
+        with self._lock:
+            self.check_adapter_name(spec.name)
+            engine = served.engine
+            if engine is None:
+                raise APIError(503, f"Model {served.name!r} was unloaded; retry.", type="server_error",
+                               code="model_unavailable")
+            engine.add_lora(spec)
+            served.added_loras[spec.name] = spec
+            served.removed_loras.discard(spec.name)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving the adapter `name` (requests running with it finish); 404 if none has it."""
+        with self._lock:
+            served = self.adapter_owner(name)
+            if served is None:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                               code="lora_not_found")
+            served.added_loras.pop(name, None)
+            served.removed_loras.add(name)  # hides it in a configured or rebuilt engine's list too
+            engine = served.engine
+            if engine is not None and hasattr(engine, "remove_lora"):
+                engine.remove_lora(name)
 
     def names(self) -> list[tuple[str, ServedModel]]:
         return list(self._by_name.items())
@@ -275,8 +368,10 @@ class ModelRouter:
     async def route(self, requested: Optional[str], allow_fallback: bool = True) -> Route:
         """The model that will answer, loaded; waits for a load (another model may answer meanwhile
         if the rule says `unavailable`). Raises APIError 503 for a model that cannot load."""
-        served = self.resolve(requested)
+        served, adapter = self.lookup(requested)
         name = requested or served.name
+        if adapter is not None:
+            return await self._route_adapter(served, adapter)
         rule = served.spec.fallback
         if allow_fallback and rule is not None:
             if served.status in ("unloaded", "unloading", "failed") \
@@ -294,6 +389,14 @@ class ModelRouter:
         await self._ensure_loaded(served)
         served.last_used = time.monotonic()
         return Route(served, name, allow_fallback=allow_fallback)
+
+    async def _route_adapter(self, served: ServedModel, adapter: str) -> Route:
+        """The route of a request naming a LoRA adapter: its base, loaded; no fallback."""
+        await self._ensure_loaded(served)
+        if adapter not in served.adapters():  # unloaded while the base was loading
+            raise model_not_found(adapter)
+        served.last_used = time.monotonic()
+        return Route(served, adapter, allow_fallback=False, adapter=adapter)
 
     async def fall_back(self, route: Route, cause: str) -> Optional[Route]:
         """The route to `route`'s fallback after its model refused the request for `cause` at
@@ -371,6 +474,10 @@ class ModelRouter:
                 served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
             served.load_event.set()
             return exc
+        try:
+            served.restore_adapters(engine)
+        except Exception:  # noqa: BLE001 - the model serves; the adapters' own requests will say
+            logger.exception("model %r: adapters loaded at run time could not be given again", served.name)
         with self._lock:
             served.engine, served.status = engine, "ready"
             served.loaded_at, served.last_used = time.time(), time.monotonic()

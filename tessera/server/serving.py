@@ -103,7 +103,8 @@ class ServerState:
         `fallback` is False: tokenizers and loads name one model). The request's API key must be
         allowed the model (checked before it loads); a request that `generates` gets a place in
         its key's fair share of the model's queue."""
-        check_model(request.scope, requested, self.router.resolve(requested).name)
+        served, adapter = self.router.lookup(requested)
+        check_model(request.scope, requested, adapter or served.name)  # an adapter is allowed by its own name
         forbid = request.headers.get(NO_FALLBACK_HEADER, "").strip().lower() in ("1", "true", "yes")
         route = await self.router.route(requested, allow_fallback=fallback and not forbid)
         if generates:
@@ -177,6 +178,9 @@ class Run:
         if engine is None:  # unloaded between routing and now
             raise APIError(503, f"Model {self.route.model.name!r} was unloaded; retry.", type="server_error",
                            code="model_unavailable")
+        if self.pooling is not None and self.route.adapter is not None:
+            raise APIError(400, f"`{self.route.adapter}` is a LoRA adapter: embeddings do not take LoRA "
+                                f"adapters; ask the base model `{self.route.model.name}`.", param="model")
         check_task(engine, self.route.model.name, embed=self.pooling is not None)
         return engine
 
@@ -184,7 +188,8 @@ class Run:
         self.request.state.request_id = self.request_id
         return Generation(self.engine, self.request if self.watch_client else None, self.prompts, self.params,
                           self.request_id, self.state.deadline(), self.state.generations, restartable=restartable,
-                          log_requests=self.state.log_requests, pooling=self.pooling)
+                          log_requests=self.state.log_requests, pooling=self.pooling,
+                          lora_name=self.route.adapter)
 
     def error(self, exc: BaseException) -> APIError:
         return self.state.error(exc, self.route.model)

@@ -97,10 +97,13 @@ def _stat_loggers(spec: ServingSpec, name: str, config: EngineConfig, families: 
                   replica: Optional[str] = None, live: Optional[LiveStats] = None) -> StatLoggers:
     from tessera.observability import build_stat_loggers
 
-    return build_stat_loggers(name, max_model_len=config.max_model_len,
-                              max_num_batched_tokens=config.max_num_batched_tokens,
-                              otlp_traces_endpoint=spec.otlp_traces_endpoint, log_stats=spec.log_stats,
-                              families=families, replica=replica, live=live)
+    loggers = build_stat_loggers(name, max_model_len=config.max_model_len,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 otlp_traces_endpoint=spec.otlp_traces_endpoint, log_stats=spec.log_stats,
+                                 families=families, replica=replica, live=live)
+    if getattr(config, "enable_lora", False):  # vLLM exports its LoRA gauge only with LoRA enabled
+        loggers.prometheus.enable_lora_info(config.max_loras)
+    return loggers
 
 
 def _start_engine(spec: ServingSpec, config: EngineConfig, core: CoreFactory, loggers: StatLoggers,

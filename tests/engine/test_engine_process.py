@@ -161,3 +161,36 @@ def test_values_msgpack_cannot_carry_are_refused_not_crashed(remote):
         asyncio.run(final(remote, "x", SamplingParams(max_tokens=2, stop=["\ud800"]), "surrogate"))
     out = asyncio.run(final(remote, "x", SamplingParams(max_tokens=2, seed=2**63 - 1), "big-seed"))
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_lora_adapter_added_at_run_time_serves_across_the_process(config, tmp_path):
+    """An adapter checked in this process crosses over as a spec; requests naming it get the
+    tokens the in-process engine gives, and an unknown adapter is a 400-class refusal."""
+    import dataclasses
+
+    from test_lora import write_peft
+
+    from tessera.llm import LLM
+    from tessera.models.adapters import read_adapter
+
+    lora_config = dataclasses.replace(config, enable_lora=True, max_lora_rank=16)
+    engine = AsyncLLMEngine(lora_config, engine_process=True)
+    try:
+        path = write_peft(tmp_path / "a", engine.model_config, 8, seed=3)
+        engine.add_lora(read_adapter("a", path, engine.model_config, 16))
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+        async def go(name):
+            out = None
+            async for out in engine.generate([1, 2, 3, 4, 5], params, f"lora-{name}", lora_name=name):
+                pass
+            return out
+        got = asyncio.run(go("a"))
+        with pytest.raises(InvalidRequestError, match="does not exist"):
+            asyncio.run(go("missing"))
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+    llm = LLM(**{**lora_config.__dict__, "lora_modules": [f"a={path}"]})
+    want = llm.generate([[1, 2, 3, 4, 5]], params, lora="a")[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

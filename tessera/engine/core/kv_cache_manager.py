@@ -194,10 +194,11 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self._state(req).hashes
         full = min(upto_tokens, req.num_tokens) // bs
+        extra = self.hash_extra if req.lora_salt is None else f"{self.hash_extra}|lora:{req.lora_salt}"
         while len(hashes) < full:
             i = len(hashes)
             parent = hashes[-1] if i else None
-            hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], self.hash_extra))
+            hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
         return hashes
 
     def _lookup(self, hashes: list[int], index: int, group: int) -> Optional[KVBlock]:

@@ -82,6 +82,10 @@ class Request:
         # advanced by the tokens each step appends, so it survives preemption.
         self.grammar: Optional["GrammarState"] = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        # The LoRA adapter it runs through (None: the base) and what salts its blocks' hashes,
+        # so its KV is never shared with the base's or another adapter's (the adapter file's digest).
+        self.lora_name: Optional[str] = None
+        self.lora_salt: Optional[str] = None
 
     @property
     def num_tokens(self) -> int:

@@ -62,6 +62,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # since the last schedule(), for the runner to forget
+        # LoRA adapters whose weights are in memory (set by the engine before each step): a request
+        # for another waits, as does one that would bring more than max_loras adapters into a step.
+        self.lora_ready: frozenset[str] = frozenset()
 
     # -- bookkeeping --------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -120,7 +123,16 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            lora_running=_count_adapters(self.running),
+            lora_waiting=_count_adapters(self.waiting),
         )
+
+    def _lora_admissible(self, req: Request, adapters: set[str]) -> bool:
+        """Whether `req`'s adapter may run now: loaded, and among the running requests' adapters
+        or with a slot free for it (`adapters`: the running requests' adapters)."""
+        name = req.lora_name
+        return name is None or (name in self.lora_ready and
+                                (name in adapters or len(adapters) < self.config.max_loras))
 
     # -- admission forecast ----------------------------------------------------
     def load_snapshot(self) -> "LoadSnapshot":
@@ -336,9 +348,14 @@ class Scheduler:
         # Static batching admits a whole batch at once (its prompts are then computed
         # over the next steps within the budget) and nothing more until it has finished.
         admit = not out.preempted and (not static or not self.running)
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        passed: list[Request] = []  # waiting for their adapter: later requests go ahead of them
         while admit and self.waiting and (step.budget > 0 or static) and \
                 len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._lora_admissible(req, adapters):
+                passed.append(self.waiting.popleft())
+                continue
             if req.wait_for is not None and not req.wait_for.is_finished and \
                     req.wait_for.num_computed_tokens < req.wait_for.num_prompt_tokens:
                 break  # let the first sibling fill the prefix cache with the shared prompt
@@ -388,8 +405,11 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.time()
             self.running.append(req)
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             if n > 0:
                 self._grant(req, n, out, step)
+        self.waiting.extendleft(reversed(passed))
         out.shape = step.shape
         out.prefill_unbounded = step.unbounded if step.has_prefill and step.has_decodes else None
         if self.cost_model is not None and out.scheduled:
@@ -480,6 +500,14 @@ def _prompts_outnumber_decodes(num_prefilling: int, num_waiting: int, free_slots
     return num_prefilling + min(num_waiting, free_slots) > num_decoding
 
 
+def _count_adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_name is not None:
+            counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+    return counts
+
+
 def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: int = 0,
                with_history: bool = False) -> ScheduledChunk:
     """The runner's view of `n` tokens of `req` from its computed ones (`num_spec` of them its
@@ -501,4 +529,4 @@ def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: in
         sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
         is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
         num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        pooling=req.pooling)
+        pooling=req.pooling, lora_name=req.lora_name)

@@ -72,6 +72,7 @@ class ScheduledChunk:
     draft_probs: Optional[torch.Tensor] = None  # [num_spec_tokens, vocab] q the proposals were drawn from
     # An embedding request's whole prompt: the runner pools its hidden states instead of sampling.
     pooling: Optional[PoolingParams] = None
+    lora_name: Optional[str] = None  # the LoRA adapter its rows run through (None: the base)
 
     @property
     def num_new_tokens(self) -> int:

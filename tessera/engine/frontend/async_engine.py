@@ -8,6 +8,7 @@ in the caller, so a bad request is refused before it reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from tessera.engine.frontend.core_client import ProcessEngineCore
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
+from tessera.models.adapters import AdapterSpec, read_adapter
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 
@@ -64,6 +66,15 @@ class EngineCore(Protocol):
                         pooling: Optional[PoolingParams] = None) -> PreparedRequest: ...
 
     def add_prepared(self, prepared: PreparedRequest) -> None: ...
+
+    def add_lora(self, spec: AdapterSpec) -> None:
+        """Serve the adapter `spec` (checked by models.lora.read_adapter) under `spec.name`; its
+        weights load off the step loop, requests for it wait until they have."""
+        ...
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter: requests running with it finish, none may name it after."""
+        ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -124,12 +135,23 @@ class ServingEngine(Protocol):
 
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                  add_special_tokens: bool = True, deadline_s: Optional[float] = None,
-                 restartable: bool = False, pooling: Optional[PoolingParams] = None) -> AsyncIterator[RequestOutput]:
+                 restartable: bool = False, pooling: Optional[PoolingParams] = None,
+                 lora_name: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; with `pooling` an embedding request, whose one
-        (final) output carries the vector."""
+        (final) output carries the vector; with `lora_name` through that adapter (see add_lora)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def add_lora(self, spec: AdapterSpec) -> None:
+        """Serve a LoRA adapter checked by models.adapters.read_adapter (on every replica)."""
+        ...
+
+    def remove_lora(self, name: str) -> None: ...
+
+    def lora_adapters(self) -> list[AdapterSpec]:
+        """The adapters served: --lora-modules and those added since."""
+        ...
 
     def check_health(self) -> None: ...
 
@@ -195,6 +217,10 @@ class AsyncLLMEngine:
         self.stats_sink = stats_sink  # object with put(scheduler_stats, iteration_stats), e.g. StatsConsumer
         self._commands: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Adapters the core serves, by name: --lora-modules (the core read them too) and those added since.
+        self._loras: dict[str, AdapterSpec] = {
+            m.name: read_adapter(m.name, m.path, self.model_config, self.config.max_lora_rank)
+            for m in self.config.lora_modules}
         self._lock = threading.Lock()
         self._pending_adds = 0
         self._num_waiting = 0
@@ -279,6 +305,7 @@ class AsyncLLMEngine:
         prepared: Optional[PreparedRequest] = None,
         restartable: bool = False,
         pooling: Optional[PoolingParams] = None,
+        lora_name: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts the request.
 
@@ -295,6 +322,8 @@ class AsyncLLMEngine:
         self.check_health()
         if prepared is None:
             prepared = await self.prepare(prompt, params, request_id, add_special_tokens, pooling)
+        if lora_name is not None:
+            prepared = dataclasses.replace(prepared, lora_name=lora_name)
         wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n)
         if deadline_s is not None and wait is not None and wait > deadline_s:
             raise PredictedWaitError(
@@ -341,6 +370,19 @@ class AsyncLLMEngine:
             self._thread.join(timeout=10)
         self.engine.close()
 
+    def add_lora(self, spec: AdapterSpec) -> None:
+        """Serve a LoRA adapter (checked by models.lora.read_adapter) from the next step on; kept
+        here too, so a restarted core is given it again."""
+        self._loras[spec.name] = spec
+        self._send("add_lora", spec)
+
+    def remove_lora(self, name: str) -> None:
+        self._loras.pop(name, None)
+        self._send("remove_lora", name)
+
+    def lora_adapters(self) -> list[AdapterSpec]:
+        return list(self._loras.values())
+
     def _send(self, kind: str, payload: object) -> None:
         self._commands.put((kind, payload))
         self._wakeup.set()
@@ -373,6 +415,10 @@ class AsyncLLMEngine:
                     self._deliver(payload.request_id, e)
             elif kind == "abort":
                 self.engine.abort_request(str(payload))
+            elif kind == "add_lora":
+                self.engine.add_lora(payload)
+            elif kind == "remove_lora":
+                self.engine.remove_lora(str(payload))
 
     def _restart_core(self, exc: BaseException) -> None:
         """The engine core died: fail what it was running, start a new one (health 503
@@ -385,6 +431,8 @@ class AsyncLLMEngine:
         for rid in lost:
             self._deliver(rid, err)
         core.restart()
+        for spec in list(self._loras.values()):
+            core.add_lora(spec)
         self._stats = core.get_scheduler_stats()
         self._snapshot = core.load_snapshot()
         with self._lock:

@@ -35,6 +35,7 @@ from tessera.engine.input_processor import InputLimits, InputProcessor, Prepared
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
 from tessera.errors import TesseraError
+from tessera.models.adapters import AdapterSpec
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 
@@ -187,6 +188,12 @@ class ProcessEngineCore:
         self.assembler.add(p.request_id, p.prompt, p.prompt_token_ids)
         self._send_frame(frame)
         self._unseen_adds.append(self._sent)
+
+    def add_lora(self, spec: AdapterSpec) -> None:
+        self._send(wire.AddLoRA(spec))
+
+    def remove_lora(self, name: str) -> None:
+        self._send(wire.RemoveLoRA(name))
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self.assembler:

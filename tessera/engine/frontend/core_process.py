@@ -132,8 +132,22 @@ class _CoreLoop:
                     if self.compiles.pop(rid, None) is not None:
                         self.pending.pop(rid, None)
                     self.engine.abort_request(rid)
+            elif isinstance(msg, wire.AddLoRA):
+                self._add_lora(msg.spec)
+            elif isinstance(msg, wire.RemoveLoRA):
+                self.engine.remove_lora(msg.name)
             else:
                 return False
+
+    def _add_lora(self, spec) -> None:
+        """Serve an adapter the API process checked; one refused here (this engine has no LoRA
+        support, or a smaller rank limit) is only logged: the API process checked the same limits."""
+        from tessera.errors import AdapterError
+
+        try:
+            self.engine.add_lora(spec)
+        except AdapterError as exc:
+            logger.error("%s", exc)
 
     def _add(self, msg: wire.AddRequest) -> None:
         prepared = msg.request

@@ -20,6 +20,7 @@ import msgspec
 from tessera.engine.input_processor import PreparedRequest
 from tessera.engine.outputs import CompletionOutput, KVTransfer, RequestMetrics, RequestOutput, TokenLogprob
 from tessera.engine.stats import IterationStats, SchedulerStats
+from tessera.models.adapters import AdapterSpec
 
 # -- API process -> engine core ----------------------------------------------------------------
 
@@ -32,11 +33,19 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
+class AddLoRA(msgspec.Struct, tag="add_lora"):
+    spec: AdapterSpec  # checked by the API process (models/adapters.py)
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-CoreRequest = Union[AddRequest, AbortRequests, Shutdown]
+CoreRequest = Union[AddRequest, AbortRequests, AddLoRA, RemoveLoRA, Shutdown]
 
 # -- engine core -> API process ----------------------------------------------------------------
 

@@ -50,9 +50,12 @@ class ModelExecutor:
             return ExecutionPath.C_DECODE
         return ExecutionPath.MODULES
 
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list, meta: AttentionMetadata) -> Tensor:
-        """The step's final hidden states, one row per token."""
-        if self.c_decode is not None and self.path_for(input_ids, kv_caches, meta) is ExecutionPath.C_DECODE:
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list, meta: AttentionMetadata,
+                adapters: bool = False) -> Tensor:
+        """The step's final hidden states, one row per token. `adapters`: some rows run through
+        LoRA adapters, which only the modules add (the C decode step has no place for them)."""
+        if self.c_decode is not None and not adapters and \
+                self.path_for(input_ids, kv_caches, meta) is ExecutionPath.C_DECODE:
             hidden = self.c_decode.run(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden

@@ -9,8 +9,9 @@ runner, so one for another device or process is a new class beside this one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from tessera.engine.worker.penalty_history import PenaltyHistories
 from tessera.engine.worker.sampler import Sampler
 from tessera.engine.worker.structured_output import apply_grammar_bitmask
 from tessera.models.base import ModelBase
+from tessera.models.lora_weights import LoRAModel, LoRAWeights
 
 
 @dataclass
@@ -98,6 +100,13 @@ class ModelRunner(ModelRunnerBase):
                                                host=True) if num_host_blocks > 0 else []
         self.sampler = Sampler(config.seed)
         self.histories = PenaltyHistories()  # the tokens penalties read, for the requests that use them
+        self.lora: Optional[LoRASlotMap] = None  # set by enable_lora
+
+    def enable_lora(self, weights_of: Callable[[str], LoRAWeights], dtype: torch.dtype) -> None:
+        """Serve LoRA adapters (weights in `dtype`): the model's projections get slots, and a step's
+        adapters are put in them by name, their weights read from `weights_of` (the engine's store)."""
+        self.lora = LoRASlotMap(LoRAModel(self.model, self.config.max_loras, self.config.max_lora_rank,
+                                          str(self.device), dtype), weights_of)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         if not pairs:
@@ -144,8 +153,11 @@ class ModelRunner(ModelRunnerBase):
         if out.is_empty:
             return RunnerOutput({}, {}, 0)
         # Decode rows first, as the attention metadata wants; a verified run of proposals joins
-        # them as one decode row per position (below).
-        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens - s.num_spec_tokens != 1)
+        # them as one decode row per position (below). With adapters, each adapter's rows together
+        # within both (its updates are then products over row ranges, layers/lora.py).
+        slot_of = self.lora.place(out.scheduled) if self.lora is not None else {}
+        order = sorted(out.scheduled, key=lambda s: (s.num_new_tokens - s.num_spec_tokens != 1,
+                                                     slot_of.get(s.lora_name, -1) if slot_of else 0))
         input_ids: list[int] = []
         positions: list[int] = []
         qlens, seqlens, tables = [], [], []
@@ -155,7 +167,10 @@ class ModelRunner(ModelRunnerBase):
         spec_chunks: list[ScheduledChunk] = []
         pool_chunks: list[tuple[int, ScheduledChunk]] = []  # (first row, chunk) of each pooling chunk
         num_prompt = 0
+        row_slots: list[int] = []
         for s in order:
+            if slot_of:
+                row_slots.extend([slot_of.get(s.lora_name, -1)] * s.num_new_tokens)
             start, n, k = s.start, s.num_new_tokens, s.num_spec_tokens
             if s.pooling is not None:
                 pool_chunks.append((len(input_ids), s))
@@ -180,9 +195,15 @@ class ModelRunner(ModelRunnerBase):
                 sample_rows.append(len(input_ids) - 1)
                 sample_chunks.append(s)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
-        hidden = self.executor.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                                       torch.tensor(positions, dtype=torch.long, device=self.device),
-                                       self.kv_caches, meta)
+        if slot_of:
+            self.lora.model.slots.begin_step(row_slots)
+        try:
+            hidden = self.executor.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                                           torch.tensor(positions, dtype=torch.long, device=self.device),
+                                           self.kv_caches, meta, adapters=bool(slot_of))
+        finally:
+            if slot_of:
+                self.lora.model.slots.begin_step(None)
         pooled = pool(hidden, pool_chunks) if pool_chunks else {}
         rows = sample_rows + spec_rows
         if not rows:
@@ -223,6 +244,46 @@ class ModelRunner(ModelRunnerBase):
         if len(self.histories):
             self.histories.append(sampled)
         return sampled, logprobs, spec_results
+
+
+class LoRASlotMap:
+    """Which adapter each of the model's LoRA slots holds, kept across steps: a step's adapters
+    get slots (the least recently used one not needed this step is given up first) and only an
+    adapter entering a slot costs anything (its tensors' addresses written, no copy). The
+    scheduler never puts more than max_loras adapters in one step."""
+
+    def __init__(self, model: LoRAModel, weights_of: Callable[[str], LoRAWeights]) -> None:
+        self.model = model
+        self.weights_of = weights_of
+        self.held: OrderedDict[int, tuple[str, LoRAWeights]] = OrderedDict()  # slot -> (name, weights), LRU first
+
+    def place(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+        """Slots for the chunks' adapters (empty when none has one)."""
+        names = list(dict.fromkeys(c.lora_name for c in chunks if c.lora_name is not None))
+        if not names:
+            return {}
+        if len(names) > self.model.slots.max_loras:
+            raise RuntimeError(f"{len(names)} adapters in one step, above --max-loras {self.model.slots.max_loras}")
+        slot_of: dict[str, int] = {}
+        for name in names:
+            weights = self.weights_of(name)
+            for slot, (held_name, held) in self.held.items():
+                if held_name == name and held is weights:
+                    slot_of[name] = slot
+                    self.held.move_to_end(slot)
+                    break
+        for name in names:
+            if name in slot_of:
+                continue
+            used = set(slot_of.values())
+            free = [s for s in range(self.model.slots.max_loras) if s not in self.held]
+            slot = free[0] if free else next(s for s in self.held if s not in used)
+            weights = self.weights_of(name)
+            self.model.assign(slot, weights)
+            self.held.pop(slot, None)
+            self.held[slot] = (name, weights)
+            slot_of[name] = slot
+        return slot_of
 
 
 def pool(hidden: torch.Tensor, chunks: list[tuple[int, ScheduledChunk]]) -> dict[str, list[float]]:

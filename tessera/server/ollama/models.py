@@ -92,12 +92,21 @@ def _model_info(config: ModelConfig) -> dict[str, Any]:
 
 
 async def tags(request: Request) -> Response:
-    """Every name this server answers to (aliases included), loaded or not."""
+    """Every name this server answers to (aliases and LoRA adapters included, an adapter with its
+    base as `details.parent_model`), loaded or not."""
     state: ServerState = request.app.state.tessera
     models = []
     for name, served in state.router.names():
         facts = await asyncio.to_thread(_model_facts, served)
         models.append({"name": name, "model": name, **facts})
+    for served in state.router.models:
+        adapters = served.adapters()
+        if not adapters:
+            continue
+        facts = await asyncio.to_thread(_model_facts, served)
+        for name in sorted(adapters):
+            models.append({"name": name, "model": name, **facts,
+                           "details": {**facts["details"], "parent_model": served.name}})
     return JSONResponse({"models": models})
 
 

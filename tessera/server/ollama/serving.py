@@ -99,6 +99,16 @@ def served_model(state: ServerState, name: Optional[str]) -> ServedModel:
                    code="model_not_found")
 
 
+def routed_name(name: Optional[str], served: ServedModel) -> str:
+    """The name a request for `served` is routed by: the LoRA adapter's when `name` is one of its
+    adapters (the engine then runs it through the adapter), else the model's own."""
+    adapters = served.adapters()
+    for candidate in (name or "", (name or "").removesuffix(_LATEST)):
+        if candidate in adapters:
+            return candidate
+    return served.name
+
+
 def keep_alive_seconds(value: KeepAlive, served: ServedModel) -> Optional[float]:
     """Seconds the model stays loaded after this request (None: for ever); the model's
     configured keep_alive when the request gives none, as Ollama falls back to its default."""
@@ -380,10 +390,11 @@ class OllamaReply:
 
 
 async def _load_or_unload(state: ServerState, request: Request, served: ServedModel, keep: Optional[float],
-                          kind: str, timing: Timing) -> Response:
-    """An empty conversation or prompt loads the model (keep_alive 0: unloads it), as Ollama does."""
-    reply = OllamaReply(kind, served.name, timing, parser=None, logprobs=False)
-    check_model(request.scope, served.name, served.name)  # a key may only load or unload its models
+                          kind: str, timing: Timing, name: str) -> Response:
+    """An empty conversation or prompt loads the model (keep_alive 0: unloads it), as Ollama does;
+    `name` is the one asked for (an adapter's loads its base)."""
+    reply = OllamaReply(kind, name, timing, parser=None, logprobs=False)
+    check_model(request.scope, name, name)  # a key may only load or unload its models
     if keep == 0:
         if served.fixed or served.pinned:
             raise APIError(400, f'"{served.name}" stays loaded: it is this server\'s own engine, which '
@@ -391,7 +402,7 @@ async def _load_or_unload(state: ServerState, request: Request, served: ServedMo
         if served.engine is not None:
             await asyncio.to_thread(state.router.unload, served, "keep_alive 0")
         return JSONResponse({**reply._piece("", [], None, done=True), "done_reason": "unload"})
-    route = await state.route(served.name, request, fallback=False, generates=False)
+    route = await state.route(name, request, fallback=False, generates=False)
     timing.load = time.perf_counter_ns() - timing.start
     state.router.set_keep_alive(route.model, keep)
     return JSONResponse({**reply._piece("", [], None, done=True), "done_reason": "load"},
@@ -404,7 +415,7 @@ async def _answer(state: ServerState, request: Request, body: OllamaGenerationRe
                   parser: Optional[Callable[[], OutputParser]], keep_special: bool = False) -> Response:
     """Route, tokenize, run and answer (streamed or whole); keep_alive applies once it is done."""
     keep = keep_alive_seconds(body.keep_alive, served)
-    route = await state.route(served.name, request)
+    route = await state.route(routed_name(body.model, served), request)
     timing.load = time.perf_counter_ns() - timing.start
     run: Optional[Run] = None
     try:
@@ -435,7 +446,8 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
     settings = served.output_parsing  # the model's syntaxes, in the prompt, grammar and parsers
     _refuse_unsupported(body, served.name, thinks=settings.reasoning is not None)
     if not body.messages:
-        return await _load_or_unload(state, request, served, keep_alive_seconds(body.keep_alive, served), "chat", timing)
+        return await _load_or_unload(state, request, served, keep_alive_seconds(body.keep_alive, served), "chat", timing,
+                                     routed_name(body.model, served))
     chat_body = _chat_request(body, served.name)
     constraint = _constraint(body)
     parse_tools = tool_choice_mode(chat_body.tools, None) != "none"
@@ -475,7 +487,7 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
                                   "template; send raw: true with a prompt formatted as you want it")
     if not body.prompt:
         return await _load_or_unload(state, request, served, keep_alive_seconds(body.keep_alive, served), "generate",
-                                     timing)
+                                     timing, routed_name(body.model, served))
     return await _answer(state, request, body, served, "generate", timing,
                          lambda engine: _generate_ids(engine, served.output_parsing, body), _constraint(body),
                          parser=None)

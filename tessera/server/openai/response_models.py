@@ -146,6 +146,7 @@ class ModelCard(OpenAIModel):
     root: Optional[str] = None
     max_model_len: Optional[int] = None  # None while the model is not loaded
     status: Optional[str] = None  # tessera: unloaded, loading, ready or failed
+    parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's field); None for a model
 
 
 class ModelList(OpenAIModel):

@@ -92,6 +92,14 @@
       tile("finished (1 min)", String(s.requests_finished), "finished"),
     );
     if (m.slo) els.summary.append(sloTile(m.slo));
+    if (m.adapters && m.adapters.length) els.summary.append(loraTile(m.adapters, cur));
+  }
+
+  // The LoRA adapters served on this model, each with its requests running / waiting now.
+  function loraTile(adapters, cur) {
+    const running = cur.lora_running || {}, waiting = cur.lora_waiting || {};
+    const value = adapters.map((a) => `${a} ${running[a] || 0} / ${waiting[a] || 0}`).join(", ");
+    return tile("LoRA adapters: running / waiting", value, "lora");
   }
 
   // Whether the last minute's traffic still meets the SLO the server was tuned for (--slo).
