@@ -336,8 +336,8 @@ class ReplicaSet:
     def restarting(self) -> bool:
         return any(r.engine.restarting() for r in self.replicas if r.engine is not None)
 
-    def num_queued(self) -> int:
-        return sum(r.engine.num_queued() for r in self.replicas if r.engine is not None)
+    def num_queued(self, priority: Optional[int] = None) -> int:
+        return sum(r.engine.num_queued(priority) for r in self.replicas if r.engine is not None)
 
     def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]:
         """The shortest forecast among replicas in rotation (where the least-loaded policy sends it)."""
