@@ -363,6 +363,9 @@ class EngineConfig:
     # Under the priority policy, requests of this priority or past it (the Batch API's) are background
     # work: each step gives them only the room the latency target leaves beside the others.
     background_priority: int = 1000
+    # How much longer background work may make a step that carries other requests, as a share of
+    # its predicted time (their inter-token latency grows by about that much).
+    background_step_slack: float = 0.05
     attention_backend: Literal["auto", "paged", "sdpa", "reference", "triton"] = "auto"
     num_threads: Optional[int] = None
     seed: int = 0
@@ -402,6 +405,9 @@ class EngineConfig:
         bg = self.background_priority
         if isinstance(bg, bool) or not isinstance(bg, int) or not -(2**63) <= bg < 2**63:
             raise ConfigError(f"--background-priority must be an integer, not {bg!r}")
+        slack = self.background_step_slack
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 10:
+            raise ConfigError(f"--background-step-slack must be a share in [0, 10], not {slack!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_offload_dir is not None:

@@ -119,6 +119,9 @@ def _scheduling_args(g: Any, d: EngineConfig) -> None:
                    help="under --scheduling-policy priority, requests of this priority or past it (batches "
                         "run at it) get only the room the latency target leaves in each step "
                         "(default: %(default)s)")
+    g.add_argument("--background-step-slack", type=float, default=d.background_step_slack,
+                   help="how much longer background work may make a step carrying other requests, as a "
+                        "share of its predicted time (default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
                    help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), "
                         "reference (a plain loop, for checking), triton (the GPU's kernel reading the paged cache in "

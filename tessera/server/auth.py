@@ -57,6 +57,9 @@ SCOPES = (INFERENCE, METRICS, ADMIN)
 PUBLIC, UI = "public", "ui"
 KEY_STATE = "tessera_key"  # the request's KeyMeter in the ASGI scope's state
 CLIENT_REQUEST_ID = "client_request_id"  # the x-request-id echoed, in the ASGI scope's state
+# In an ASGI scope the server built itself (a batch's line, never one from the socket): the name
+# of the key the request runs as, in place of the key's secret.
+INTERNAL_KEY = "tessera.run_as_key"
 _PARAM = re.compile(r"\{[^}]*\}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
@@ -74,6 +77,8 @@ ROUTE_SCOPES: Mapping[str, str] = MappingProxyType({
     "/v1/models": INFERENCE, "/v1/models/{}": INFERENCE,
     "/v1/responses": INFERENCE, "/v1/responses/{}": INFERENCE, "/v1/responses/{}/cancel": INFERENCE,
     "/v1/responses/{}/input_items": INFERENCE,
+    "/v1/files": INFERENCE, "/v1/files/{}": INFERENCE, "/v1/files/{}/content": INFERENCE,
+    "/v1/batches": INFERENCE, "/v1/batches/{}": INFERENCE, "/v1/batches/{}/cancel": INFERENCE,
     "/tokenize": INFERENCE, "/detokenize": INFERENCE,
     "/openapi.json": INFERENCE, "/docs": INFERENCE, "/docs/oauth2-redirect": INFERENCE,
     # Anthropic
@@ -324,6 +329,7 @@ class AccessControl:
         self.digests = [bytes.fromhex(k.sha256) for k in self.keys]
         self.admin_enabled = settings.has_admin_key or not beyond_loopback
         self.limiters = {k.name: KeyLimiter(k.name, k.rpm, k.tpm, k.max_concurrent) for k in self.keys}
+        self.by_name = {k.name: k for k in self.keys}
         self.fair = FairShare(sum(1 for k in self.keys if k.has(INFERENCE)))
         self.metrics = KeyMetrics(families) if families is not None and self.keys else None
         self._routes: Optional[list[tuple[Any, Optional[str]]]] = None
@@ -390,7 +396,10 @@ class AccessControl:
         if not self.keys or needed in (PUBLIC, UI) or (needed == METRICS and not self.settings.metrics_require_key):
             await self.app(scope, receive, send_with_headers)
             return
-        key, presented = self.authenticate(scope)
+        if INTERNAL_KEY in scope:  # the server's own request (a batch line), as its batch's key
+            key, presented = self.by_name.get(scope[INTERNAL_KEY]), True
+        else:
+            key, presented = self.authenticate(scope)
         if key is None:
             self._failure("invalid" if presented else "missing")
             message = ("Invalid API key." if presented else

@@ -137,3 +137,16 @@ def test_stats_count_each_class() -> None:
     s.add_request(req("c", priority=3))
     step(s)
     assert s.stats().requests_by_priority == ((0, 1, 0), (3, 0, 2))
+
+
+def test_background_work_alone_always_moves() -> None:
+    """A cost model predicting every step past the background's share of the target must not
+    stall a server that has only background work."""
+    s = make(max_seqs=8, target_ms=20)  # its share, 10 ms, is below any step's 11 ms
+    for i in range(3):
+        s.add_request(req(f"b{i}", priority=100, prompt=4, max_tokens=3))
+    for _ in range(30):
+        if not s.has_unfinished():
+            break
+        assert step(s)
+    assert not s.has_unfinished()

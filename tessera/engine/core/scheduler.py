@@ -46,12 +46,11 @@ from tessera.engine.core.scheduler_output import (
 from tessera.engine.core.spec_acceptance import AcceptanceModel
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
 
-# Background work may lengthen a step that carries other requests by this share of its predicted
-# time: their inter-token latency moves by about that much, and background decodes ride along.
-BACKGROUND_SLACK = 0.05
-# A step of background work alone is held to this share of the latency target: a request arriving
-# meanwhile waits for that step before its prompt starts.
+# A step of background work alone is held to this share of the latency target (or to
+# BACKGROUND_GAP_MIN_STEPS times the least step, where that is longer): a request arriving meanwhile
+# waits for that step before its prompt starts.
 BACKGROUND_GAP_SHARE = 0.5
+BACKGROUND_GAP_MIN_STEPS = 2.0
 
 if TYPE_CHECKING:
     from tessera.engine.core.structured_output import StructuredOutputManager
@@ -289,18 +288,21 @@ class Scheduler:
     def _background_limit(self, step: "_StepState") -> Optional[float]:
         """The predicted step time background work may fill up to, once everything else is
         granted; None without a latency target (background work then only goes last). A step
-        carrying other requests may grow by BACKGROUND_SLACK of its time (never past the target);
-        with other requests waiting that could not be admitted, by nothing; a step of background
-        work alone is held to BACKGROUND_GAP_SHARE of the target, so a request arriving during it
-        waits little."""
+        carrying other requests may grow by `--background-step-slack` of its time (never past the
+        target); with other requests waiting that could not be admitted, by nothing; a step of
+        background work alone is held to BACKGROUND_GAP_SHARE of the target, so a request arriving
+        during it waits little, unless the least step already takes longer (a slow or busy host),
+        when it may take BACKGROUND_GAP_MIN_STEPS of those: otherwise one background request at a
+        time would run."""
         if self.target_s is None:
             return None
         assert self.cost_model is not None
         if any(not self.is_background(r) for r in self.waiting):
             return 0.0
         if step.ids:
-            return min(self.target_s, self.cost_model.predict(step.shape) * (1 + BACKGROUND_SLACK))
-        return self.target_s * BACKGROUND_GAP_SHARE
+            return min(self.target_s, self.cost_model.predict(step.shape) * (1 + self.config.background_step_slack))
+        least = self.cost_model.predict(StepShape(1, 1, 1))
+        return max(self.target_s * BACKGROUND_GAP_SHARE, least * BACKGROUND_GAP_MIN_STEPS)
 
     def _prompt_chunk(self, req: Request, start: int, cap: int, step: "_StepState") -> int:
         """`_prefill_chunk`, or for background work under a limit the largest chunk within it (a
@@ -316,8 +318,10 @@ class Scheduler:
         return n
 
     def _background_decode_fits(self, req: Request, step: "_StepState") -> bool:
+        """Whether a background decode fits the room left; the first of a step with nothing else
+        in it always does (a model predicting more than the limit for any step must not stall it)."""
         limit = step.background_limit
-        if limit is None or not self.is_background(req):
+        if limit is None or not self.is_background(req) or (not step.ids and limit > 0):
             return True
         assert self.cost_model is not None
         return self.cost_model.predict(step.shape.plus(StepShape.chunk(req.num_computed_tokens, 1, True))) <= limit
