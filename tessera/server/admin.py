@@ -153,7 +153,9 @@ async def engine_live(request: Request, seconds: int = 120) -> Response:
         snapshot["current"] = {"running": stats.num_running, "waiting": stats.num_waiting,
                                "swapped": stats.num_swapped, "kv_usage": round(stats.kv_cache_usage, 4),
                                "num_blocks_total": stats.num_blocks_total,
-                               "num_blocks_free": stats.num_blocks_free}
+                               "num_blocks_free": stats.num_blocks_free,
+                               "by_priority": [{"priority": p, "running": r, "waiting": w}
+                                               for p, r, w in stats.requests_by_priority]}
         snapshot["settings"] = engine_settings(engine)
         if state.slo is not None:  # does live traffic still fit the SLO the settings were tuned for?
             snapshot["slo"] = state.slo.check_live(snapshot["summary"])
@@ -161,7 +163,22 @@ async def engine_live(request: Request, seconds: int = 120) -> Response:
     loaded = state.router.loaded()
     if loaded and all(m.live is None for m in loaded):
         return APIError(404, "Live stats are not enabled on this server.", code="live_stats_disabled").response()
-    return JSONResponse({"models": snapshots, "configured": [m.describe() for m in state.router.models]})
+    return JSONResponse({"models": snapshots, "configured": [m.describe() for m in state.router.models],
+                         "batches": batch_progress(request)})
+
+
+def batch_progress(request: Request) -> list[dict[str, Any]]:
+    """Every batch with work left, oldest first, with its owner and counts (the dashboard shows them)."""
+    batches = getattr(request.app.state, "batches", None)
+    if batches is None:
+        return []
+    store = batches[0]
+    out = []
+    for row in store.active_batches():
+        total, completed, failed = store.counts(row["id"])
+        out.append({"id": row["id"], "owner": row["owner"], "status": row["status"], "endpoint": row["endpoint"],
+                    "total": total, "completed": completed, "failed": failed, "created_at": row["created_at"]})
+    return out
 
 
 def engine_settings(engine: AsyncLLMEngine) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import openai
 import pytest
 from fakes import serve_in_thread
@@ -17,6 +18,7 @@ from tiny_model import make_tiny_model
 from tessera.config import EngineConfig
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
+from tessera.live_stats import LiveStats
 from tessera.server.app import create_app
 from tessera.server.auth import AccessSettings, ApiKey
 from tessera.server.batches.protocol import BatchLimits
@@ -24,6 +26,7 @@ from tessera.server.batches.store import BatchStore
 
 NAME = "tiny"
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789"}
+ADMIN = "sk-ops-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +37,13 @@ def server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     loaded = load_model(folder, "float32")
     config = EngineConfig(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=8,
                           kv_cache_memory=256 * 2 * 2 * 2 * 16 * 4 * 16, scheduling_policy="priority")
-    engine = AsyncLLMEngine(config, engine=LLMEngine(config, loaded=loaded), max_num_queued_requests=24)
+    live = LiveStats(NAME)
+    engine = AsyncLLMEngine(config, engine=LLMEngine(config, loaded=loaded), max_num_queued_requests=24,
+                            stat_loggers=[live])
     store = tmp_path_factory.mktemp("batches") / "batches.sqlite3"
-    access = AccessSettings(keys=tuple(ApiKey.from_secret(name, secret) for name, secret in KEYS.items()))
-    app = create_app(engine, [NAME], access=access, batch_store=store,
+    access = AccessSettings(keys=(*(ApiKey.from_secret(name, secret, ["inference"]) for name, secret in KEYS.items()),
+                                  ApiKey.from_secret("ops", ADMIN)))
+    app = create_app(engine, [NAME], access=access, batch_store=store, live=live,
                      batch_limits=BatchLimits(max_lines=50, max_file_bytes=64 * 1024, concurrency=4))
     try:
         with serve_in_thread(app) as url:
@@ -175,6 +181,21 @@ def test_cancel_keeps_what_was_answered(server):
     after = c.batches.create(input_file_id=upload(c, [chat_line(0)]), endpoint="/v1/chat/completions",
                              completion_window="24h")
     assert wait_done(c, after.id).status == "completed"
+
+
+def test_dashboard_shows_batch_progress_and_priority_classes(server):
+    url, _ = server
+    c = client(url)
+    lines = [chat_line(i, max_tokens=30, ignore_eos=True) for i in range(12)]
+    batch = c.batches.create(input_file_id=upload(c, lines), endpoint="/v1/chat/completions", completion_window="24h")
+    live = httpx.get(f"{url}/v1/engine/live", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    shown = {b["id"]: b for b in live["batches"]}
+    assert shown[batch.id]["total"] == 12 and shown[batch.id]["owner"] == "alice"
+    assert isinstance(live["models"][0]["current"]["by_priority"], list)
+    c.batches.cancel(batch.id)
+    wait_done(c, batch.id)
+    live = httpx.get(f"{url}/v1/engine/live", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    assert batch.id not in {b["id"] for b in live["batches"]}
 
 
 def test_store_records_a_line_once(tmp_path):

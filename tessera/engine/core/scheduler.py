@@ -46,12 +46,6 @@ from tessera.engine.core.scheduler_output import (
 from tessera.engine.core.spec_acceptance import AcceptanceModel
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
 
-# A step of background work alone is held to this share of the latency target (or to
-# BACKGROUND_GAP_MIN_STEPS times the least step, where that is longer): a request arriving meanwhile
-# waits for that step before its prompt starts.
-BACKGROUND_GAP_SHARE = 0.5
-BACKGROUND_GAP_MIN_STEPS = 2.0
-
 if TYPE_CHECKING:
     from tessera.engine.core.structured_output import StructuredOutputManager
 
@@ -289,11 +283,10 @@ class Scheduler:
         """The predicted step time background work may fill up to, once everything else is
         granted; None without a latency target (background work then only goes last). A step
         carrying other requests may grow by `--background-step-slack` of its time (never past the
-        target); with other requests waiting that could not be admitted, by nothing; a step of
-        background work alone is held to BACKGROUND_GAP_SHARE of the target, so a request arriving
-        during it waits little, unless the least step already takes longer (a slow or busy host),
-        when it may take BACKGROUND_GAP_MIN_STEPS of those: otherwise one background request at a
-        time would run."""
+        target); with other requests waiting that could not be admitted, by nothing. A step of
+        background work alone (a gap: `step.background_gap`) runs every background decode and
+        fills the rest up to the target with prompt chunks, never the whole budget: a request
+        arriving meanwhile waits for that step, a decode step at worst, before its prompt starts."""
         if self.target_s is None:
             return None
         assert self.cost_model is not None
@@ -301,27 +294,28 @@ class Scheduler:
             return 0.0
         if step.ids:
             return min(self.target_s, self.cost_model.predict(step.shape) * (1 + self.config.background_step_slack))
-        least = self.cost_model.predict(StepShape(1, 1, 1))
-        return max(self.target_s * BACKGROUND_GAP_SHARE, least * BACKGROUND_GAP_MIN_STEPS)
+        step.background_gap = True
+        return self.target_s
 
     def _prompt_chunk(self, req: Request, start: int, cap: int, step: "_StepState") -> int:
-        """`_prefill_chunk`, or for background work under a limit the largest chunk within it (a
-        step with nothing else in it always moves: at least the least chunk)."""
+        """`_prefill_chunk`, or for background work under a limit the largest chunk within it (in a
+        gap, the first prompt chunk is at least `min_prefill_chunk`, as `_prefill_chunk` gives
+        way to the budget where the target leaves less: prompts must not crawl)."""
         if step.background_limit is None or not self.is_background(req):
             return self._prefill_chunk(req, start, cap, step)
         assert self.cost_model is not None
         total = req.num_tokens
         n = max_fitting(self.cost_model, step.shape, step.background_limit, cap,
                         lambda k: StepShape.chunk(start, k, start + k == total))
-        if n == 0 and not step.ids and step.background_limit > 0:
-            n = min(cap, self.config.min_prefill_chunk)
+        if step.background_gap and not step.has_prefill:
+            n = max(n, min(cap, self.config.min_prefill_chunk))
         return n
 
     def _background_decode_fits(self, req: Request, step: "_StepState") -> bool:
-        """Whether a background decode fits the room left; the first of a step with nothing else
-        in it always does (a model predicting more than the limit for any step must not stall it)."""
+        """Whether a background decode fits the room left; in a gap every one does (decode rows
+        cost least, and a model predicting more than the limit for any step must not stall them)."""
         limit = step.background_limit
-        if limit is None or not self.is_background(req) or (not step.ids and limit > 0):
+        if limit is None or not self.is_background(req) or step.background_gap:
             return True
         assert self.cost_model is not None
         return self.cost_model.predict(step.shape.plus(StepShape.chunk(req.num_computed_tokens, 1, True))) <= limit
@@ -611,6 +605,7 @@ class _StepState:
     # The predicted step time background work may fill up to (Scheduler._background_limit); None
     # until the other requests are granted, or without a latency target.
     background_limit: Optional[float] = None
+    background_gap: bool = False  # nothing but background work in this step
     # Why prompt chunks take the whole budget, not the latency target's share (see _prefill_chunk).
     unbounded: Optional[str] = None
 

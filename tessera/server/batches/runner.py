@@ -4,7 +4,7 @@ batch's key, at the background priority, so the engine schedules it only into th
 latency target leaves.
 
 One asyncio task on the server's event loop keeps up to `BatchLimits.concurrency` lines in
-flight over all active batches, oldest batch first. A line refused for load (429, 503) waits
+flight over all active batches, oldest batch first. A line refused for load (429, 503, 504) waits
 and is sent again; any other answer is recorded (2xx in the output file, the rest in the error
 file) in the store at once. A batch with no line left is finalized; a cancelled one stops its
 lines (aborting them in the engine) and keeps what was answered; one past its completion window
@@ -27,7 +27,9 @@ from tessera.server.batches.store import BatchStore
 
 logger = logging.getLogger("tessera.server")
 
-RETRY_STATUSES = (429, 503)  # load, not the line: send it again later
+# Load, not the line: send it again later. 504 too: a background line may wait past the server's
+# --request-timeout behind interactive traffic; the batch's completion window bounds the retries.
+RETRY_STATUSES = (429, 503, 504)
 RETRY_DELAY_S = 0.5
 IDLE_POLL_S = 1.0
 
