@@ -150,3 +150,15 @@ def test_background_work_alone_always_moves() -> None:
             break
         assert step(s)
     assert not s.has_unfinished()
+
+
+def test_a_gap_on_a_host_slower_than_the_target_admits_more_than_one_prompt() -> None:
+    """Decodes alone past the target: prompts may take the step to 1.5x the decodes with a least
+    chunk, so more than one background request starts a step (one a step starved a slow host's
+    batch)."""
+    s = make(max_seqs=16, target_ms=12, budget=256)
+    s.add_request(req("running", priority=100, prompt=4, max_tokens=50))
+    step(s)
+    for i in range(6):
+        s.add_request(req(f"b{i}", priority=100, prompt=6))
+    assert len(step(s)) >= 3

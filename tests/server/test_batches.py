@@ -115,6 +115,12 @@ def test_completions_and_embeddings_endpoints_run(server):
                                          completion_window="24h").id)
     assert done.request_counts.completed == 3
     assert all(o["response"]["body"]["object"] == "text_completion" for o in jsonl(c, done.output_file_id))
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"model": NAME, "input": f"word {i}", "max_output_tokens": 3, "store": False}} for i in range(2)]
+    done = wait_done(c, c.batches.create(input_file_id=upload(c, lines), endpoint="/v1/responses",
+                                         completion_window="24h").id)
+    assert done.request_counts.completed == 2
+    assert all(o["response"]["body"]["object"] == "response" for o in jsonl(c, done.output_file_id))
 
 
 @pytest.mark.parametrize("lines,code,line", [

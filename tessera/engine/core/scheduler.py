@@ -46,6 +46,12 @@ from tessera.engine.core.scheduler_output import (
 from tessera.engine.core.spec_acceptance import AcceptanceModel
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
 
+# In a gap (a step of background work alone), prompt chunks may take the step up to the latency
+# target, or to this many times the predicted time of its decodes with one least prompt chunk
+# where that is longer (a host slower than the target would otherwise start one background prompt
+# a step).
+BACKGROUND_GAP_GROWTH = 1.5
+
 if TYPE_CHECKING:
     from tessera.engine.core.structured_output import StructuredOutputManager
 
@@ -285,8 +291,10 @@ class Scheduler:
         carrying other requests may grow by `--background-step-slack` of its time (never past the
         target); with other requests waiting that could not be admitted, by nothing. A step of
         background work alone (a gap: `step.background_gap`) runs every background decode and
-        fills the rest up to the target with prompt chunks, never the whole budget: a request
-        arriving meanwhile waits for that step, a decode step at worst, before its prompt starts."""
+        fills the rest with prompt chunks up to the target (or BACKGROUND_GAP_GROWTH times the
+        decodes and a least chunk, set once the decodes are granted: `_gap_limit`), never the
+        whole budget: a request
+        arriving meanwhile waits for about that step before its prompt starts."""
         if self.target_s is None:
             return None
         assert self.cost_model is not None
@@ -296,6 +304,13 @@ class Scheduler:
             return min(self.target_s, self.cost_model.predict(step.shape) * (1 + self.config.background_step_slack))
         step.background_gap = True
         return self.target_s
+
+    def _gap_limit(self, step: "_StepState") -> None:
+        """In a gap, once its decodes are granted: the room for prompt chunks (see _background_limit)."""
+        if step.background_gap:
+            assert self.cost_model is not None and self.target_s is not None
+            least = step.shape.plus(StepShape.chunk(0, self.config.min_prefill_chunk, False))
+            step.background_limit = max(self.target_s, BACKGROUND_GAP_GROWTH * self.cost_model.predict(least))
 
     def _prompt_chunk(self, req: Request, start: int, cap: int, step: "_StepState") -> int:
         """`_prefill_chunk`, or for background work under a limit the largest chunk within it (in a
@@ -455,6 +470,7 @@ class Scheduler:
         if self.by_priority:
             step.background_limit = self._background_limit(step)
             self._schedule_running(out, step, decodes=True, background=True)
+            self._gap_limit(step)
             self._schedule_running(out, step, decodes=False, background=True)
             if admit:
                 self._admit_waiting(out, step, background=True)
