@@ -84,11 +84,9 @@
   }
 
   function batchTile(batches) {
-    const div = tile("batches (answered / total)", batches.length ? "" : "none", "batches");
-    const value = div.querySelector(".value");
-    value.textContent = batches.map((b) => `${b.id.slice(0, 14)}… ${b.completed + b.failed} / ${b.total}` +
-      (b.status === "in_progress" ? "" : ` (${b.status})`)).join("\n") || "none";
-    return div;
+    const text = batches.map((b) => `${b.id.slice(0, 14)}… ${b.completed + b.failed} / ${b.total}` +
+      (b.status === "in_progress" ? "" : ` (${b.status})`)).join(" · ");
+    return tile("batches (answered / total)", text || "none", "batches");
   }
 
   function renderSummary(m, batches) {
