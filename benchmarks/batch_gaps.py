@@ -120,6 +120,7 @@ def main() -> int:
     p.add_argument("--idle-lines", type=int, default=200)
     p.add_argument("--batch-max-tokens", type=int, default=8)
     p.add_argument("--skip-saturation", action="store_true")
+    p.add_argument("--only-saturation", action="store_true", help="step 5 alone (with --capacity)")
     p.add_argument("--again", action="store_true", help="run the interactive load alone again after the batch")
     p.add_argument("--server-flags", default="", help="more `tessera serve` flags, e.g. '--num-threads 1'")
     p.add_argument("--out", type=Path, required=True)
@@ -145,6 +146,10 @@ def main() -> int:
             out["capacity_source"] = "given (--capacity)"
         out["capacity_rps"] = capacity
         print(f"capacity {capacity:.3f} req/s", flush=True)
+        if args.only_saturation:
+            out["priority_saturation"] = saturation(target, args, capacity)
+            print("saturation", out["priority_saturation"], flush=True)
+            return 0
         out["idle_batch"] = idle_batch(c, args)
         print("idle batch", out["idle_batch"], flush=True)
         rate = args.load * capacity

@@ -162,3 +162,16 @@ def test_a_gap_on_a_host_slower_than_the_target_admits_more_than_one_prompt() ->
     for i in range(6):
         s.add_request(req(f"b{i}", priority=100, prompt=6))
     assert len(step(s)) >= 3
+
+
+def test_a_lower_class_prompt_does_not_spend_a_higher_class_decodes_latency() -> None:
+    """Beside a priority-0 decode with little room under the target, a priority-10 prompt gets only
+    what fits (under fcfs the step gives way and takes the whole budget for it)."""
+    for policy, low_tokens, unbounded in (("priority", 1, None), ("fcfs", 40, "past_target")):
+        s = make(policy=policy, max_seqs=4, target_ms=20)
+        s.add_request(req("chat", prompt=8, max_tokens=40))
+        step(s)
+        s.add_request(req("low", priority=10, prompt=40))
+        out = s.schedule()
+        assert {c.request_id: c.num_new_tokens for c in out.scheduled} == {"chat": 1, "low": low_tokens}, policy
+        assert out.prefill_unbounded == unbounded

@@ -24,7 +24,9 @@ Under `--scheduling-policy priority` (vLLM's policy: lower `priority` first) the
 is kept in priority order (first come first served within a class), running requests are
 granted tokens in that order, the preemption victim is the lowest-priority, most recently
 admitted request, and a waiting request that finds no sequence slot or no room for its prompt
-preempts running requests of lower priority. Requests at or past `background_priority` (the
+preempts running requests of lower priority; a prompt below the best class decoding in a step
+gets only what fits under the target (it never makes the step give way), so a lower class does
+not spend a higher one's inter-token latency. Requests at or past `background_priority` (the
 Batch API's) are background work: they are scheduled after everything else in a step and only
 into the room the latency target leaves (`_background_limit`), so they fill the gaps of
 interactive traffic without slowing it.
@@ -274,13 +276,18 @@ class Scheduler:
         streams, 64-token chunks past the target kept nearly every step mixed, ~125 ms, where
         decode-only steps take ~60 ms).
         """
-        if cap <= 0 or self.target_s is None or not step.has_decodes or step.unbounded is not None:
+        if cap <= 0 or self.target_s is None or not step.has_decodes:
             return max(cap, 0)
+        # Under the priority policy a prompt below the step's best decoding class never makes the
+        # step unbounded, nor joins one: the higher class's inter-token latency is not its to spend.
+        lower = self.by_priority and step.top_decode_priority is not None and req.priority > step.top_decode_priority
+        if step.unbounded is not None and not lower:
+            return cap
         assert self.cost_model is not None
         total = req.num_tokens
         n = max_fitting(self.cost_model, step.shape, self.target_s, cap,
                          lambda k: StepShape.chunk(start, k, start + k == total))
-        if not step.has_prefill and n < min(cap, self.config.min_prefill_chunk):
+        if not step.has_prefill and not lower and n < min(cap, self.config.min_prefill_chunk):
             step.unbounded = "past_target"
             return cap
         return n
@@ -340,8 +347,14 @@ class Scheduler:
         free sequence slot would admit) than the step decodes. A step's delay then costs fewer
         streams than a faster prefill saves, so the latency target gives way to the budget: a
         burst of 32 requests otherwise waited behind small chunks sized for the first few."""
-        prefilling = sum(1 for r in self.running if r.request_id not in step.ids and not self.is_background(r))
-        waiting = sum(1 for r in self.waiting if not self.is_background(r)) if self.by_priority else len(self.waiting)
+        if self.by_priority:  # only the prompt work of the best decoding class and above
+            top = step.top_decode_priority if step.top_decode_priority is not None else self.config.background_priority
+            prefilling = sum(1 for r in self.running if r.request_id not in step.ids and r.priority <= top
+                             and not self.is_background(r))
+            waiting = sum(1 for r in self.waiting if r.priority <= top and not self.is_background(r))
+        else:
+            prefilling = sum(1 for r in self.running if r.request_id not in step.ids)
+            waiting = len(self.waiting)
         slots = max(0, self.config.max_num_seqs - len(self.running))
         return _prompts_outnumber_decodes(prefilling, waiting, slots, step.num_decodes)
 
@@ -358,6 +371,8 @@ class Scheduler:
         if chunk.is_decode:
             step.has_decodes = True
             step.num_decodes += 1
+            if step.top_decode_priority is None or req.priority < step.top_decode_priority:
+                step.top_decode_priority = req.priority
         else:
             step.has_prefill = True
 
@@ -371,15 +386,16 @@ class Scheduler:
         return max(0, min(len(req.spec_token_ids), room))
 
     def _schedule_running(self, out: SchedulerOutput, step: "_StepState", decodes: bool,
-                          background: bool = False) -> None:
+                          background: bool = False, max_priority: Optional[int] = None) -> None:
         """Grant running requests their next tokens; `decodes` selects the one-token rows,
-        `background` the background requests (scheduled after the others)."""
+        `background` the background requests (scheduled after the others), `max_priority` only
+        the classes at or above it."""
         for req in list(self.running):
             if step.budget <= 0:
                 return
             if req.status != RequestStatus.RUNNING or req.request_id in step.ids:
                 continue  # preempted earlier in this step, or already granted
-            if self.is_background(req) != background:
+            if self.is_background(req) != background or (max_priority is not None and req.priority > max_priority):
                 continue
             is_decode = req.num_tokens - req.num_computed_tokens == 1
             if is_decode != decodes:
@@ -459,13 +475,18 @@ class Scheduler:
         self._schedule_running(out, step, decodes=True)
         if step.unbounded is None and self.target_s is not None and self._queue_outnumbers_decodes(step):
             step.unbounded = "queue"
-        self._schedule_running(out, step, decodes=False)
+        # Under the priority policy, the prompts of classes below the first waiting request's go
+        # after its admission: a newcomer of a higher class is not left the crumbs of the step.
+        head = self.waiting[0].priority if self.by_priority and self.waiting else None
+        self._schedule_running(out, step, decodes=False, max_priority=head)
 
         # 2. Then waiting requests, in order (first come first served, within a priority class),
         # unless a running request was preempted for blocks this step.
         admit = len(out.preempted) == priority_preempted
         if admit:
             self._admit_waiting(out, step, background=False)
+        if head is not None:
+            self._schedule_running(out, step, decodes=False)
         # 3. Background work, into the room left.
         if self.by_priority:
             step.background_limit = self._background_limit(step)
@@ -622,6 +643,7 @@ class _StepState:
     # until the other requests are granted, or without a latency target.
     background_limit: Optional[float] = None
     background_gap: bool = False  # nothing but background work in this step
+    top_decode_priority: Optional[int] = None  # the best (lowest) priority among the step's decodes
     # Why prompt chunks take the whole budget, not the latency target's share (see _prefill_chunk).
     unbounded: Optional[str] = None
 
