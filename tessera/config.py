@@ -132,6 +132,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DENSE_WEIGHT_COPIES = ("auto", "on", "off")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULER_POLICIES = ("continuous", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference", "triton")
 # Where the model runs; auto: cuda when torch sees a GPU, else cpu.
 DEVICES = ("auto", "cpu", "cuda")
@@ -393,6 +394,15 @@ class EngineConfig:
     preemption_mode: Optional[Literal["recompute", "swap"]] = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     scheduler_policy: Literal["continuous", "static"] = "continuous"
+    # Who goes first (vLLM's flag): fcfs, or each request's `priority` (lower first) for admission,
+    # the token budget and preemption.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Under the priority policy, requests of this priority or past it (the Batch API's) are background
+    # work: each step gives them only the room the latency target leaves beside the others.
+    background_priority: int = 1000
+    # How much longer background work may make a step that carries other requests, as a share of
+    # its predicted time (their inter-token latency grows by about that much).
+    background_step_slack: float = 0.05
     attention_backend: Literal["auto", "paged", "sdpa", "reference", "triton"] = "auto"
     num_threads: Optional[int] = None
     seed: int = 0
@@ -429,6 +439,7 @@ class EngineConfig:
                 setattr(self, name, getattr(preset, name))
         choices = [("quantization", QUANTIZATIONS), ("dense_weight_copy", DENSE_WEIGHT_COPIES),
                    ("preemption_mode", PREEMPTION_MODES), ("scheduler_policy", SCHEDULER_POLICIES),
+                   ("scheduling_policy", SCHEDULING_POLICIES),
                    ("attention_backend", ATTENTION_BACKENDS), ("kv_cache_dtype", KV_CACHE_DTYPES),
                    ("device", DEVICES)]
         if isinstance(self.dtype, str):  # a torch.dtype from the Python API is checked when resolved
@@ -440,6 +451,12 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "min_prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        bg = self.background_priority
+        if isinstance(bg, bool) or not isinstance(bg, int) or not -(2**63) <= bg < 2**63:
+            raise ConfigError(f"--background-priority must be an integer, not {bg!r}")
+        slack = self.background_step_slack
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 10:
+            raise ConfigError(f"--background-step-slack must be a share in [0, 10], not {slack!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_offload_dir is not None:

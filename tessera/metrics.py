@@ -140,6 +140,13 @@ class PrometheusStatLogger:
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.num_requests_swapped = gauge("num_requests_swapped", "Number of requests swapped out to host memory.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # Per priority class (the request's `priority`; a class gone from the queue reads 0).
+        self._by_priority = (
+            self._labelled(Gauge, "num_requests_running_by_priority",
+                           "Number of requests in model execution batches, by priority.", "priority"),
+            self._labelled(Gauge, "num_requests_waiting_by_priority",
+                           "Number of requests waiting to be processed, by priority.", "priority"))
+        self._priorities_seen: set[int] = set()
         # Created on the first stats from a GPU engine, so a CPU server exports no zero-valued GPU series.
         self.gpu_memory: Optional[tuple[Gauge, Gauge]] = None
 
@@ -267,6 +274,14 @@ class PrometheusStatLogger:
 
     # -- StatLogger ---------------------------------------------------------------------------
 
+    def _record_priorities(self, classes: tuple[tuple[int, int, int], ...]) -> None:
+        now = {p: (running, waiting) for p, running, waiting in classes}
+        for p in self._priorities_seen | set(now):
+            running, waiting = now.get(p, (0, 0))
+            self._by_priority[0].labels(*self._label_values, str(p)).set(running)
+            self._by_priority[1].labels(*self._label_values, str(p)).set(waiting)
+        self._priorities_seen |= set(now)
+
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
         """Called on the stats consumer thread; either argument may be None (nothing new of that kind)."""
         if scheduler_stats is not None:
@@ -276,6 +291,7 @@ class PrometheusStatLogger:
             self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
             if self._lora_info is not None:
                 self._record_lora(scheduler_stats)
+            self._record_priorities(scheduler_stats.requests_by_priority)
             if scheduler_stats.gpu_memory_total_bytes:
                 if self.gpu_memory is None:
                     self.gpu_memory = (

@@ -94,6 +94,10 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     # OpenAI's logit_bias: token id -> value in [-100, 100] added to its logit before sampling.
     logit_bias: Optional[dict[int, float]] = None
+    # vLLM's request priority: lower runs earlier. It orders admission, the token budget and
+    # preemption under --scheduling-policy priority, and is ignored under fcfs; a priority at or
+    # past --background-priority runs only in the gaps the latency target leaves.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,7 +135,9 @@ class SamplingParams:
         if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in self.stop):
             bad(f"each stop string may be at most {MAX_STOP_CHARS} characters")
         # Integers travel to the engine process as msgpack (64 bits): larger ones are refused here.
-        for name in ("n", "max_tokens", "top_k", "seed"):
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            bad(f"priority must be an integer, got {self.priority!r}")
+        for name in ("n", "max_tokens", "top_k", "seed", "priority"):
             value = getattr(self, name)
             if isinstance(value, int) and not -(2**63) <= value < 2**63:
                 bad(f"{name} must fit in 64 bits, got {value}")

@@ -165,6 +165,9 @@ def _network_flags(parser: argparse.ArgumentParser) -> None:
 
 def _recording_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("traffic recording and SLO (see docs/operations.md, 'Record, replay and tune')")
+    g.add_argument("--batch-store", default=None, metavar="PATH",
+                   help="the SQLite file holding the Files and Batch API's files and batches, which outlive "
+                        "restarts (default: $TESSERA_HOME/batches.sqlite3)")
     g.add_argument("--record-traffic", default=None, metavar="PATH",
                    help="append every request to this JSONL trace (arrival, endpoint, token counts, sampling "
                         "settings, prefix-block hashes, how it ended), written off the request path; replay it "

@@ -174,7 +174,7 @@ class FakeCore:
     def load_snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(num_waiting=len(self.waiting))
 
-    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int) -> Optional[float]:
+    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]:
         return self.forecast_wait_s
 
     def cost_model_stats(self) -> dict:

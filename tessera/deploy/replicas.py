@@ -360,8 +360,8 @@ class ReplicaSet:
     def restarting(self) -> bool:
         return any(r.engine.restarting() for r in self.replicas if r.engine is not None)
 
-    def num_queued(self) -> int:
-        return sum(r.engine.num_queued() for r in self.replicas if r.engine is not None)
+    def num_queued(self, priority: Optional[int] = None) -> int:
+        return sum(r.engine.num_queued(priority) for r in self.replicas if r.engine is not None)
 
     def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]:
         """The shortest forecast among replicas in rotation (where the least-loaded policy sends it)."""
@@ -372,13 +372,19 @@ class ReplicaSet:
     def get_scheduler_stats(self) -> SchedulerStats:
         """The sum over running replicas (KV usage: the share of all their blocks in use)."""
         total = SchedulerStats()
+        classes: dict[int, list[int]] = {}  # priority -> [running, waiting], summed
         for r in self.replicas:
             if r.engine is None:
                 continue
             s = r.engine.get_scheduler_stats()
             for f in dataclasses.fields(SchedulerStats):
-                if f.name != "kv_cache_usage":
+                if f.name not in ("kv_cache_usage", "requests_by_priority"):
                     setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
+            for p, running, waiting in s.requests_by_priority:
+                c = classes.setdefault(p, [0, 0])
+                c[0] += running
+                c[1] += waiting
+        total.requests_by_priority = tuple((p, c[0], c[1]) for p, c in sorted(classes.items()))
         if total.num_blocks_total:
             total.kv_cache_usage = 1.0 - total.num_blocks_free / total.num_blocks_total
         return total

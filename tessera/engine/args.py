@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from tessera.config import (
     ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
-    PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig,
+    PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, SCHEDULING_POLICIES, EngineConfig,
 )
 from tessera.pooling_params import POOLING_TYPES
 
@@ -112,6 +112,17 @@ def _scheduling_args(g: Any, d: EngineConfig) -> None:
                    help="host memory for swapped-out KV blocks (default: 1GiB)")
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default=d.scheduler_policy,
                    help="continuous batching, or the naive static baseline (default: %(default)s)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+                   help="who goes first: fcfs, or each request's `priority` (lower first) for admission, the "
+                        "token budget and preemption, with the queue bound and wait forecast per priority "
+                        "(default: %(default)s)")
+    g.add_argument("--background-priority", type=int, default=d.background_priority,
+                   help="under --scheduling-policy priority, requests of this priority or past it (batches "
+                        "run at it) get only the room the latency target leaves in each step "
+                        "(default: %(default)s)")
+    g.add_argument("--background-step-slack", type=float, default=d.background_step_slack,
+                   help="how much longer background work may make a step carrying other requests, as a "
+                        "share of its predicted time (default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
                    help="attention implementation: paged (C kernel reading the paged cache in place), sdpa (PyTorch operators), "
                         "reference (a plain loop, for checking), triton (the GPU's kernel reading the paged cache in "

@@ -84,7 +84,7 @@ class InputProcessor:
         InvalidRequestError if it can never run."""
         lim = self.limits
         if pooling is not None:
-            return self._process_pooling(request_id, prompt, pooling, arrival_time, add_special_tokens)
+            return self._process_pooling(request_id, prompt, pooling, arrival_time, add_special_tokens, params.priority)
         if not lim.generates:
             raise embeds_only(lim.model_name)
         if isinstance(prompt, str):
@@ -118,7 +118,7 @@ class InputProcessor:
         return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
 
     def _process_pooling(self, request_id: str, prompt: Union[str, list[int]], pooling: PoolingParams,
-                         arrival_time: Optional[float], add_special_tokens: bool) -> PreparedRequest:
+                         arrival_time: Optional[float], add_special_tokens: bool, priority: int = 0) -> PreparedRequest:
         """An embedding input: a text is truncated at the model's max_seq_length as
         sentence-transformers does (unless `truncate` is off); the result must fit one step's
         token budget, since a pooling prompt is never split across steps."""
@@ -148,5 +148,5 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"This model's maximum input length for embeddings is {limit} tokens ({why}); the input has "
                 f"{len(ids)} tokens. Please shorten it{' or leave truncation on' if not resolved.truncate else ''}.")
-        return PreparedRequest(request_id, text, ids, SamplingParams(), 0, arrival_time or time.time(),
+        return PreparedRequest(request_id, text, ids, SamplingParams(priority=priority), 0, arrival_time or time.time(),
                                pooling=resolved)

@@ -307,9 +307,9 @@ class LLMEngine:
     def num_waiting_requests(self) -> int:
         return self.scheduler.num_waiting()
 
-    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int) -> Optional[float]:
+    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]:
         """Forecast, for a newcomer, of the time until its prompt is computed (thread-safe)."""
-        return self.scheduler.predict_wait(snapshot, prompt_tokens)
+        return self.scheduler.predict_wait(snapshot, prompt_tokens, priority)
 
     def load_snapshot(self) -> LoadSnapshot:
         return self.scheduler.load_snapshot()

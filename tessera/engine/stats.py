@@ -5,6 +5,7 @@ built on another thread (see tessera.metrics), so observability never slows a st
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,6 +24,22 @@ class LoadSnapshot:
     mean_context: int = 0  # of the decoding requests
     free_seq_slots: int = 0
     remaining_output_tokens: tuple[int, ...] = ()  # of running requests, ascending (max_tokens bounds)
+    # (priority, waiting requests, their prompt tokens still to compute) per class, ascending.
+    waiting_by_priority: tuple[tuple[int, int, int], ...] = ()
+
+    def ahead_of(self, priority: int) -> "LoadSnapshot":
+        """The queue as a newcomer of `priority` meets it under the priority policy: the waiting
+        requests of a lower class (a larger number) are not ahead of it."""
+        behind = [(n, t) for p, n, t in self.waiting_by_priority if p > priority]
+        if not behind:
+            return self
+        return dataclasses.replace(self, num_waiting=self.num_waiting - sum(n for n, _ in behind),
+                                   queued_prefill_tokens=self.queued_prefill_tokens - sum(t for _, t in behind),
+                                   waiting_by_priority=tuple(c for c in self.waiting_by_priority if c[0] <= priority))
+
+    def waiting_ahead_of(self, priority: int) -> int:
+        """Waiting requests of `priority` or a higher class."""
+        return sum(n for p, n, _ in self.waiting_by_priority if p <= priority)
 
 
 @dataclass
@@ -43,6 +60,8 @@ class SchedulerStats:
     # Requests per LoRA adapter (vLLM's lora_requests_info), running and waiting.
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    # (priority, running, waiting) per priority class present, ascending.
+    requests_by_priority: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass

@@ -181,7 +181,9 @@ async def engine_live(request: Request, seconds: int = 120) -> Response:
                                "num_blocks_free": stats.num_blocks_free,
                                # requests per LoRA adapter name (empty without adapters)
                                "lora_running": dict(getattr(stats, "lora_running", None) or {}),
-                               "lora_waiting": dict(getattr(stats, "lora_waiting", None) or {})}
+                               "lora_waiting": dict(getattr(stats, "lora_waiting", None) or {}),
+                               "by_priority": [{"priority": p, "running": r, "waiting": w}
+                                               for p, r, w in stats.requests_by_priority]}
         snapshot["adapters"] = sorted(served.adapters())
         snapshot["settings"] = engine_settings(engine)
         if state.slo is not None:  # does live traffic still fit the SLO the settings were tuned for?
@@ -190,7 +192,22 @@ async def engine_live(request: Request, seconds: int = 120) -> Response:
     loaded = state.router.loaded()
     if loaded and all(m.live is None for m in loaded):
         return APIError(404, "Live stats are not enabled on this server.", code="live_stats_disabled").response()
-    return JSONResponse({"models": snapshots, "configured": [m.describe() for m in state.router.models]})
+    return JSONResponse({"models": snapshots, "configured": [m.describe() for m in state.router.models],
+                         "batches": batch_progress(request)})
+
+
+def batch_progress(request: Request) -> list[dict[str, Any]]:
+    """Every batch with work left, oldest first, with its owner and counts (the dashboard shows them)."""
+    batches = getattr(request.app.state, "batches", None)
+    if batches is None:
+        return []
+    store = batches[0]
+    out = []
+    for row in store.active_batches():
+        total, completed, failed = store.counts(row["id"])
+        out.append({"id": row["id"], "owner": row["owner"], "status": row["status"], "endpoint": row["endpoint"],
+                    "total": total, "completed": completed, "failed": failed, "created_at": row["created_at"]})
+    return out
 
 
 def engine_settings(engine: AsyncLLMEngine) -> dict[str, Any]:

@@ -12,6 +12,8 @@ keys file (`--api-keys-file keys.toml`) that stores each key only as its SHA-256
     tpm = 20000                    # tokens per minute, prompt + generated
     max_concurrent = 4
     models = ["coder", "chat"]     # names, aliases or LoRA adapters it may use (default: all)
+    priority = 10                  # its requests' priority where they name none (lower first;
+                                   # under --scheduling-policy priority; default 0)
 
 Every route of the app has an entry in ROUTE_SCOPES (a test walks the route table and fails on
 one without), so a route added later is closed until someone decides who may call it. A key is
@@ -55,11 +57,14 @@ SCOPES = (INFERENCE, METRICS, ADMIN)
 PUBLIC, UI = "public", "ui"
 KEY_STATE = "tessera_key"  # the request's KeyMeter in the ASGI scope's state
 CLIENT_REQUEST_ID = "client_request_id"  # the x-request-id echoed, in the ASGI scope's state
+# In an ASGI scope the server built itself (a batch's line, never one from the socket): the name
+# of the key the request runs as, in place of the key's secret.
+INTERNAL_KEY = "tessera.run_as_key"
 _PARAM = re.compile(r"\{[^}]*\}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-KEY_FIELDS = {"name", "sha256", "scopes", "rpm", "tpm", "max_concurrent", "models"}
+KEY_FIELDS = {"name", "sha256", "scopes", "rpm", "tpm", "max_concurrent", "models", "priority"}
 
 # The scope each route needs, by its path with parameters written `{}`. Routes served by other
 # modules are listed before they exist, so adding them needs no change here.
@@ -72,6 +77,8 @@ ROUTE_SCOPES: Mapping[str, str] = MappingProxyType({
     "/v1/models": INFERENCE, "/v1/models/{}": INFERENCE,
     "/v1/responses": INFERENCE, "/v1/responses/{}": INFERENCE, "/v1/responses/{}/cancel": INFERENCE,
     "/v1/responses/{}/input_items": INFERENCE,
+    "/v1/files": INFERENCE, "/v1/files/{}": INFERENCE, "/v1/files/{}/content": INFERENCE,
+    "/v1/batches": INFERENCE, "/v1/batches/{}": INFERENCE, "/v1/batches/{}/cancel": INFERENCE,
     "/tokenize": INFERENCE, "/detokenize": INFERENCE,
     "/openapi.json": INFERENCE, "/docs": INFERENCE, "/docs/oauth2-redirect": INFERENCE,
     # Anthropic
@@ -153,6 +160,7 @@ class ApiKey:
     tpm: Optional[int] = None
     max_concurrent: Optional[int] = None
     models: Optional[frozenset[str]] = None  # names, aliases or adapters it may use; None: every one
+    priority: int = 0  # its requests' priority where they name none
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _KEY_NAME.fullmatch(self.name):
@@ -166,6 +174,8 @@ class ApiKey:
                               f"not {sorted(self.scopes)}")
         for what in ("rpm", "tpm", "max_concurrent"):
             _positive(getattr(self, what), f"API key {self.name!r}: {what}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or not -(2**63) <= self.priority < 2**63:
+            raise ConfigError(f"API key {self.name!r}: priority must be an integer, not {self.priority!r}")
         if self.models is not None and not all(isinstance(m, str) and m for m in self.models):
             raise ConfigError(f"API key {self.name!r}: models must be a list of model names")
 
@@ -250,7 +260,8 @@ def keys_from_toml(path: Path) -> list[ApiKey]:
         try:
             keys.append(ApiKey(name=t["name"], sha256=str(t["sha256"]).lower(), scopes=frozenset(scopes),
                                rpm=t.get("rpm"), tpm=t.get("tpm"), max_concurrent=t.get("max_concurrent"),
-                               models=None if models is None else frozenset(models)))
+                               models=None if models is None else frozenset(models),
+                               priority=t.get("priority", 0)))
         except (ConfigError, TypeError) as exc:
             raise TesseraError(f"{where}: {exc}") from None
     return keys
@@ -319,6 +330,7 @@ class AccessControl:
         self.digests = [bytes.fromhex(k.sha256) for k in self.keys]
         self.admin_enabled = settings.has_admin_key or not beyond_loopback
         self.limiters = {k.name: KeyLimiter(k.name, k.rpm, k.tpm, k.max_concurrent) for k in self.keys}
+        self.by_name = {k.name: k for k in self.keys}
         self.fair = FairShare(sum(1 for k in self.keys if k.has(INFERENCE)))
         self.metrics = KeyMetrics(families) if families is not None and self.keys else None
         self._routes: Optional[list[tuple[Any, Optional[str]]]] = None
@@ -385,7 +397,10 @@ class AccessControl:
         if not self.keys or needed in (PUBLIC, UI) or (needed == METRICS and not self.settings.metrics_require_key):
             await self.app(scope, receive, send_with_headers)
             return
-        key, presented = self.authenticate(scope)
+        if INTERNAL_KEY in scope:  # the server's own request (a batch line), as its batch's key
+            key, presented = self.by_name.get(scope[INTERNAL_KEY]), True
+        else:
+            key, presented = self.authenticate(scope)
         if key is None:
             self._failure("invalid" if presented else "missing")
             message = ("Invalid API key." if presented else
@@ -467,6 +482,14 @@ def limit_headers(limiter: KeyLimiter, refusal: Refusal) -> dict[str, str]:
 def request_key(scope: Scope) -> Optional[tuple[ApiKey, KeyMeter]]:
     """The key (and its meter) the middleware admitted this request with; None without keys."""
     return scope.get("state", {}).get(KEY_STATE)
+
+
+def request_priority(scope: Scope, asked: Optional[int]) -> int:
+    """A request's priority: the one it names, else its key's default (0 without keys)."""
+    if asked is not None:
+        return asked
+    grant = request_key(scope)
+    return grant[0].priority if grant is not None else 0
 
 
 def check_model(scope: Scope, requested: Optional[str], served_name: str) -> None:

@@ -135,6 +135,7 @@ class ServingSpec:
     access: AccessSettings = field(default_factory=AccessSettings)  # API keys, scopes, limits, --log-requests
     transport: TransportSettings = field(default_factory=TransportSettings)  # TLS, CORS, socket timeouts
     record: Optional[RecordSettings] = None  # --record-traffic: every request to a trace file
+    batch_store: Optional[Path] = None  # --batch-store: the Files and Batch API's SQLite file (None: in $TESSERA_HOME)
     slo: Optional[SLOSpec] = None  # --slo (or a tuned --config's `slo`): checked live on /v1/engine/live
 
     def __post_init__(self) -> None:
@@ -224,7 +225,8 @@ class ServingSpec:
             record=None if args.record_traffic is None else RecordSettings(
                 Path(args.record_traffic).expanduser(), record_text=args.record_text,
                 max_bytes=args.record_traffic_max_size, keep=args.record_traffic_keep),
-            slo=None if slo is None else SLOSpec.parse(slo))
+            slo=None if slo is None else SLOSpec.parse(slo),
+            batch_store=None if args.batch_store is None else Path(args.batch_store).expanduser())
 
     @property
     def replicated(self) -> bool:

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Optional, cast
 import uvicorn
 
 from tessera.errors import TesseraError
+from tessera.models.registry import tessera_home
 from tessera.server.app import create_app
 from tessera.server.auth import describe_access, is_loopback
+from tessera.server.batches.protocol import BatchLimits
 from tessera.server.model_router import ModelRouter, ServedModel
 from tessera.server.serving import ServerState
 from tessera.server.topology import build_serving_engine, close_serving_engine, init_ray
@@ -132,7 +134,8 @@ def serve(spec: ServingSpec) -> int:
         app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui,
                          max_stored_responses=spec.max_stored_responses, access=spec.access,
                          beyond_loopback=beyond_loopback, transport=spec.transport, families=families,
-                         recorder=recorder, slo=spec.slo)
+                         recorder=recorder, slo=spec.slo, batch_store=spec.batch_store or tessera_home() / "batches.sqlite3",
+                         batch_limits=BatchLimits(priority=spec.engine_config(spec.models[0]).background_priority))
         # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
         config = uvicorn_config(app, spec.transport, log_level=spec.log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + 5)

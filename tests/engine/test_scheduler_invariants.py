@@ -20,6 +20,7 @@ from tessera.engine.core.scheduler_output import Proposal
 from tessera.sampling_params import SamplingParams
 
 EOS = 0
+BACKGROUND = 1000  # the background priority the workloads use
 
 
 def check_pool(kv: KVCacheManager, live: list[Request]) -> None:
@@ -54,6 +55,9 @@ workload = st.fixed_dictionaries({
     "max_seqs": st.integers(1, 8),
     "mode": st.sampled_from(["recompute", "swap"]),
     "policy": st.sampled_from(["continuous", "static"]),
+    # Who goes first: fcfs, or priorities drawn from an interactive class, a lower one and
+    # background work (BACKGROUND below).
+    "scheduling": st.sampled_from(["fcfs", "priority"]),
     "caching": st.booleans(),
     "n_reqs": st.integers(1, 12),
     # A fake step-cost model (fixed, per token, per sampled row, per 1k attended pairs, per step
@@ -96,7 +100,8 @@ def test_scheduler_invariants(w: dict) -> None:
     cfg = EngineConfig(max_num_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
                        preemption_mode=w["mode"], scheduler_policy=w["policy"], block_size=bs,
                        enable_prefix_caching=w["caching"], target_itl_ms=target_ms,
-                       min_prefill_chunk=w["min_chunk"])
+                       min_prefill_chunk=w["min_chunk"], scheduling_policy=w["scheduling"],
+                       background_priority=BACKGROUND)
     groups = KVCacheGroups.plain(2)
     if w["sliding"] is not None:
         window, n = w["sliding"]
@@ -115,7 +120,8 @@ def test_scheduler_invariants(w: dict) -> None:
         max_tokens = rng.randint(1, max_model_len - plen)
         if plen + max_tokens > capacity:
             continue  # the engine rejects these at the door
-        pending.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens),
+        priority = rng.choice([0, 5, BACKGROUND])
+        pending.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, priority=priority),
                                max_tokens, [EOS]))
     for step in range(2000):
         if pending and rng.random() < 0.5:
@@ -150,8 +156,12 @@ def test_scheduler_invariants(w: dict) -> None:
             first = max(kv.groups.first_needed_block(g, r.num_computed_tokens, bs)
                         for g in range(kv.groups.num_groups))
             assert b.num_null_blocks <= first
-        if cost is not None and w["policy"] == "continuous":
+        background = any(sched.requests[s.request_id].priority >= BACKGROUND for s in out.scheduled)
+        if cost is not None and w["policy"] == "continuous" and not (background and w["scheduling"] == "priority"):
             check_latency_target(out, cost, target_ms / 1000, w["min_chunk"])
+        if w["scheduling"] == "priority":  # the queue stays in priority order
+            order = [r.priority for r in sched.waiting]
+            assert order == sorted(order)
         sampled = {s.request_id: [EOS if rng.random() < 0.05 else rng.randrange(1, 50)
                                           for _ in range(1 + rng.randint(0, s.num_spec_tokens))]
                    for s in out.scheduled if s.samples}

@@ -58,6 +58,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.params = params
+        self.priority = params.priority  # lower first, under the priority policy
         self.max_tokens = max_tokens
         self.stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

@@ -19,6 +19,17 @@ first-come first-served while blocks, budget and the target allow; a newcomer's 
 prompt must fit beside what the running requests' prompts still need (`_prompt_fits`),
 so admitting it does not preempt them later. When a running request cannot get a block
 (decode growth), the most recently admitted request is preempted.
+
+Under `--scheduling-policy priority` (vLLM's policy: lower `priority` first) the waiting queue
+is kept in priority order (first come first served within a class), running requests are
+granted tokens in that order, the preemption victim is the lowest-priority, most recently
+admitted request, and a waiting request that finds no sequence slot or no room for its prompt
+preempts running requests of lower priority; a prompt below the best class decoding in a step
+gets only what fits under the target (it never makes the step give way), so a lower class does
+not spend a higher one's inter-token latency. Requests at or past `background_priority` (the
+Batch API's) are background work: they are scheduled after everything else in a step and only
+into the room the latency target leaves (`_background_limit`), so they fill the gaps of
+interactive traffic without slowing it.
 """
 from __future__ import annotations
 
@@ -36,6 +47,12 @@ from tessera.engine.core.scheduler_output import (
     GrammarBitmask, Proposal, SamplingInputs, ScheduledChunk, SchedulerOutput, TokenHistory)
 from tessera.engine.core.spec_acceptance import AcceptanceModel
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
+
+# In a gap (a step of background work alone), prompt chunks may take the step up to the latency
+# target, or to this many times the predicted time of its decodes with one least prompt chunk
+# where that is longer (a host slower than the target would otherwise start one background prompt
+# a step).
+BACKGROUND_GAP_GROWTH = 1.5
 
 if TYPE_CHECKING:
     from tessera.engine.core.structured_output import StructuredOutputManager
@@ -57,6 +74,7 @@ class Scheduler:
         # Latency targeting needs both a target and a model to predict against.
         self.target_s: Optional[float] = config.target_itl_ms / 1000 \
             if config.target_itl_ms and cost_model is not None else None
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -69,7 +87,26 @@ class Scheduler:
     # -- bookkeeping --------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        self._enqueue(req, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue: at the back (a newcomer) or the front (a preempted request) of
+        its priority class under the priority policy, of the whole queue under fcfs."""
+        if not self.by_priority:
+            (self.waiting.appendleft if front else self.waiting.append)(req)
+            return
+        if not front and (not self.waiting or self.waiting[-1].priority <= req.priority):
+            self.waiting.append(req)
+            return
+        for i, other in enumerate(self.waiting):
+            if other.priority > req.priority or (front and other.priority == req.priority):
+                self.waiting.insert(i, req)
+                return
         self.waiting.append(req)
+
+    def is_background(self, req: Request) -> bool:
+        """Whether `req` only fills the room other requests leave (see the module's docstring)."""
+        return self.by_priority and req.priority >= self.config.background_priority
 
     def set_proposals(self, proposals: dict[str, Proposal]) -> None:
         """Take a proposer's answer for the coming step: each running request verifies its own
@@ -125,6 +162,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             lora_running=_count_adapters(self.running),
             lora_waiting=_count_adapters(self.waiting),
+            requests_by_priority=self._by_priority(),
         )
 
     def _lora_admissible(self, req: Request, adapters: set[str]) -> bool:
@@ -133,6 +171,15 @@ class Scheduler:
         name = req.lora_name
         return name is None or (name in self.lora_ready and
                                 (name in adapters or len(adapters) < self.config.max_loras))
+
+    def _by_priority(self) -> tuple[tuple[int, int, int], ...]:
+        """(priority, running, waiting) per priority class present, ascending."""
+        counts: dict[int, list[int]] = {}
+        for r in self.running:
+            counts.setdefault(r.priority, [0, 0])[0] += 1
+        for r in self.waiting:
+            counts.setdefault(r.priority, [0, 0])[1] += 1
+        return tuple((p, c[0], c[1]) for p, c in sorted(counts.items()))
 
     # -- admission forecast ----------------------------------------------------
     def load_snapshot(self) -> "LoadSnapshot":
@@ -143,14 +190,23 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         context = sum(r.num_tokens for r in decoding) // len(decoding) if decoding else 0
         remaining = sorted(max(0, r.max_tokens - r.num_output_tokens) for r in self.running)
+        classes: dict[int, list[int]] = {}
+        for r in self.waiting:
+            c = classes.setdefault(r.priority, [0, 0])
+            c[0] += 1
+            c[1] += r.num_tokens - r.num_computed_tokens
         return LoadSnapshot(queued_prefill_tokens=queued, num_waiting=len(self.waiting),
+                            waiting_by_priority=tuple((p, c[0], c[1]) for p, c in sorted(classes.items())),
                             num_decoding=len(decoding), num_prefilling=len(self.running) - len(decoding),
                             mean_context=context,
                             free_seq_slots=max(0, self.config.max_num_seqs - len(self.running)),
                             remaining_output_tokens=tuple(remaining))
 
-    def predict_wait(self, snap: "LoadSnapshot", prompt_tokens: int) -> Optional[float]:
+    def predict_wait(self, snap: "LoadSnapshot", prompt_tokens: int, priority: int = 0) -> Optional[float]:
         """Seconds until a request of `prompt_tokens` arriving now would have its prompt computed.
+
+        Under the priority policy only the waiting requests of `priority` or higher (lower
+        numbers) are ahead of it: a backlog of lower priority does not lengthen its forecast.
 
         From the cost model: the prompts queued ahead and its own go at the prefill rate the
         latency target leaves next to the current decodes (the rules of `_prefill_chunk`), after
@@ -161,6 +217,8 @@ class Scheduler:
         model = self.cost_model
         if model is None:
             return None
+        if self.by_priority:
+            snap = snap.ahead_of(priority)
         budget = self.config.max_num_batched_tokens
         rows = snap.num_decoding
         decode = StepShape(rows, rows, rows * snap.mean_context)
@@ -200,7 +258,18 @@ class Scheduler:
         victim.metrics.preempted_times.append(time.time())
         self.num_preemptions += 1
         out.preempted.append(victim.request_id)
-        self.waiting.appendleft(victim)
+        self._enqueue(victim, front=True)
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Under the priority policy: while the first waiting request finds no sequence slot or
+        no room for its prompt, preempt the lowest-priority running request below its priority.
+        Done before anything is granted, so no granted work is undone."""
+        if not self.by_priority or not self.waiting:
+            return
+        head = self.waiting[0]
+        while self.running and self.running[-1].priority > head.priority and (
+                len(self.running) >= self.config.max_num_seqs or not self._prompt_fits(head, NO_HIT)):
+            self._preempt(self.running[-1], out)
 
     def _chunk(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
@@ -219,25 +288,87 @@ class Scheduler:
         streams, 64-token chunks past the target kept nearly every step mixed, ~125 ms, where
         decode-only steps take ~60 ms).
         """
-        if cap <= 0 or self.target_s is None or not step.has_decodes or step.unbounded is not None:
+        if cap <= 0 or self.target_s is None or not step.has_decodes:
             return max(cap, 0)
+        # Under the priority policy a prompt below the step's best decoding class never makes the
+        # step unbounded, nor joins one: the higher class's inter-token latency is not its to spend.
+        lower = self.by_priority and step.top_decode_priority is not None and req.priority > step.top_decode_priority
+        if step.unbounded is not None and not lower:
+            return cap
         assert self.cost_model is not None
         total = req.num_tokens
         n = max_fitting(self.cost_model, step.shape, self.target_s, cap,
                          lambda k: StepShape.chunk(start, k, start + k == total))
-        if not step.has_prefill and n < min(cap, self.config.min_prefill_chunk):
+        if not step.has_prefill and not lower and n < min(cap, self.config.min_prefill_chunk):
             step.unbounded = "past_target"
             return cap
         return n
+
+    def _background_limit(self, step: "_StepState") -> Optional[float]:
+        """The predicted step time background work may fill up to, once everything else is
+        granted; None without a latency target (background work then only goes last). A step
+        carrying other requests may grow by `--background-step-slack` of its time (never past the
+        target); with other requests waiting that could not be admitted, by nothing. A step of
+        background work alone (a gap: `step.background_gap`) runs every background decode and
+        fills the rest with prompt chunks up to the target (or BACKGROUND_GAP_GROWTH times the
+        decodes and a least chunk, set once the decodes are granted: `_gap_limit`), never the
+        whole budget: a request
+        arriving meanwhile waits for about that step before its prompt starts."""
+        if self.target_s is None:
+            return None
+        assert self.cost_model is not None
+        if any(not self.is_background(r) for r in self.waiting):
+            return 0.0
+        if step.ids:
+            return min(self.target_s, self.cost_model.predict(step.shape) * (1 + self.config.background_step_slack))
+        step.background_gap = True
+        return self.target_s
+
+    def _gap_limit(self, step: "_StepState") -> None:
+        """In a gap, once its decodes are granted: the room for prompt chunks (see _background_limit)."""
+        if step.background_gap:
+            assert self.cost_model is not None and self.target_s is not None
+            least = step.shape.plus(StepShape.chunk(0, self.config.min_prefill_chunk, False))
+            step.background_limit = max(self.target_s, BACKGROUND_GAP_GROWTH * self.cost_model.predict(least))
+
+    def _prompt_chunk(self, req: Request, start: int, cap: int, step: "_StepState") -> int:
+        """`_prefill_chunk`, or for background work under a limit the largest chunk within it (in a
+        gap, the first prompt chunk is at least `min_prefill_chunk`, as `_prefill_chunk` gives
+        way to the budget where the target leaves less: prompts must not crawl)."""
+        if step.background_limit is None or not self.is_background(req):
+            return self._prefill_chunk(req, start, cap, step)
+        assert self.cost_model is not None
+        total = req.num_tokens
+        n = max_fitting(self.cost_model, step.shape, step.background_limit, cap,
+                        lambda k: StepShape.chunk(start, k, start + k == total))
+        if step.background_gap and not step.has_prefill:
+            n = max(n, min(cap, self.config.min_prefill_chunk))
+        return n
+
+    def _background_decode_fits(self, req: Request, step: "_StepState") -> bool:
+        """Whether a background decode fits the room left; in a gap every one does (decode rows
+        cost least, and a model predicting more than the limit for any step must not stall them)."""
+        limit = step.background_limit
+        if limit is None or not self.is_background(req) or step.background_gap:
+            return True
+        assert self.cost_model is not None
+        return self.cost_model.predict(step.shape.plus(StepShape.chunk(req.num_computed_tokens, 1, True))) <= limit
 
     def _queue_outnumbers_decodes(self, step: "_StepState") -> bool:
         """Whether more requests wait for prompt work (running prompts, and waiting requests a
         free sequence slot would admit) than the step decodes. A step's delay then costs fewer
         streams than a faster prefill saves, so the latency target gives way to the budget: a
         burst of 32 requests otherwise waited behind small chunks sized for the first few."""
-        prefilling = sum(1 for r in self.running if r.request_id not in step.ids)
+        if self.by_priority:  # only the prompt work of the best decoding class and above
+            top = step.top_decode_priority if step.top_decode_priority is not None else self.config.background_priority
+            prefilling = sum(1 for r in self.running if r.request_id not in step.ids and r.priority <= top
+                             and not self.is_background(r))
+            waiting = sum(1 for r in self.waiting if r.priority <= top and not self.is_background(r))
+        else:
+            prefilling = sum(1 for r in self.running if r.request_id not in step.ids)
+            waiting = len(self.waiting)
         slots = max(0, self.config.max_num_seqs - len(self.running))
-        return _prompts_outnumber_decodes(prefilling, len(self.waiting), slots, step.num_decodes)
+        return _prompts_outnumber_decodes(prefilling, waiting, slots, step.num_decodes)
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
         chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec, with_history=not req.history_sent)
@@ -252,6 +383,8 @@ class Scheduler:
         if chunk.is_decode:
             step.has_decodes = True
             step.num_decodes += 1
+            if step.top_decode_priority is None or req.priority < step.top_decode_priority:
+                step.top_decode_priority = req.priority
         else:
             step.has_prefill = True
 
@@ -264,13 +397,18 @@ class Scheduler:
                    req.max_tokens - req.num_output_tokens - 1)
         return max(0, min(len(req.spec_token_ids), room))
 
-    def _schedule_running(self, out: SchedulerOutput, step: "_StepState", decodes: bool) -> None:
-        """Grant running requests their next tokens; `decodes` selects the one-token rows."""
+    def _schedule_running(self, out: SchedulerOutput, step: "_StepState", decodes: bool,
+                          background: bool = False, max_priority: Optional[int] = None) -> None:
+        """Grant running requests their next tokens; `decodes` selects the one-token rows,
+        `background` the background requests (scheduled after the others), `max_priority` only
+        the classes at or above it."""
         for req in list(self.running):
             if step.budget <= 0:
                 return
             if req.status != RequestStatus.RUNNING or req.request_id in step.ids:
                 continue  # preempted earlier in this step, or already granted
+            if self.is_background(req) != background or (max_priority is not None and req.priority > max_priority):
+                continue
             is_decode = req.num_tokens - req.num_computed_tokens == 1
             if is_decode != decodes:
                 continue
@@ -279,16 +417,16 @@ class Scheduler:
             # latency target, like any prompt chunk, even though it runs with the decodes.
             is_prompt_tail = not req.output_token_ids
             if decodes and not is_prompt_tail:
-                n = cap
+                n = cap if self._background_decode_fits(req, step) else 0
             else:
-                n = self._prefill_chunk(req, req.num_computed_tokens, cap, step)
+                n = self._prompt_chunk(req, req.num_computed_tokens, cap, step)
                 # A chunk takes blocks in every group, sliding ones included, until the window
                 # moves past it: shrink it to the free blocks rather than preempt a running
                 # request for it; only a prompt that cannot move at all preempts.
                 n = self.kv.fitting_tokens(req, n) or n
             if n == 0:
                 continue
-            num_spec = self._num_spec(req, step.budget) if decodes else 0
+            num_spec = self._num_spec(req, step.budget) if decodes and not background else 0
             n += num_spec
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
@@ -309,6 +447,10 @@ class Scheduler:
         n = req.num_tokens
         if n > step.budget or not self._prompt_fits(req, NO_HIT) or self.kv.fitting_tokens(req, n) < n:
             return 0
+        limit = step.background_limit
+        if limit is not None and self.is_background(req) and (step.ids or limit == 0) and \
+                self.cost_model is not None and self.cost_model.predict(step.shape.plus(StepShape.chunk(0, n, False))) > limit:
+            return 0  # background: only into the room left (or into a step of its own)
         return n if self.kv.allocate_slots(req, n) else 0
 
     def _finish_need(self, req: Request, cached: PrefixHit = NO_HIT) -> int:
@@ -335,24 +477,64 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished=self._finished_ids)
         self._finished_ids = []
-        static = self.config.scheduler_policy == "static"
         step = _StepState(budget=self.config.max_num_batched_tokens)
+        if self.by_priority:  # stable: admission order within a class; the last is the first victim
+            self.running.sort(key=lambda r: r.priority)
+        self._preempt_for_waiting(out)
+        priority_preempted = len(out.preempted)
 
         # 1. Running requests: decodes first (never starved), then prompts in progress.
         self._schedule_running(out, step, decodes=True)
         if step.unbounded is None and self.target_s is not None and self._queue_outnumbers_decodes(step):
             step.unbounded = "queue"
-        self._schedule_running(out, step, decodes=False)
+        # Under the priority policy, the prompts of classes below the first waiting request's go
+        # after its admission: a newcomer of a higher class is not left the crumbs of the step.
+        head = self.waiting[0].priority if self.by_priority and self.waiting else None
+        self._schedule_running(out, step, decodes=False, max_priority=head)
 
-        # 2. Then waiting requests, first come first served.
-        # Static batching admits a whole batch at once (its prompts are then computed
-        # over the next steps within the budget) and nothing more until it has finished.
-        admit = not out.preempted and (not static or not self.running)
+        # 2. Then waiting requests, in order (first come first served, within a priority class),
+        # unless a running request was preempted for blocks this step.
+        admit = len(out.preempted) == priority_preempted
+        if admit:
+            self._admit_waiting(out, step, background=False)
+        if head is not None:
+            self._schedule_running(out, step, decodes=False)
+        # 3. Background work, into the room left.
+        if self.by_priority:
+            step.background_limit = self._background_limit(step)
+            self._schedule_running(out, step, decodes=True, background=True)
+            self._gap_limit(step)
+            self._schedule_running(out, step, decodes=False, background=True)
+            if admit:
+                self._admit_waiting(out, step, background=True)
+        out.shape = step.shape
+        out.prefill_unbounded = step.unbounded if step.has_prefill and step.has_decodes else None
+        if self.cost_model is not None and out.scheduled:
+            out.predicted_s = self.cost_model.predict(step.shape)
+        out.grammar = self._grammar_bitmask(out)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, step: "_StepState", background: bool) -> None:
+        """Admit waiting requests from the head of the queue while blocks, budget, sequence slots
+        and the latency target allow; `background`: the background ones (the others first).
+        Static batching admits a whole batch at once (its prompts are then computed over the next
+        steps within the budget) and nothing more until it has finished."""
+        static = self.config.scheduler_policy == "static"
+        if static and self.running:
+            return
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         passed: list[Request] = []  # waiting for their adapter: later requests go ahead of them
-        while admit and self.waiting and (step.budget > 0 or static) and \
-                len(self.running) < self.config.max_num_seqs:
+        try:
+            self._admit_from_head(out, step, background, static, adapters, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_from_head(self, out: SchedulerOutput, step: "_StepState", background: bool, static: bool,
+                         adapters: set[str], passed: list[Request]) -> None:
+        while self.waiting and (step.budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self.is_background(req) != background:
+                break  # background work waits behind everything else
             if not self._lora_admissible(req, adapters):
                 passed.append(self.waiting.popleft())
                 continue
@@ -368,7 +550,7 @@ class Scheduler:
                 if pairs is None:
                     break
                 out.swap_in.extend(pairs)
-                n = self._prefill_chunk(req, req.num_computed_tokens, self._chunk(req, step.budget), step)
+                n = self._prompt_chunk(req, req.num_computed_tokens, self._chunk(req, step.budget), step)
                 if n and not self.kv.allocate_slots(req, n):
                     # Could not grow after swap-in: run nothing new for it this step.
                     n = 0
@@ -377,7 +559,7 @@ class Scheduler:
                 loaded = self.kv.find_offloaded(req, cached.num_blocks) if req.num_computed_tokens == 0 else []
                 hit_tokens = (cached.num_blocks + len(loaded)) * self.kv.block_size
                 start = req.num_computed_tokens + hit_tokens
-                n = self._prefill_chunk(req, start, min(req.num_tokens - start, step.budget), step)
+                n = self._prompt_chunk(req, start, min(req.num_tokens - start, step.budget), step)
                 if n == 0 and not static:
                     break  # the step is full under the latency target; admit next step
                 if not static:
@@ -409,13 +591,6 @@ class Scheduler:
                 adapters.add(req.lora_name)
             if n > 0:
                 self._grant(req, n, out, step)
-        self.waiting.extendleft(reversed(passed))
-        out.shape = step.shape
-        out.prefill_unbounded = step.unbounded if step.has_prefill and step.has_decodes else None
-        if self.cost_model is not None and out.scheduled:
-            out.predicted_s = self.cost_model.predict(step.shape)
-        out.grammar = self._grammar_bitmask(out)
-        return out
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> Optional[GrammarBitmask]:
         """The masks of the step's constrained sampled rows (proposals included), from the grammar
@@ -490,6 +665,11 @@ class _StepState:
     has_decodes: bool = False
     num_decodes: int = 0
     has_prefill: bool = False
+    # The predicted step time background work may fill up to (Scheduler._background_limit); None
+    # until the other requests are granted, or without a latency target.
+    background_limit: Optional[float] = None
+    background_gap: bool = False  # nothing but background work in this step
+    top_decode_priority: Optional[int] = None  # the best (lowest) priority among the step's decodes
     # Why prompt chunks take the whole budget, not the latency target's share (see _prefill_chunk).
     unbounded: Optional[str] = None
 

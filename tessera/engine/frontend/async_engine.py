@@ -90,7 +90,7 @@ class EngineCore(Protocol):
 
     def load_snapshot(self) -> LoadSnapshot: ...
 
-    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int) -> Optional[float]: ...
+    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]: ...
 
     def cost_model_stats(self) -> dict: ...
 
@@ -159,7 +159,7 @@ class ServingEngine(Protocol):
 
     def restarting(self) -> bool: ...
 
-    def num_queued(self) -> int: ...
+    def num_queued(self, priority: Optional[int] = None) -> int: ...
 
     def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]: ...
 
@@ -223,6 +223,7 @@ class AsyncLLMEngine:
             for m in self.config.lora_modules}
         self._lock = threading.Lock()
         self._pending_adds = 0
+        self._pending_by_priority: dict[int, int] = {}  # adds not yet in the core, per priority
         self._num_waiting = 0
         self._stats = self.engine.get_scheduler_stats()
         self._snapshot = self.engine.load_snapshot()
@@ -270,13 +271,19 @@ class AsyncLLMEngine:
         in that state is busy, not idle: keep_alive must not unload it meanwhile)."""
         return self._restarting is not None
 
-    def num_queued(self) -> int:
+    def num_queued(self, priority: Optional[int] = None) -> int:
+        """Requests waiting; with `priority` under the priority policy, only those ahead of a
+        newcomer of that priority (its class and higher ones): the queue bound is per class."""
         with self._lock:
-            return self._pending_adds + self._num_waiting
+            if priority is None or self.config.scheduling_policy != "priority":
+                return self._pending_adds + self._num_waiting
+            pending = sum(n for p, n in self._pending_by_priority.items() if p <= priority)
+            return pending + sum(w for p, _, w in self._stats.requests_by_priority if p <= priority)
 
-    def predicted_wait(self, prompt_tokens: int = 0) -> Optional[float]:
-        """Forecast of the seconds a request of `prompt_tokens` arriving now waits for its prompt."""
-        return self.engine.predict_wait(self._snapshot, prompt_tokens)
+    def predicted_wait(self, prompt_tokens: int = 0, priority: int = 0) -> Optional[float]:
+        """Forecast of the seconds a request of `prompt_tokens` (and `priority`) arriving now waits
+        for its prompt."""
+        return self.engine.predict_wait(self._snapshot, prompt_tokens, priority)
 
     def cost_model_stats(self) -> dict:
         return self.engine.cost_model_stats()
@@ -324,7 +331,7 @@ class AsyncLLMEngine:
             prepared = await self.prepare(prompt, params, request_id, add_special_tokens, pooling)
         if lora_name is not None:
             prepared = dataclasses.replace(prepared, lora_name=lora_name)
-        wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n)
+        wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n, params.priority)
         if deadline_s is not None and wait is not None and wait > deadline_s:
             raise PredictedWaitError(
                 f"the forecast wait for this request's prompt is {wait:.1f} s, past its {deadline_s:.0f} s "
@@ -333,11 +340,12 @@ class AsyncLLMEngine:
             raise PredictedWaitError(
                 f"the forecast wait for this request's prompt is {wait:.1f} s, past the server's "
                 f"--max-queue-wait of {self.max_queue_wait:g} s; retry later", retry_after=wait - self.max_queue_wait)
+        limit = self.max_num_queued_requests
+        if limit is not None and prepared.pooling is None and self.num_queued(params.priority) >= limit:
+            raise QueueFullError(f"the server has {limit} requests waiting; retry later")
         with self._lock:
-            limit = self.max_num_queued_requests
-            if limit is not None and prepared.pooling is None and self._pending_adds + self._num_waiting >= limit:
-                raise QueueFullError(f"the server has {limit} requests waiting; retry later")
             self._pending_adds += 1
+            self._pending_by_priority[params.priority] = self._pending_by_priority.get(params.priority, 0) + 1
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
@@ -407,6 +415,10 @@ class AsyncLLMEngine:
                 assert isinstance(payload, PreparedRequest)
                 with self._lock:
                     self._pending_adds -= 1
+                    priority = payload.params.priority
+                    left = self._pending_by_priority.pop(priority, 0) - 1
+                    if left > 0:
+                        self._pending_by_priority[priority] = left
                 if payload.request_id not in self._streams:
                     continue  # its caller already left
                 try:

@@ -89,6 +89,7 @@ class ProcessEngineCore:
         self._stats = ready.scheduler
         self._info = ready.info
         self._forecast: Optional[tuple[float, float]] = None
+        self._forecast_by_priority: tuple[tuple[int, float, float], ...] = ()
         self._num_waiting = 0  # the core's waiting queue at its last result
         # What the core has not answered yet: messages sent vs applied by its last result (an abort
         # of the last request must still be seen to free its blocks), and adds it has not seen.
@@ -222,11 +223,16 @@ class ProcessEngineCore:
     def load_snapshot(self) -> LoadSnapshot:
         return LoadSnapshot()  # the forecast is computed in the core (see predict_wait)
 
-    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int) -> Optional[float]:
-        """The core's latest forecast for a newcomer of `prompt_tokens` (`snapshot` is not needed)."""
+    def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]:
+        """The core's latest forecast for a newcomer of `prompt_tokens` and `priority` (`snapshot` is
+        not needed)."""
         if self._forecast is None:
             return None
         base, per_token = self._forecast
+        for p, b, t in self._forecast_by_priority:  # ascending: the last class at or below it
+            if p > priority:
+                break
+            base, per_token = b, t
         return base + per_token * prompt_tokens
 
     def cost_model_stats(self) -> dict:
@@ -267,6 +273,7 @@ class ProcessEngineCore:
         while self._unseen_adds and self._unseen_adds[0] <= msg.seen:
             self._unseen_adds.popleft()
         self._forecast = msg.forecast
+        self._forecast_by_priority = msg.forecast_by_priority
         if msg.info is not None:
             self._info = msg.info
         outputs = [out for out in (self.assembler.apply(d) for d in msg.outputs) if out is not None]

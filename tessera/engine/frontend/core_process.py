@@ -205,17 +205,21 @@ class _CoreLoop:
         engine = self.engine
         snapshot = engine.load_snapshot()
         base = engine.predict_wait(snapshot, 0)
-        forecast = None
+        forecast, by_priority = None, []
         if base is not None:
             per_token = (engine.predict_wait(snapshot, 1024) - base) / 1024
             forecast = (base, per_token)
+            if engine.config.scheduling_policy == "priority":
+                for p in (wire.NO_CLASS, *(c[0] for c in snapshot.waiting_by_priority)):
+                    b = engine.predict_wait(snapshot, 0, p)
+                    by_priority.append((p, b, (engine.predict_wait(snapshot, 1024, p) - b) / 1024))
         info = None
         now = time.monotonic()
         if now - self.last_info >= INFO_INTERVAL_S:
             info, self.last_info = _info(engine), now
         idle = not engine.has_unfinished_requests() and not self.compiles
         self._send(wire.StepResult(outputs or [], engine.get_scheduler_stats(), stats, engine.num_waiting_requests(),
-                                   forecast, failed or [], failure, info, self.seen, idle))
+                                   forecast, failed or [], failure, info, self.seen, idle, tuple(by_priority)))
         self.reported = self.seen
 
     def _send(self, msg) -> None:

@@ -84,6 +84,9 @@ class Ready(msgspec.Struct, tag="ready"):
     info: EngineInfo
 
 
+NO_CLASS = -(2**63)  # the forecast class of a newcomer with no waiting request ahead of it
+
+
 class StepResult(msgspec.Struct, tag="step"):
     outputs: list[OutputDelta]
     scheduler: SchedulerStats
@@ -96,6 +99,9 @@ class StepResult(msgspec.Struct, tag="step"):
     info: Optional[EngineInfo]
     seen: int  # messages from the API process the core had applied when it sent this
     idle: bool  # nothing left to run or compile: no further result until new messages
+    # Under the priority policy, the forecast per class: (priority, base, per_token), ascending; a
+    # newcomer takes the last entry at or below its priority (the first, NO_CLASS, has nothing ahead).
+    forecast_by_priority: tuple[tuple[int, float, float], ...] = ()
 
 
 class RequestRefused(msgspec.Struct, tag="refused"):

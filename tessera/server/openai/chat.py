@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.server.auth import request_priority
 from tessera.server.openai.protocol import ChatCompletionRequest, IGNORED_TOOLS_HEADER, ToolCall
 from tessera.server.openai.response_models import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
@@ -178,7 +179,8 @@ async def chat_run(body: ChatCompletionRequest, request: Request,
         if constraint is not None:
             raise InvalidRequestError("tool calling cannot be combined with response_format or structured "
                                       "outputs; set tool_choice to 'none' to use them with tools")
-    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=num_logprobs, structured=constraint)
+    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=num_logprobs, structured=constraint,
+                                     default_priority=request_priority(request.scope, None))
     route = await state.route(body.model, request)
     settings = route.model.output_parsing
     run = Run(state, request, route, [], params, request_id,

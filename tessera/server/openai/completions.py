@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from tessera.engine.input_processor import check_token_ids
 from tessera.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError
+from tessera.server.auth import request_priority
 from tessera.server.openai.protocol import CompletionRequest
 from tessera.server.openai.response_models import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
 from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
@@ -104,7 +105,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise InvalidRequestError("echo together with logprobs is not supported (prompt logprobs are not computed)")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
-                                     structured=body.structured_constraint())
+                                     structured=body.structured_constraint(),
+                                     default_priority=request_priority(request.scope, None))
     route = await state.route(body.model, request)
     model = route.reported
     run = Run(state, request, route, prompts, params, f"cmpl-{uuid.uuid4().hex}", reprompt=lambda engine: prompts)

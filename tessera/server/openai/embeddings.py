@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from tessera.engine.errors import QueueFullError
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.server.auth import request_priority
 from tessera.server.errors import APIError
 from tessera.server.openai.protocol import OpenAIModel, Prompt, prompt_list
 from tessera.server.openai.response_models import UsageInfo
@@ -38,6 +39,7 @@ class EmbeddingRequest(OpenAIModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
+    priority: Optional[int] = None  # vLLM extension, as on completions; None: the API key's default
 
     def inputs(self) -> list[Union[str, list[int]]]:
         """The inputs as engine prompts: texts or token-id lists, one request each."""
@@ -71,15 +73,19 @@ class Embedded:
 
 
 async def embed(state: ServerState, request: Request, route: Route, inputs: list[Union[str, list[int]]],
-                pooling: PoolingParams, endpoint: str) -> Union[Embedded, Response]:
+                pooling: PoolingParams, endpoint: str, priority: Optional[int] = None) -> Union[Embedded, Response]:
     """Run `inputs` through `route`'s engine as embedding requests; the vectors, or the response
     to send instead (the client left). Errors are raised as APIError (OpenAI's shape; the Ollama
     routes reshape them)."""
     t0 = time.perf_counter()
-    run = Run(state, request, route, inputs, SamplingParams(), f"embd-{uuid.uuid4().hex}", pooling=pooling)
+    try:
+        params = SamplingParams(priority=request_priority(request.scope, priority))
+    except ValueError as exc:  # a priority past 64 bits
+        raise InvalidRequestError(str(exc)) from exc
+    run = Run(state, request, route, inputs, params, f"embd-{uuid.uuid4().hex}", pooling=pooling)
     engine = run.engine  # a model that cannot embed is refused here (400)
     limit = engine.max_num_queued_requests
-    if limit is not None and engine.num_queued() >= limit:
+    if limit is not None and engine.num_queued(params.priority) >= limit:
         raise run.error(QueueFullError(f"the server has {limit} requests waiting; retry later"))
     finals = await run.collect()
     if isinstance(finals, Response):
@@ -111,7 +117,8 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     state.router.resolve(body.model)  # 404 before anything else
     inputs = body.inputs()
     route = await state.route(body.model, request)
-    result = await embed(state, request, route, inputs, PoolingParams(dimensions=body.dimensions), "/v1/embeddings")
+    result = await embed(state, request, route, inputs, PoolingParams(dimensions=body.dimensions), "/v1/embeddings",
+                         body.priority)
     if isinstance(result, Response):
         return result
     # Plain dicts: validating a response model's every float cost more than the JSON encoding.

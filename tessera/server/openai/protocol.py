@@ -102,6 +102,8 @@ class SamplingRequest(OpenAIModel):
     # Tessera extension: false opts this request out of speculative decoding (e.g. a client that
     # wants the steadiest per-token latency rather than the highest speed).
     speculative: Optional[bool] = True
+    # vLLM extension: lower runs earlier under --scheduling-policy priority; None: the API key's default.
+    priority: Optional[int] = None
     user: Optional[str] = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Optional[ResponseFormat] = None
@@ -154,9 +156,11 @@ class SamplingRequest(OpenAIModel):
         return found[0][1] if found else None
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                           structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+                           structured: Optional[StructuredOutputsParams] = None,
+                           default_priority: int = 0) -> SamplingParams:
         """Build the engine's settings; raises InvalidRequestError for out-of-range values.
-        `structured` is the output constraint (the request's own, or one its tools imply)."""
+        `structured` is the output constraint (the request's own, or one its tools imply);
+        `default_priority` applies where the request names none (its API key's)."""
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -180,6 +184,7 @@ class SamplingRequest(OpenAIModel):
                 speculative=pick(self.speculative, True),
                 structured_outputs=structured,
                 logit_bias=self._logit_bias(),
+                priority=pick(self.priority, default_priority),
             )
         except (TypeError, ValueError) as exc:  # InvalidRequestError is a ValueError
             raise InvalidRequestError(str(exc)) from exc

@@ -288,6 +288,7 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
+    priority: Optional[int] = None  # vLLM extension, as on chat completions; None: the API key's default
 
     def input_items(self) -> list[Any]:
         if isinstance(self.input, str):
@@ -319,7 +320,7 @@ class ResponsesRequest(OpenAIModel):
         return validated(ChatCompletionRequest, {
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-            "user": self.user, "response_format": response_format, "parallel_tool_calls": self.parallel_tool_calls,
+            "user": self.user, "priority": self.priority, "response_format": response_format, "parallel_tool_calls": self.parallel_tool_calls,
             "tools": self.chat_tools(), "tool_choice": choice,
             "chat_template_kwargs": self.reasoning.template_kwargs() if self.reasoning is not None else None,
         })

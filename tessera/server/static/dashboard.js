@@ -77,7 +77,19 @@
     return div;
   }
 
-  function renderSummary(m) {
+  // Queue per priority class ("priority: running / waiting"), and the batches with work left.
+  function priorityText(cur) {
+    const classes = cur.by_priority || [];
+    return classes.length ? classes.map((c) => `${c.priority}: ${c.running} / ${c.waiting}`).join(" · ") : "–";
+  }
+
+  function batchTile(batches) {
+    const text = batches.map((b) => `${b.id.slice(0, 14)}… ${b.completed + b.failed} / ${b.total}` +
+      (b.status === "in_progress" ? "" : ` (${b.status})`)).join(" · ");
+    return tile("batches (answered / total)", text || "none", "batches");
+  }
+
+  function renderSummary(m, batches) {
     const s = m.summary;
     const cur = m.current || {};
     const pct = (x) => (x === null || x === undefined ? "–" : `${Math.round(x * 1000) / 10} %`);
@@ -86,6 +98,8 @@
       tile("TTFT p50 / p95", `${fmt(s.ttft_ms.p50)} / ${fmt(s.ttft_ms.p95, "ms")}`, "ttft"),
       tile("ITL p50 / p95", `${fmt(s.itl_ms.p50)} / ${fmt(s.itl_ms.p95, "ms")}`, "itl"),
       tile("running / waiting", `${fmt(cur.running)} / ${fmt(cur.waiting)}`, "requests"),
+      tile("by priority: running / waiting", priorityText(cur), "priority"),
+      batchTile(batches || []),
       tile("KV cache used", pct(cur.kv_usage), "kv"),
       tile("prefix hit rate (1 min)", pct(s.prefix_hit_rate), "prefix"),
       tile("preemptions / 429s (1 min)", `${s.preemptions} / ${s.rejections}`, "pressure"),
@@ -165,7 +179,7 @@
         els.status.textContent = `No model is loaded yet (${waiting}); models load on their first request.`;
         return;
       }
-      renderSummary(m);
+      renderSummary(m, body.batches);
       renderCharts(m);
       renderSettings(m.settings);
       updates += 1;
