@@ -378,7 +378,11 @@ class ReplicaSet:
                 continue
             s = r.engine.get_scheduler_stats()
             for f in dataclasses.fields(SchedulerStats):
-                if f.name not in ("kv_cache_usage", "requests_by_priority"):
+                if f.name in ("lora_running", "lora_waiting"):  # requests per adapter, summed by name
+                    counts = getattr(total, f.name)
+                    for name, n in getattr(s, f.name).items():
+                        counts[name] = counts.get(name, 0) + n
+                elif f.name not in ("kv_cache_usage", "requests_by_priority"):
                     setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
             for p, running, waiting in s.requests_by_priority:
                 c = classes.setdefault(p, [0, 0])

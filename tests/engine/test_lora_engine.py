@@ -6,6 +6,7 @@ real models; here: what the engine decides around them.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -174,3 +175,42 @@ def test_lora_kernel_matches_grouped_reference(rows, parts, ranks, seed, bf16, w
     table._add_grouped(x, ref)
     tol = 0.5 if bf16 else 1e-4
     torch.testing.assert_close(native.float(), ref.float(), atol=tol, rtol=0.02 if bf16 else 1e-5)
+
+
+def _permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (its LoRA converter applies it to B)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_gguf_lora_gives_the_peft_adapters_tokens(setup, tmp_path):
+    """The same adapter written as llama.cpp's convert_lora_to_gguf writes it (B of Q and K permuted
+    as the base's rows are, alpha in adapter.lora.alpha) serves the PEFT folder's tokens."""
+    import gguf
+    from safetensors.torch import load_file
+
+    loaded, adapters, _ = setup
+    cfg = loaded.config
+    tensors = load_file(adapters["a1"] + "/adapter_model.safetensors")
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(tmp_path / "a1.gguf"), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    rank = json.loads((Path(adapters["a1"]) / "adapter_config.json").read_text())["r"]
+    writer.add_float32("adapter.lora.alpha", float(rank))
+    for key, value in sorted(tensors.items()):
+        parts = key.split(".")
+        layer, module, ab = int(parts[4]), parts[6], parts[7]
+        w = value.numpy()
+        if ab == "lora_B" and module in ("q_proj", "k_proj"):
+            w = _permute(w, cfg.num_heads if module == "q_proj" else cfg.num_kv_heads)
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{ab[-1].lower()}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    spec = read_adapter("g", str(tmp_path / "a1.gguf"), cfg, 16)
+    assert spec.format == "gguf" and spec.gguf_permuted_qk and spec.rank == rank
+    llm = make_llm(loaded, {"a1": adapters["a1"], "g": str(tmp_path / "a1.gguf")}, max_loras=2)
+    assert tokens(llm.generate(PROMPTS, GREEDY, lora="g")) == tokens(llm.generate(PROMPTS, GREEDY, lora="a1"))
