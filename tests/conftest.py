@@ -41,6 +41,19 @@ _CORPUS = [
 ]
 
 
+TORCH_THREADS = torch.get_num_threads()  # the machine's, before any test set it
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """torch's thread count is per process, and engines set it (`num_threads`; in-process replicas
+    each take their share of the cores): without this, every test after one of those would run
+    its torch work, transformers' oracle included, on fewer threads than the machine has."""
+    yield
+    if torch.get_num_threads() != TORCH_THREADS:
+        torch.set_num_threads(TORCH_THREADS)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Callable[[str], Path]:
     """Resolve a registry model name to a local file, pulling it on first use."""

@@ -14,7 +14,9 @@ The key covers everything that changes the packed bytes: the weights' sha256, dt
 quantization settings, Tessera's source and torch's version, and the host's part (the int4pack
 layout PyTorch uses on this CPU, and which of Tessera's kernels run here, which decides flags
 the layers keep): a cache directory shared by machines of different CPUs never hands one's
-tiles to the other. One file per model is kept.
+tiles to the other. Each model keeps the files of its KEEP_PER_MODEL most recently used settings
+(a machine that runs one model two ways, say a server and a float32 evaluation, does not repack
+at every start; older settings and Tessera versions are removed).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from tessera.layers.quantization import (DenseMethod, Int4Method, Int8Method, MX
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
+KEEP_PER_MODEL = 3
 _METHODS = {cls.__name__: cls for cls in (DenseMethod, Int4Method, Int8Method, Q6KMethod, Q4KMethod,
                                                   MXFP4Method)}
 _SIMPLE = (bool, int, float, str, type(None))
@@ -71,8 +74,8 @@ def _module_state(module: nn.Module) -> dict[str, Any]:
 
 
 def save(model: nn.Module, path: Path) -> None:
-    """Write the loaded model's state to `path` (temp file + rename); older files of the same
-    model (other settings or Tessera versions) are removed."""
+    """Write the loaded model's state to `path` (temp file + rename); the same model's files
+    beyond the KEEP_PER_MODEL most recently used are removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     states = {name: _module_state(m) for name, m in model.named_modules()}
@@ -84,11 +87,23 @@ def save(model: nn.Module, path: Path) -> None:
         logger.warning("could not write the packed-weight cache %s: %s", path, exc)
         tmp.unlink(missing_ok=True)
         return
-    for old in path.parent.glob(f"{path.name.split('-')[0]}-*.pt"):
-        if old != path:
-            old.unlink(missing_ok=True)
+    _drop_least_recent(path)
     logger.info("packed weights cached in %s (%.0f MiB, %.1f s); later starts map them",
                 path, path.stat().st_size / 2**20, time.perf_counter() - t0)
+
+
+def _drop_least_recent(path: Path) -> None:
+    """Remove the files of `path`'s model beyond the KEEP_PER_MODEL most recently used (restore
+    marks a file used by its modification time)."""
+    files = []
+    for f in path.parent.glob(f"{path.name.split('-')[0]}-*.pt"):
+        try:
+            files.append((f.stat().st_mtime, f))
+        except OSError:  # removed meanwhile by another process
+            continue
+    for _, old in sorted(files, reverse=True)[KEEP_PER_MODEL:]:
+        if old != path:
+            old.unlink(missing_ok=True)
 
 
 def restore(model: nn.Module, path: Path, quant: QuantConfig) -> bool:
@@ -104,6 +119,10 @@ def restore(model: nn.Module, path: Path, quant: QuantConfig) -> bool:
     if data.get("format") != FORMAT or states is None or set(states) != set(modules):
         logger.warning("ignoring the packed-weight cache %s: it does not match this model", path)
         return False
+    try:
+        os.utime(path)  # used now: kept over the model's less recent settings (_drop_least_recent)
+    except OSError:  # a read-only cache directory still serves
+        pass
     for name, state in states.items():
         module = modules[name]
         for key, value in state["attrs"].items():

@@ -211,7 +211,15 @@ class Run:
 
     def json(self, body: dict) -> Response:
         """A whole response, saying which model answered."""
-        return JSONResponse(body, headers={**self.route.headers(), **self.headers})
+        return JSONResponse(body, headers=self._response_headers())
+
+    def _response_headers(self) -> dict[str, str]:
+        """The route's headers and this request's, with values made printable ASCII: some carry
+        what the client sent (a hosted tool's type, a model name), and HTTP takes neither
+        characters beyond latin-1 nor line breaks there (non-ASCII and control characters go as
+        Python escapes)."""
+        return {k: v if v.isascii() and v.isprintable() else v.encode("unicode_escape").decode("ascii")
+                for k, v in {**self.route.headers(), **self.headers}.items()}
 
     def _note(self, outcome: str) -> None:
         """Why the request ended early, for the access log line."""
@@ -309,7 +317,7 @@ class Run:
         return StreamingResponse(self._events(gen, outputs, first, pending, renderer, framing),
                                  media_type=framing.media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          **self.route.headers(), **self.headers})
+                                          **self._response_headers()})
 
     async def _events(self, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
                       first: list[tuple[int, RequestOutput]], pending: Optional[asyncio.Future],

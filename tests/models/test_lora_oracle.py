@@ -4,13 +4,17 @@ Random-weight PEFT adapters (rank 8 and 64, plain and rsLoRA scaling, every proj
 are made by PEFT itself on the oracle model (the packaged GGUF dequantized, float32) and saved as
 PEFT saves them; Tessera serves the same file beside the same weights. The greedy tokens of each
 adapter must be the oracle's with that adapter applied, and a batch mixing the base and three
-adapters must give every request the tokens it gets alone.
+adapters must give every request the tokens it gets alone. The oracle's tokens are kept by a digest
+of the model file, the adapter's saved files and the prompts (tests/oracle_store.py).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from oracle_store import OracleStore, adapter_digest
 from test_models_oracle import _greedy_oracle, load_oracle
 from tessera.llm import LLM
 from tessera.sampling_params import SamplingParams
@@ -29,13 +33,14 @@ PROMPTS = ["def fibonacci(n):\n    ", "The capital of France is", "Translate to 
 TOKENS = 32
 
 
-def _make_adapters(oracle, folder, prompts_ids):
+def _make_adapters(oracle, folder: Path, prompts_ids, store: OracleStore):
     """Save each adapter as PEFT does and return {name: [greedy tokens per prompt]} from the oracle
     with it applied (and "base" without)."""
     from peft import LoraConfig, get_peft_model
 
     gen = torch.Generator().manual_seed(0)
-    expected = {"base": [_greedy_oracle(oracle, ids, TOKENS) for ids in prompts_ids]}
+    expected = {"base": store.tokens("greedy", [prompts_ids, TOKENS],
+                                     lambda: [_greedy_oracle(oracle, ids, TOKENS) for ids in prompts_ids])}
     for name, (rank, alpha, rs, targets) in ADAPTERS.items():
         model = get_peft_model(oracle, LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rs, target_modules=targets,
                                                   lora_dropout=0.0))
@@ -48,7 +53,8 @@ def _make_adapters(oracle, folder, prompts_ids):
                     p.copy_(torch.randn(p.shape, generator=gen) * (0.3 / (scale * rank ** 0.5)))
         model.save_pretrained(str(folder / name))
         model.eval()
-        expected[name] = [_greedy_oracle(model, ids, TOKENS) for ids in prompts_ids]
+        expected[name] = store.tokens("lora-greedy", [prompts_ids, TOKENS, adapter_digest(folder / name)],
+                                      lambda: [_greedy_oracle(model, ids, TOKENS) for ids in prompts_ids])
         oracle = model.unload()  # the base again, for the next adapter
     return oracle, expected
 
@@ -61,7 +67,7 @@ def served(request, model_path, tmp_path_factory):
               lora_dtype="float32", enable_prefix_caching=True)
     prompts_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     oracle = load_oracle(path)
-    _, expected = _make_adapters(oracle, folder, prompts_ids)
+    _, expected = _make_adapters(oracle, folder, prompts_ids, OracleStore(path))
     del oracle
     for name in ADAPTERS:  # served from now on, as /v1/load_lora_adapter does
         llm.add_lora(name, str(folder / name))

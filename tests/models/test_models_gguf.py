@@ -7,6 +7,7 @@ way a file can be unusable.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -216,7 +217,7 @@ def test_fuzzed_headers_are_refused_cleanly(tiny_gguf, data):
 
 def test_packed_weight_cache_maps_identical_weights(tiny_gguf, tessera_home, caplog):
     """The second load maps what the first packed: same outputs, tensors backed by the cache file;
-    a damaged cache file is ignored (and rewritten), and one file per model is kept."""
+    a damaged cache file is ignored (and rewritten)."""
     import logging
 
     caplog.set_level(logging.INFO)
@@ -242,8 +243,29 @@ def test_packed_weight_cache_maps_identical_weights(tiny_gguf, tessera_home, cap
     third = load_model(tiny_gguf, "float32", weight_cache=True)
     assert "ignoring the packed-weight cache" in caplog.text
     assert torch.equal(forward_single(first, ids), forward_single(third, ids))
-    load_model(tiny_gguf, "float32", quantization="int8", weight_cache=True)
-    assert len(list((tessera_home / "packed").glob("*.pt"))) == 1  # other settings replace the file
+
+
+def test_packed_weight_cache_keeps_a_models_most_recently_used_settings(tiny_gguf, tessera_home):
+    """Each setting gets its own file; beyond KEEP_PER_MODEL the least recently used (written or
+    mapped) is removed."""
+    from tessera.models.weight_cache import KEEP_PER_MODEL
+
+    def files() -> set[Path]:
+        return set((tessera_home / "packed").glob("*.pt"))
+
+    quantizations = ["auto", "int8", "none", "int4"]
+    written = []
+    for quantization in quantizations[:KEEP_PER_MODEL]:
+        load_model(tiny_gguf, "float32", quantization=quantization, weight_cache=True)
+        (new,) = files() - set(written)
+        written.append(new)
+    assert files() == set(written)
+    time.sleep(0.05)
+    load_model(tiny_gguf, "float32", quantization=quantizations[0], weight_cache=True)  # mapped: now the most recent
+    time.sleep(0.05)
+    load_model(tiny_gguf, "float32", quantization=quantizations[KEEP_PER_MODEL], weight_cache=True)
+    now = files()
+    assert len(now) == KEEP_PER_MODEL and written[0] in now and written[1] not in now
 
 
 def test_packed_weight_cache_restores_int8_layers(tiny_gguf, tessera_home):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from oracle_store import OracleStore
 from tessera.attention import get_backend
 from tessera.models.loader import LoadedModel, forward_single, load_model
 from tessera.models.registry import tessera_home
@@ -64,32 +65,35 @@ def load_oracle(path: Path):
 @pytest.fixture(scope="module", params=MODELS)
 def models(request, model_path):
     path = model_path(request.param)
-    yield (request.param, OracleModel(load_oracle(path)), load_model(path, "float32", quantization="none"),
+    yield (request.param, OracleModel(path), load_model(path, "float32", quantization="none"),
            load_model(path, "bfloat16", quantization="none"))
 
 
 class OracleModel:
-    """The oracle, with what it computed kept: the float32 and bfloat16 tests ask for the same
-    prompts' logits, the float32 and file-weights tests for the same greedy continuations."""
+    """The oracle of one model file, with what it computed kept (tests/oracle_store.py): the
+    float32 and bfloat16 tests ask for the same prompts' logits, the float32 and file-weights tests
+    for the same greedy continuations, and later runs for all of them again. transformers' model is
+    loaded only when something is not kept yet."""
 
-    def __init__(self, model) -> None:
-        self.model = model
-        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
-        self._greedy: dict[tuple[int, ...], list[int]] = {}
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.store = OracleStore(path)
+        self._model = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = load_oracle(self.path)
+        return self._model
 
     def last_logits(self, ids: list[int]) -> torch.Tensor:
-        key = tuple(ids)
-        if key not in self._logits:
+        def compute() -> torch.Tensor:
             with torch.no_grad():
-                self._logits[key] = self.model(torch.tensor([ids])).logits[0, -1].float()
-        return self._logits[key]
+                return self.model(torch.tensor([ids])).logits[0, -1].float()
+        return self.store.tensor("last-logits", ids, compute)
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
-        """The first n greedy tokens after `ids` (a longer run's prefix when one was computed)."""
-        known = self._greedy.get(tuple(ids), [])
-        if len(known) < n:
-            known = self._greedy[tuple(ids)] = _greedy_oracle(self.model, ids, n)
-        return known[:n]
+        return self.store.tokens("greedy", [[ids], n], lambda: [_greedy_oracle(self.model, ids, n)])[0]
 
 
 LONG_PROMPT = " ".join(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
+from oracle_store import hf_tokenizer
 from tessera.sampling_params import InvalidRequestError
 from tessera.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -122,11 +123,9 @@ END_OF_TURN = {"smollm2-135m": "<|im_end|>", "qwen2.5-coder-0.5b": "<|im_end|>",
 @pytest.mark.model
 @pytest.mark.parametrize("name", MODELS)
 def test_real_tokenizer_matches_transformers(model_path, name):
-    from transformers import AutoTokenizer
-
     path = model_path(name)
     tok = Tokenizer.from_gguf(path)
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = hf_tokenizer(path)
     for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>", "<start_of_turn>user\nhi<end_of_turn>"]:
         ids = tok.encode(text)
         assert ids == hf.encode(text)

@@ -10,6 +10,7 @@ ModelConfig (hidden 8, one head of 8).
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,18 @@ def write_peft(folder: Path, rank: int = 4, hidden: int = 8, q_out: int = 8) -> 
         tensors[f"{prefix}.{proj}.lora_B.weight"] = np.zeros((q_out, rank), np.float32)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     return folder
+
+
+def core_sees(srv: "Srv", check, timeout_s: float = 5.0) -> bool:
+    """Whether `check(core.loras)` holds within `timeout_s`: the engine hands adapters to its core
+    through the step loop's command queue, so the core sees them a moment after the endpoint answers
+    (requests sent after the answer are ordered behind them in that queue)."""
+    deadline = time.monotonic() + timeout_s
+    while not check(dict(srv.core.loras)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @dataclass
@@ -215,7 +228,7 @@ def test_load_serve_unload_an_adapter(srv, tmp_path):
     path = write_peft(tmp_path / "poet")
     r = load(srv, "poet", path)
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'poet' added successfully.")
-    assert "poet" in srv.core.loras and srv.core.loras["poet"].rank == 4  # the engine was given the checked spec
+    assert core_sees(srv, lambda loras: "poet" in loras and loras["poet"].rank == 4)  # given the checked spec
     assert _ask(srv.url, "chat", "poet") == ("poet", f"[poet] {REPLY}")
     cards = {c["id"]: c for c in httpx.get(f"{srv.url}/v1/models").json()["data"]}
     assert cards["poet"]["parent"] == MODEL and cards["poet"]["root"] == str(path)
@@ -226,7 +239,7 @@ def test_load_serve_unload_an_adapter(srv, tmp_path):
 
     r = unload(srv, "poet")
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'poet' removed successfully.")
-    assert "poet" not in srv.core.loras
+    assert core_sees(srv, lambda loras: "poet" not in loras)
     r = chat(srv, "poet")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = unload(srv, "poet")

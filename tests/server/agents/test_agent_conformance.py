@@ -194,6 +194,21 @@ def test_codex_requests_answered(server, path, stream):
     assert response["store"] is False and response["status"] in ("completed", "incomplete")
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/chat/completions", "/v1/messages"])
+def test_an_unknown_tool_type_beyond_latin_1_is_named_escaped(server, route, stream):
+    """The ignored tools' header names what the client sent: HTTP headers take neither characters
+    beyond latin-1 nor line breaks (this was a 500 found by schemathesis)."""
+    body = {"model": NAME, "tools": [{"type": "Ā\nx"}], "stream": stream}
+    body.update({"input": "hi", "max_output_tokens": 4} if route == "/v1/responses" else
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    if route == "/v1/messages":  # Anthropic's server tools have a name besides the type
+        body["tools"][0]["name"] = "x"
+    r = httpx.post(f"{server}{route}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers[IGNORED_TOOLS_HEADER] == "\\u0100\\nx"
+
+
 # ----------------------------------------------------------------------------- tool round trips
 
 
