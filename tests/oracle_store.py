@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -80,19 +81,39 @@ def adapter_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
+def _kept(name: str, load: Callable[[str], T], build: Callable[[], T]) -> T:
+    """`load` of the folder $TESSERA_HOME/test-oracles/`name` when a whole one is there, else
+    `build()` saved there (as transformers saves it) for the next run."""
+    cached = tessera_home() / "test-oracles" / name
+    if cached.is_dir():
+        return load(str(cached))
+    value = build()
+    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    value.save_pretrained(str(partial))
+    os.replace(partial, cached)  # whole or absent: an interrupted save is never read
+    return value
+
+
+def load_oracle(model_file: Path):
+    """transformers' model of the GGUF file, dequantized, in float32. Reading a GGUF file through
+    transformers is slow (its reader walks the metadata in Python: 35 s for SmolLM2, two minutes
+    for Gemma 3's 262k-token vocabulary on 2 cores), so the converted model is kept."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    return _kept(f"{model_file.name}-{model_file.stat().st_size}",
+                 lambda folder: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+                 lambda: AutoModelForCausalLM.from_pretrained(
+                     str(model_file.parent), gguf_file=model_file.name,
+                     quantization_config=GgufConfig(dequantize=True), dtype=torch.float32).eval())
+
+
 def hf_tokenizer(model_file: Path):
-    """transformers' tokenizer of a GGUF file, kept as transformers saves it: reading it from the
-    GGUF walks the metadata in Python (20 s for Gemma 3's 262k-token vocabulary on 2 cores), reading
-    the saved one takes a second."""
+    """transformers' tokenizer of a GGUF file: reading it from the GGUF walks the metadata in Python
+    (20 s for Gemma 3's 262k-token vocabulary on 2 cores), reading the saved one takes a second."""
     import transformers
     from transformers import AutoTokenizer
 
-    cached = tessera_home() / "test-oracles" / (
-        f"tokenizer-{model_file.name}-{model_file.stat().st_size}-{transformers.__version__}")
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_file.parent), gguf_file=model_file.name)
-    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
-    tokenizer.save_pretrained(str(partial))
-    os.replace(partial, cached)  # whole or absent
-    return tokenizer
+    return _kept(f"tokenizer-{model_file.name}-{model_file.stat().st_size}-{transformers.__version__}",
+                 AutoTokenizer.from_pretrained,
+                 lambda: AutoTokenizer.from_pretrained(str(model_file.parent), gguf_file=model_file.name))

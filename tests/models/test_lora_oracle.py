@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oracle_store import OracleStore, adapter_digest
-from test_models_oracle import _greedy_oracle, load_oracle
+from oracle_store import OracleStore, adapter_digest, load_oracle
+from test_models_oracle import _greedy_oracle
 from tessera.llm import LLM
 from tessera.sampling_params import SamplingParams
 

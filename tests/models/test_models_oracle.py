@@ -16,16 +16,14 @@ layer pattern and local RoPE base a GGUF file does not record.
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from oracle_store import OracleStore
+from oracle_store import OracleStore, load_oracle
 from tessera.attention import get_backend
 from tessera.models.loader import LoadedModel, forward_single, load_model
-from tessera.models.registry import tessera_home
 
 pytestmark = pytest.mark.model
 
@@ -39,27 +37,6 @@ PROMPTS = [
 F32_ATOL = 1e-3
 BF16_ATOL = 1.0
 GREEDY_TOKENS = 32
-
-
-def load_oracle(path: Path):
-    """transformers' model of the GGUF file, dequantized, in float32. Reading a GGUF file through
-    transformers is slow (its reader walks the metadata in Python: 35 s for SmolLM2, two minutes
-    for Gemma 3's 262k-token vocabulary on 2 cores), so the converted model is kept, as
-    safetensors, under $TESSERA_HOME/test-oracles by file name and size; later runs load that."""
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    cached = tessera_home() / "test-oracles" / f"{path.name}-{path.stat().st_size}"
-    if (cached / "config.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
-    oracle = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.float32,
-    ).eval()
-    partial = cached.with_name(cached.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    oracle.save_pretrained(str(partial))
-    partial.rename(cached)  # whole or absent: an interrupted save is never read
-    return oracle
 
 
 @pytest.fixture(scope="module", params=MODELS)
