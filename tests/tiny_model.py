@@ -104,3 +104,32 @@ def make_tiny_bert(path: Path, pooling: str = "mean", max_seq_length: int = 24, 
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
                                                                 "do_lower_case": False}))
     return path
+
+
+# A PEFT adapter's module names by Tessera's projection kinds.
+HF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+      "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def write_peft(folder: Path, config, rank: int, seed: int, kinds=tuple(HF), scale_b: float = 0.3, **cfg) -> str:
+    """A PEFT adapter folder of random A and B for a model of `config` (its layers' shapes), on the
+    projections `kinds`; `cfg`: more adapter_config.json fields. Returns the folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tessera.models.adapters import expected_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for kind in kinds:
+            out, inp = expected_shapes(config, kind)
+            key = f"base_model.model.model.layers.{layer}.{HF[kind]}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * scale_b
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                            "target_modules": [HF[k].split(".")[1] for k in kinds],
+                                                            **cfg}))
+    return str(folder)

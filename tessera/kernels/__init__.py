@@ -26,7 +26,7 @@ from tessera.kernels.bindings import (INT4_F32_MAX_ROWS, INT4_GEMM_MAX_ROWS, INT
                                       INT8_GEMV_MAX_ROWS, KQUANT_MAX_ROWS, MXFP4_MAX_ROWS, LINEAR_INT4, LINEAR_INT4_I8, LINEAR_INT8,
                                       LINEAR_Q4K, LINEAR_Q6K, MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM,
                                       MAX_KEY_BIAS_PAIRS, MAX_NORM_HIDDEN, PREFILL_MAX_HEAD_DIM, ROT_HADAMARD,
-                                      ROT_MATRIX, ROT_NONE, DecodeDims, DecodeLayer, LinearOperand)
+                                      ROT_MATRIX, ROT_NONE, DecodeDims, DecodeLayer, LinearOperand, LoRAStep)
 from tessera.kernels.library import (CFLAGS, HEADERS, SOURCES, KernelUnavailable, available, build,  # noqa: F401
                                      calls, kernel_dir, library_path, load, main)
 
@@ -513,16 +513,17 @@ def decode_step_workspace_bytes(layers: "ctypes.Array[DecodeLayer]", dims: Decod
 def decode_step_bf16(layers: "ctypes.Array[DecodeLayer]", dims: DecodeDims, final_norm: torch.Tensor,
                      x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int, slots: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                     workspace: torch.Tensor) -> bool:
+                     workspace: torch.Tensor, lora: Optional[LoRAStep] = None) -> bool:
     """Run every layer of a llama-family decode step over x [M, H] bfloat16 in place (embeddings in,
     the final norm's output out); see decode_step.c. cos/sin [M, D] bfloat16, slots [M] and seq_lens
     [M] int64, block_tables [M, max_blocks] int64, all contiguous; `workspace` at least
-    decode_step_workspace_bytes. False when a kernel refused its arguments."""
+    decode_step_workspace_bytes; `lora`: the rows' adapters, or None. False when a kernel refused its
+    arguments."""
     return calls().decode_step_bf16(
         layers=ctypes.addressof(layers), L=len(layers), d=ctypes.byref(dims), final_norm=final_norm.data_ptr(),
         M=x.shape[0], x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), half=half, slots=slots.data_ptr(),
         block_tables=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(), max_len=max_len,
-        workspace=workspace.data_ptr()) == 0
+        workspace=workspace.data_ptr(), lora=None if lora is None else ctypes.addressof(lora)) == 0
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, row_slots: int, a_ptrs: int, b_ptrs: int, ranks: int,

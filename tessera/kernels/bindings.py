@@ -40,7 +40,8 @@ class LinearOperand(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_pad", ctypes.c_int64),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64), ("int8_gemm", ctypes.c_int64),
-                ("max_rows", ctypes.c_int64)]
+                ("max_rows", ctypes.c_int64), ("lora_a", ctypes.c_void_p), ("lora_b", ctypes.c_void_p),
+                ("lora_ends", ctypes.c_void_p), ("lora_parts", ctypes.c_int64)]
 
 
 class DecodeLayer(ctypes.Structure):
@@ -60,7 +61,14 @@ class DecodeDims(ctypes.Structure):
                 ("scale", ctypes.c_double)]
 
 
-STRUCTS = {"linear_t": LinearOperand, "layer_t": DecodeLayer, "dims_t": DecodeDims}
+class LoRAStep(ctypes.Structure):
+    """A step's LoRA rows for decode_step_bf16 (lora_step_t): lora_add's per-step arguments."""
+
+    _fields_ = [("row_slots", ctypes.c_void_p), ("ranks", ctypes.c_void_p), ("num_slots", ctypes.c_int64),
+                ("t", ctypes.c_void_p), ("t_stride", ctypes.c_int64), ("w_bf16", ctypes.c_int64)]
+
+
+STRUCTS = {"linear_t": LinearOperand, "layer_t": DecodeLayer, "dims_t": DecodeDims, "lora_step_t": LoRAStep}
 
 
 # ---- Functions ----
@@ -154,7 +162,8 @@ SIGNATURES: dict[str, Signature] = {
     "silu_mul_bf16": _sig(None, ("gu", P), ("out", P), ("M", I64), ("I", I64)),
     "decode_step_bf16": _sig(
         INT, ("layers", P), ("L", I64), ("d", P), ("final_norm", P), ("M", I64), *_names(P, "x", "cos", "sin"),
-        ("half", I64), *_names(P, "slots", "block_tables", "seq_lens"), ("max_len", I64), ("workspace", P)),
+        ("half", I64), *_names(P, "slots", "block_tables", "seq_lens"), ("max_len", I64), ("workspace", P),
+        ("lora", P)),
     # lora.c
     "lora_add": _sig(
         INT, ("x", P), ("x_stride", I64), ("y", P), ("y_stride", I64), ("x_bf16", INT), ("w_bf16", INT),

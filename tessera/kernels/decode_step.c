@@ -12,7 +12,8 @@
  *
  * The caller (models/fused_decode.py) checks what this handles: int4pack (AVX-512 layout),
  * int8-group or Q4_K / Q6_K (kquant_gemm.c) projections, a bias on the QKV projection only, a bfloat16 paged cache
- * [2][Hkv][num_blocks][block_size][D], neox RoPE tables, no sliding window.
+ * [2][Hkv][num_blocks][block_size][D], neox RoPE tables, no sliding window. Rows of LoRA adapters
+ * get their updates beside every projection (lora.c), so a step with adapters stays one call.
  */
 #include <math.h>
 #include <stdint.h>
@@ -70,8 +71,10 @@ int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims
     return bytes;
 }
 
-/* out [M, n] = x [M, k] W^T (+ bias), through the kernel the module path picks for this row count. */
-static int linear(const linear_t *l, const uint16_t *x, int64_t M, uint16_t *out, float *scratch) {
+/* out [M, n] = x [M, k] W^T (+ bias) (+ the rows' LoRA updates), through the kernel the module path
+ * picks for this row count; the adapters' update after the bias, as layers/linear.py adds it. */
+static int linear(const linear_t *l, const uint16_t *x, int64_t M, uint16_t *out, float *scratch,
+                  const lora_step_t *lora) {
     if (l->max_rows && M > l->max_rows) return -1;
     if (l->kind == LINEAR_Q4K || l->kind == LINEAR_Q6K) {
         for (int64_t i = 0; i < M; i += KQ_ROWS_PER_CALL) {
@@ -109,6 +112,10 @@ static int linear(const linear_t *l, const uint16_t *x, int64_t M, uint16_t *out
             for (int64_t j = 0; j < l->n; j++) y[j] = f32_to_bf16(bf16_to_f32(y[j]) + bf16_to_f32(l->bias[j]));
         }
     }
+    if (lora && l->lora_a &&
+        lora_add(x, l->k, out, l->n, 1, (int)lora->w_bf16, M, l->k, l->n, lora->row_slots, l->lora_a, l->lora_b,
+                 lora->ranks, lora->num_slots, l->lora_ends, l->lora_parts, lora->t, lora->t_stride) != 0)
+        return -1;
     return 0;
 }
 
@@ -162,12 +169,14 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
  * slots:        [M] int64 cache slot of each row's new token
  * block_tables: [M, max_blocks] int64; seq_lens: [M] int64 (context including the new token)
  * workspace:    decode_step_workspace_bytes(...) bytes
+ * lora:         the rows' adapters (lora.c adds them beside each projection), or NULL: none
  * Returns 0, or -1 when a kernel refused its arguments (nothing is then left half-written that
  * the module path would not overwrite: the caller reruns the step there).
  */
 int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const uint16_t *final_norm, int64_t M,
                      uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
-                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace) {
+                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
+                     const lora_step_t *lora) {
     const int64_t H = d->hidden, D = d->head_dim, nq = d->num_heads, nkv = d->num_kv_heads, I = d->intermediate;
     const int64_t qkv_n = (nq + 2 * nkv) * D;
     const int64_t plane = d->num_blocks * d->block_size;
@@ -192,7 +201,7 @@ int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const ui
         } else {
             rms_norm_bf16(x, residual, ly->input_norm, h, M, H, eps);
         }
-        if (linear(&ly->qkv, h, M, qkv, scratch) != 0) return -1;
+        if (linear(&ly->qkv, h, M, qkv, scratch, lora) != 0) return -1;
         for (int64_t r = 0; r < M; r++) {
             uint16_t *row = qkv + r * qkv_n;
             for (int64_t j = 0; j < nq + nkv; j++) rope_head(row + j * D, cos + r * D, sin + r * D, D, half);
@@ -204,11 +213,11 @@ int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const ui
         }
         paged_decode_attention(qkv, qkv_n, ly->kv_cache, 1, block_tables, seq_lens, attn, M, nq, nkv, D,
                                d->num_blocks, d->block_size, d->max_blocks, (float)d->scale, 0, NULL, scores, max_len);
-        if (linear(&ly->o, attn, M, x, scratch) != 0) return -1;
+        if (linear(&ly->o, attn, M, x, scratch, lora) != 0) return -1;
         rms_norm_bf16(x, residual, ly->post_norm, h, M, H, eps);
-        if (linear(&ly->gate_up, h, M, gu, scratch) != 0) return -1;
+        if (linear(&ly->gate_up, h, M, gu, scratch, lora) != 0) return -1;
         for (int64_t r = 0; r < M; r++) silu_mul(gu + r * 2 * I, act + r * I, I);
-        if (linear(&ly->down, act, M, x, scratch) != 0) return -1;
+        if (linear(&ly->down, act, M, x, scratch, lora) != 0) return -1;
     }
     rms_norm_bf16(x, residual, final_norm, x, M, H, eps);
     return 0;

@@ -30,7 +30,7 @@ enum { ROT_NONE = 0, ROT_MATRIX = 1, ROT_HADAMARD = 2 };
 #define KQUANT_MAX_ROWS 8
 #define MXFP4_MAX_ROWS 64
 
-/* ---- Structs (bindings.py's LinearOperand, DecodeLayer, DecodeDims: same fields, same order) ---- */
+/* ---- Structs (bindings.py's LinearOperand, DecodeLayer, DecodeDims, LoRAStep: same fields, same order) ---- */
 
 /* One projection's weight as its QuantMethod stores it (all fields 8 bytes). */
 typedef struct {
@@ -44,7 +44,21 @@ typedef struct {
     int64_t group;         /* int8: values per scale */
     int64_t int8_gemm;     /* int8: int8_gemm_bf16 may take steps of 3+ rows */
     int64_t max_rows;      /* rows past which the module path multiplies another way (0: none); more refused */
+    const int64_t *lora_a, *lora_b; /* the projection's LoRA slots (layers/lora.py's LoRATable): At and Bt
+                                       addresses per slot, or NULL where no adapter can reach it */
+    const int64_t *lora_ends;       /* [lora_parts] ends of its parts' outputs (Q, K, V or gate, up) */
+    int64_t lora_parts;
 } linear_t;
+
+/* A step's LoRA rows for decode_step_bf16 (lora_add's per-step arguments, layers/lora.py's LoRASlots). */
+typedef struct {
+    const int32_t *row_slots; /* [M] each row's slot, -1: the base */
+    const int64_t *ranks;     /* [num_slots] */
+    int64_t num_slots;
+    float *t;                 /* [M][t_stride] scratch of the shrunk rows */
+    int64_t t_stride;
+    int64_t w_bf16;           /* the adapters' weights are bfloat16 (else float32) */
+} lora_step_t;
 
 /* One decoder layer of decode_step_bf16. */
 typedef struct {
@@ -143,7 +157,8 @@ int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims
 void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I);
 int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const uint16_t *final_norm, int64_t M,
                      uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
-                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace);
+                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
+                     const lora_step_t *lora);
 
 /* ---- lora.c ---- */
 int lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride, int x_bf16, int w_bf16, int64_t M,

@@ -78,7 +78,8 @@ class LoRATable:
         self.part_ends = torch.tensor(output_sizes, dtype=torch.int64).cumsum(0)
         self.a_ptrs = torch.zeros(slots.max_loras, dtype=torch.int64)
         self.b_ptrs = torch.zeros(slots.max_loras, dtype=torch.int64)
-        self._addresses = (self.a_ptrs.data_ptr(), self.b_ptrs.data_ptr(), self.part_ends.data_ptr(), self.num_parts)
+        # What every kernel call passes for this projection (lora.c; the C decode step keeps them too).
+        self.addresses = (self.a_ptrs.data_ptr(), self.b_ptrs.data_ptr(), self.part_ends.data_ptr(), self.num_parts)
         self._held: list[Optional[tuple[Tensor, Tensor]]] = [None] * slots.max_loras
         self._dense_cache: list[Optional[tuple[Tensor, Tensor]]] = [None] * slots.max_loras
 
@@ -99,7 +100,7 @@ class LoRATable:
         if slots.native and x.shape[0] <= NATIVE_MAX_ROWS and x.dtype == y.dtype \
                 and x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1 and y.stride(1) == 1:
             rows_p, ranks_p, num_slots, scratch_p, width = slots.step_args
-            a_p, b_p, ends_p, parts = self._addresses
+            a_p, b_p, ends_p, parts = self.addresses
             kernels.lora_add(x, y, rows_p, a_p, b_p, ranks_p, num_slots, ends_p, parts, scratch_p, width,
                              slots.dtype == torch.bfloat16)
             return

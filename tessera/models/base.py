@@ -16,6 +16,7 @@ from torch import Tensor
 
 from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
+from tessera.layers.lora import LoRASlots
 
 
 class CausalLM(Protocol):
@@ -55,10 +56,10 @@ class FusedDecodeStep(Protocol):
         ...
 
     def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-            meta: AttentionMetadata) -> Optional[Tensor]:
-        """The step's final hidden states, as the modules' forward returns them, or None when a
-        kernel refused at run time: the caller then runs the modules, which rewrite every cache
-        slot the refused call wrote."""
+            meta: AttentionMetadata, lora: Optional[LoRASlots] = None) -> Optional[Tensor]:
+        """The step's final hidden states, as the modules' forward returns them (with the rows'
+        adapters in `lora` applied), or None when a kernel refused at run time: the caller then
+        runs the modules, which rewrite every cache slot the refused call wrote."""
         ...
 
 

@@ -5,7 +5,8 @@ cost more in dispatch than their arithmetic (SmolLM2-135M: ~600 calls a token, o
 microseconds each, against ~3 ms of weight reads). The C step runs the same kernels in the
 same order with the same bfloat16 roundings, so it is a faster route to the same result,
 taken only where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host, int4,
-int8-group or Q4_K/Q6_K projections, the paged backend's bfloat16 cache, decode-only steps. Everything
+int8-group or Q4_K/Q6_K projections, the paged backend's bfloat16 cache, decode-only steps, rows of
+LoRA adapters among them (lora.c beside each projection, as layers/linear.py adds them). Everything
 else (prefill, mixed steps, other weight formats, int8 caches) runs the modules.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tessera import kernels
 from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from tessera.layers.lora import LoRASlots
 
 # Rows per step taken in C: int4_gemm_bf16's limit, past which the module path's dense matmuls win.
 MAX_ROWS = 64
@@ -63,6 +65,8 @@ class FusedDecode:
         self.max_rows = max_rows  # past it some projection's module path multiplies another way
         self._caches: Optional[tuple[int, ...]] = None  # the cache addresses `layers` holds
         self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._lora_step = kernels.LoRAStep()
+        self._lora_tables: list = []  # the LoRA tables whose addresses `layers` holds (kept alive here)
 
     @classmethod
     def build(cls, parts: DecoderParts) -> Optional["FusedDecode"]:
@@ -111,12 +115,42 @@ class FusedDecode:
             layer.kv_cache = p
         self._caches = ptrs
 
+    def _lora_tables_now(self) -> list:
+        return [lin.lora for layer in self.parts.layers
+                for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+    def _bind_lora(self, tables: list) -> None:
+        """Point each projection at its LoRA table (made when adapters were enabled, after this
+        plan; the tables' address arrays stay where they are while slots change hands)."""
+        ops = [op for row in self.layers for op in (row.qkv, row.o, row.gate_up, row.down)]
+        for table, op in zip(tables, ops):
+            if table is None:
+                op.lora_a = op.lora_b = op.lora_ends = None
+                op.lora_parts = 0
+            else:
+                op.lora_a, op.lora_b, op.lora_ends, op.lora_parts = table.addresses
+        self._lora_tables = tables
+
+    def _lora_args(self, lora: LoRASlots) -> kernels.LoRAStep:
+        """This step's lora_step_t. The projections' tables are checked by identity each step, as
+        an engine made again on the same loaded model gives them new ones."""
+        tables = self._lora_tables_now()
+        if any(a is not b for a, b in zip(tables, self._lora_tables)) or len(tables) != len(self._lora_tables):
+            self._bind_lora(tables)
+        rows_p, ranks_p, num_slots, scratch_p, width = lora.step_args
+        step = self._lora_step
+        step.row_slots, step.ranks, step.num_slots, step.t, step.t_stride = rows_p, ranks_p, num_slots, scratch_p, width
+        step.w_bf16 = int(lora.dtype == torch.bfloat16)
+        return step
+
     def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-            meta: AttentionMetadata) -> Optional[Tensor]:
+            meta: AttentionMetadata, lora: Optional[LoRASlots] = None) -> Optional[Tensor]:
         """The final hidden states [M, H] of a decode step, or None if a kernel refused (the caller
-        then runs the modules, which rewrite every cache slot this step wrote)."""
+        then runs the modules, which rewrite every cache slot this step wrote). `lora`: the step's
+        adapters, when some row has one."""
         parts = self.parts
         self._bind_caches(kv_caches)
+        lora_args = self._lora_args(lora) if lora is not None and lora.active else None
         m = input_ids.shape[0]
         x = parts.embed.embed(input_ids).contiguous()
         cos, sin = parts.rotary(positions)
@@ -133,5 +167,5 @@ class FusedDecode:
             self._workspace = torch.empty(max(need, 2 * self._workspace.numel()), dtype=torch.uint8)
         ok = kernels.decode_step_bf16(self.layers, self.dims, parts.final_norm.weight, x, cos, sin,
                                       parts.rotary.half, meta.slot_mapping.contiguous(), tables, seq_lens,
-                                      max_len, self._workspace)
+                                      max_len, self._workspace, lora_args)
         return x if ok else None

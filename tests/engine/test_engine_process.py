@@ -168,7 +168,7 @@ def test_lora_adapter_added_at_run_time_serves_across_the_process(config, tmp_pa
     tokens the in-process engine gives, and an unknown adapter is a 400-class refusal."""
     import dataclasses
 
-    from test_lora_engine import write_peft
+    from tiny_model import write_peft
 
     from tessera.llm import LLM
     from tessera.models.adapters import read_adapter

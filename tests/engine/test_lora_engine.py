@@ -12,38 +12,17 @@ from unittest import mock
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from safetensors.torch import save_file
 
 from tessera.errors import AdapterError
 from tessera.layers import lora as lora_layer
 from tessera.layers.lora import LoRASlots, LoRATable
 from tessera.llm import LLM
-from tessera.models.adapters import expected_shapes, read_adapter
+from tessera.models.adapters import read_adapter
 from tessera.sampling_params import SamplingParams
 
-from tiny_model import make_tiny_model
+from tiny_model import make_tiny_model, write_peft
 
-HF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-      "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-def write_peft(folder, config, rank: int, seed: int, kinds=tuple(HF), scale_b: float = 0.3, **cfg) -> str:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for kind in kinds:
-            out, inp = expected_shapes(config, kind)
-            key = f"base_model.model.model.layers.{layer}.{HF[kind]}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * scale_b
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                                                            "target_modules": [HF[k].split(".")[1] for k in kinds],
-                                                            **cfg}))
-    return str(folder)
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

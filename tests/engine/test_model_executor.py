@@ -26,7 +26,7 @@ class FakeStep:
     def applies(self, input_ids, kv_caches, meta) -> bool:
         return self.applies_to
 
-    def run(self, input_ids, positions, kv_caches, meta) -> Optional[torch.Tensor]:
+    def run(self, input_ids, positions, kv_caches, meta, lora=None) -> Optional[torch.Tensor]:
         self.runs += 1
         return self.result
 

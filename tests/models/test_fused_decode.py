@@ -132,6 +132,38 @@ def test_greedy_generation_is_unchanged(arch, tmp_path):
     assert with_c == without
 
 
+def test_adapter_rows_take_the_c_step_with_the_modules_tokens(tmp_path):
+    """Decode rows of LoRA adapters beside base rows: the C step adds each row's adapter beside every
+    projection (lora.c), and greedy tokens are those of the modules (which add them in
+    layers/linear.py); an adapter the C step ignored would give the base's tokens instead."""
+    from tiny_model import write_peft
+
+    folder = make_tiny_model(tmp_path / "llama", arch="llama", shape=SHAPE, std=0.25)
+    llm, model = _model(folder, "int4")
+    adapters = {f"a{i}": write_peft(tmp_path / f"a{i}", model.config, 8, seed=i) for i in range(2)}
+    opts = dict(loaded=llm.engine.loaded, dtype="bfloat16", quantization="int4", max_model_len=256,
+                enable_lora=True, max_lora_rank=8, lora_modules=[f"{n}={p}" for n, p in adapters.items()])
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 30))] for _ in range(3)]
+    batch = [p for p in prompts for _ in range(3)]
+    names = [n for _ in prompts for n in (None, *adapters)]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    with_c = LLM(str(folder), **opts)
+    executor = with_c.engine.runner.executor
+    taken = []
+    real_run = executor.c_decode.run
+    executor.c_decode.run = lambda *args: taken.append(args[4] is not None and args[4].active) or real_run(*args)
+    got = [o.outputs[0].token_ids for o in with_c.generate(batch, greedy, lora=names)]
+    assert any(taken), "no decode step with adapter rows took the C step"
+
+    eager = LLM(str(folder), enforce_eager=True, **opts)
+    assert eager.engine.runner.executor.c_decode is None
+    want = [o.outputs[0].token_ids for o in eager.generate(batch, greedy, lora=names)]
+    assert len({str(want[i]) for i in range(3)}) == 3, "each adapter must change the tokens"
+    assert got == want
+
+
 def test_enforce_eager_runs_the_modules(folder):
     from tessera.engine.args import add_engine_args, config_from_args
     import argparse

@@ -13,6 +13,7 @@ from typing import Optional
 from torch import Tensor
 
 from tessera.attention.base import AttentionMetadata
+from tessera.layers.lora import LoRASlots
 from tessera.models.base import ExecutionPath, FusedDecodeStep, ModelBase
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,11 @@ class ModelExecutor:
         return ExecutionPath.MODULES
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list, meta: AttentionMetadata,
-                adapters: bool = False) -> Tensor:
-        """The step's final hidden states, one row per token. `adapters`: some rows run through
-        LoRA adapters, which only the modules add (the C decode step has no place for them)."""
-        if self.c_decode is not None and not adapters and \
-                self.path_for(input_ids, kv_caches, meta) is ExecutionPath.C_DECODE:
-            hidden = self.c_decode.run(input_ids, positions, kv_caches, meta)
+                lora: Optional[LoRASlots] = None) -> Tensor:
+        """The step's final hidden states, one row per token. `lora`: the step's adapters, when
+        some rows run through one (both paths add them)."""
+        if self.c_decode is not None and self.path_for(input_ids, kv_caches, meta) is ExecutionPath.C_DECODE:
+            hidden = self.c_decode.run(input_ids, positions, kv_caches, meta, lora)
             if hidden is not None:
                 return hidden
         return self.model(input_ids, positions, kv_caches, meta)

@@ -200,7 +200,8 @@ class ModelRunner(ModelRunnerBase):
         try:
             hidden = self.executor.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                                            torch.tensor(positions, dtype=torch.long, device=self.device),
-                                           self.kv_caches, meta, adapters=bool(slot_of))
+                                           self.kv_caches, meta,
+                                           lora=self.lora.model.slots if slot_of else None)
         finally:
             if slot_of:
                 self.lora.model.slots.begin_step(None)
