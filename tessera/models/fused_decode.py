@@ -66,7 +66,7 @@ class FusedDecode:
         self._caches: Optional[tuple[int, ...]] = None  # the cache addresses `layers` holds
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._lora_step = kernels.LoRAStep()
-        self._lora_tables: list = []  # the LoRA tables whose addresses `layers` holds (kept alive here)
+        self._lora_bound: Optional[tuple[LoRASlots, list]] = None  # the slots and tables `layers` points at
 
     @classmethod
     def build(cls, parts: DecoderParts) -> Optional["FusedDecode"]:
@@ -115,13 +115,13 @@ class FusedDecode:
             layer.kv_cache = p
         self._caches = ptrs
 
-    def _lora_tables_now(self) -> list:
-        return [lin.lora for layer in self.parts.layers
-                for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-
-    def _bind_lora(self, tables: list) -> None:
-        """Point each projection at its LoRA table (made when adapters were enabled, after this
-        plan; the tables' address arrays stay where they are while slots change hands)."""
+    def _bind_lora(self, lora: LoRASlots) -> None:
+        """Point each projection at its LoRA table. The tables are made with their `LoRASlots` when
+        adapters are enabled (after this plan; again for an engine made anew on the same loaded
+        model), and their address arrays stay put while slots change hands: binding is per slots
+        object, not per step."""
+        tables = [lin.lora for layer in self.parts.layers
+                  for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         ops = [op for row in self.layers for op in (row.qkv, row.o, row.gate_up, row.down)]
         for table, op in zip(tables, ops):
             if table is None:
@@ -129,14 +129,12 @@ class FusedDecode:
                 op.lora_parts = 0
             else:
                 op.lora_a, op.lora_b, op.lora_ends, op.lora_parts = table.addresses
-        self._lora_tables = tables
+        self._lora_bound = (lora, tables)  # kept alive while `layers` holds their addresses
 
     def _lora_args(self, lora: LoRASlots) -> kernels.LoRAStep:
-        """This step's lora_step_t. The projections' tables are checked by identity each step, as
-        an engine made again on the same loaded model gives them new ones."""
-        tables = self._lora_tables_now()
-        if any(a is not b for a, b in zip(tables, self._lora_tables)) or len(tables) != len(self._lora_tables):
-            self._bind_lora(tables)
+        """This step's lora_step_t."""
+        if self._lora_bound is None or self._lora_bound[0] is not lora:
+            self._bind_lora(lora)
         rows_p, ranks_p, num_slots, scratch_p, width = lora.step_args
         step = self._lora_step
         step.row_slots, step.ranks, step.num_slots, step.t, step.t_stride = rows_p, ranks_p, num_slots, scratch_p, width
