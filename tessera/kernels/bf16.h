@@ -2,6 +2,7 @@
 #ifndef TESSERA_BF16_H
 #define TESSERA_BF16_H
 #include <stdint.h>
+#include "simd.h"
 
 static inline float bf16_to_f32(uint16_t v) {
     union { uint32_t u; float f; } x;
@@ -27,8 +28,7 @@ static inline void store_column(void *out, int64_t N, int64_t n, const float *su
     }
 }
 
-#if defined(__AVX2__)
-#include <immintrin.h>
+#if TESSERA_AVX2
 /* The sum of an AVX register's 8 floats. */
 static inline float hsum_ps256(__m256 v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -96,6 +96,8 @@ _KQ_DEQUANT_INT8 = (("col", P), ("out", P), ("rs", P), ("N", I64), ("K", I64))
 _FEATURE = _sig(INT)  # 1 when this build has a vector path, else 0
 
 SIGNATURES: dict[str, Signature] = {
+    # variant.c
+    "tessera_variant": _sig(ctypes.c_char_p),
     # paged_attention.c
     "paged_decode_attention": _sig(
         None, ("q", P), ("q_stride", I64), ("cache", P), ("is_bf16", INT), ("block_tables", P), ("seq_lens", P),

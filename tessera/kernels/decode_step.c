@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "simd.h"
 
 #include "bf16.h"
 #include "softmax.h"
@@ -135,7 +136,7 @@ static void rope_head(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int
 static void silu_mul(const uint16_t *g, uint16_t *a, int64_t I) {
     const uint16_t *u = g + I;
     int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if TESSERA_AVX512_BF16
     for (; i + 16 <= I; i += 16) {
         const __m512 gv = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i))), 16));

@@ -15,11 +15,11 @@
  * 32t + 16 + c in its high nibble. sz is [K/32][N_pad][2] float32 (scale, zero) pairs.
  */
 #include <stdint.h>
+#include "simd.h"
 
 #include "bf16.h"
 #include "tessera_kernels.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if TESSERA_AVX2
 #define HAVE_AVX2_FMA 1
 #endif
 

@@ -10,8 +10,8 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "simd.h"
+#if TESSERA_AVX512_BF16
 #define HAVE_AVX512 1
 #endif
 
@@ -170,7 +170,7 @@ int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz,
  * Work is split across torch's OpenMP threads by half tile (32 output rows), each running blocks of
  * up to I8_MB activation rows over its codes (which stay in L1). x: [M, K] bf16; scratch:
  * int4_i8_scratch_bytes(M, K) bytes. */
-#if defined(HAVE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(HAVE_AVX512) && TESSERA_AVX512_VNNI && TESSERA_AVX512_VBMI
 #define HAVE_INT4_I8 1
 #define I8_MB 6
 #define I8_CHUNK 96 /* a multiple of I8_MB */

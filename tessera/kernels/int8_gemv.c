@@ -14,9 +14,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include "bf16.h"
 #include "tessera_kernels.h"
@@ -28,7 +26,7 @@ static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, cons
                                                           const float *xf, int64_t M, int64_t K, const int64_t G,
                                                           const int has_zero, float *sums) {
     const int64_t groups = K / G;
-#if defined(__AVX512F__)
+#if TESSERA_AVX512
     if (M == 1 && G == 32) {
         /* One row (a decode step's LM head), as the AVX2 branch below: the group's scale (and
          * zero) factored out of its two 16-code products, so a code costs no multiply by its scale. */
@@ -58,7 +56,7 @@ static inline __attribute__((always_inline)) void row_dot(const int8_t *wr, cons
         }
     }
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif TESSERA_AVX2
     if (M == 1) {
         /* One row (a decode step's LM head): the group's scale (and zero) factored out,
          * acc += s * sum(c x) + z * sum(x), over two chains of code products, so the row is not
@@ -142,7 +140,7 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *z
 
 int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
                    int64_t M, int64_t N, int64_t K, int64_t G) {
-#if defined(__AVX512BF16__)
+#if TESSERA_AVX512_BF16
     if (M > INT8_GEMM_MAX_ROWS || K % 32 != 0 || G < 16 || (G & (G - 1)) != 0 || K % G != 0) return -1;
     const int64_t groups = K / G;
     const int shift = __builtin_ctzll((unsigned long long)G); /* k / G without a division per block */

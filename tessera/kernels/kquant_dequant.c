@@ -4,9 +4,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 #include "bf16.h"
 #include "kquant.h"
 #include "tessera_kernels.h"
@@ -16,9 +14,9 @@
  * 1.5B model's prefill step, against the matmul's ~6). Values are the float32 products the
  * Python decoding (Q6KMethod / Q4KMethod._weights) makes, rounded once to bfloat16. */
 static inline void store_bf16x16(uint16_t *dst, const float *src) {
-#if defined(__AVX512F__)
+#if TESSERA_AVX512
     const __m512 v = _mm512_loadu_ps(src);
-#if defined(__AVX512BF16__)
+#if TESSERA_AVX512_BF16
     _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
 #else /* round to nearest even by hand (finite weights: no NaN case) */
     const __m512i bits = _mm512_castps_si512(v);
@@ -55,7 +53,7 @@ static inline void q4k_codes(const uint8_t *blk, uint8_t *q) {
  * Python: Q6_K (q - 32) * (d * sc), Q4_K q * (d * sc) - dmin * mn, a multiply and a subtract
  * (not fused: the same roundings as PyTorch's two operations). */
 static inline void q6k_block_f32(const uint8_t *blk, const int8_t *sb, float db, float *w) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TESSERA_AVX512
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03), off = _mm512_set1_epi32(32);
     const __m512i ql0 = _mm512_loadu_si512((const void *)blk), ql1 = _mm512_loadu_si512((const void *)(blk + 64));
     const __m512i qh = _mm512_loadu_si512((const void *)(blk + 128));
@@ -79,7 +77,7 @@ static inline void q6k_block_f32(const uint8_t *blk, const int8_t *sb, float db,
 }
 
 static inline void q4k_block_f32(const uint8_t *blk, const uint8_t *sm, float db, float dminb, float *w) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TESSERA_AVX512
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; c++) { /* codes 64c .. 64c + 63: sub-blocks 2c and 2c + 1 */
         const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * (c / 2)));
@@ -150,7 +148,7 @@ static void kquant_dequant_int8(int q6k, const uint8_t *codes, const void *scale
             if (col != NULL)
                 for (int64_t k = 0; k < K; k++) w[k] *= col[k];
             int8_t *o = out + n * K;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TESSERA_AVX512
             __m512 vmax = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(w + k)));
             const float amax = _mm512_reduce_max_ps(vmax);

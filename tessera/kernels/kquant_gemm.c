@@ -29,9 +29,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include "bf16.h"
 #include "kquant.h"
@@ -68,7 +66,7 @@ static void quantize_row(const void *x, int is_bf16, int64_t m, int64_t K, int8_
     for (int64_t b = 0; b < K / KQ_BLOCK; b++) {
         const int64_t at = m * K + b * KQ_BLOCK;
         int8_t *q = xq + b * KQ_BLOCK;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TESSERA_AVX512
         __m512 v[KQ_BLOCK / 16], vmax = _mm512_setzero_ps();
         for (int g = 0; g < KQ_BLOCK / 16; g++) {
             v[g] = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -115,9 +113,9 @@ static void quantize_row(const void *x, int is_bf16, int64_t m, int64_t K, int8_
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TESSERA_AVX512
 static inline __m512i madd_acc(__m512i acc, __m512i p, __m512i s) {
-#if defined(__AVX512VNNI__)
+#if TESSERA_AVX512_VNNI
     return _mm512_dpwssd_epi32(acc, p, s);
 #else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
@@ -145,7 +143,7 @@ static void scale_picks(int group, __m512i pick[4]) {
         pick[c] = _mm512_loadu_si512((const void *)idx);
     }
 }
-#elif defined(__AVX2__)
+#elif TESSERA_AVX2
 /* q6k_row on AVX2: 32 codes a register, the offset term added in scalar integers per block. */
 static inline __attribute__((always_inline)) void q6k_row_avx2(kq_row_t row, int64_t NB, const kq_acts_t *acts,
                                                                 float *sums) {
@@ -307,7 +305,7 @@ static inline __attribute__((always_inline)) void q4k_row_plain(kq_row_t row, in
 
 /* One Q6_K weight row (NB super-blocks) against M quantized activation rows -> sums[m]. */
 static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TESSERA_AVX512
     const int8_t *xq = acts->xq;
     const float *xd = acts->xd;
     const int16_t *bsum = acts->bsum;
@@ -349,7 +347,7 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
         }
     }
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
-#elif defined(__AVX2__)
+#elif TESSERA_AVX2
     q6k_row_avx2(row, NB, acts, sums);
 #else
     q6k_row_plain(row, NB, acts, sums);
@@ -359,7 +357,7 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
 /* One Q4_K weight row: codes as the header says, scales[b * 16 ..]: 8 scales then 8 minimums,
  * d[2 b], d[2 b + 1]: the block's d and dmin. */
 static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TESSERA_AVX512
     const int8_t *xq = acts->xq;
     const float *xd = acts->xd;
     const int64_t M = acts->M, K = acts->K;
@@ -400,7 +398,7 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
         }
     }
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
-#elif defined(__AVX2__)
+#elif TESSERA_AVX2
     q4k_row_avx2(row, NB, acts, sums);
 #else
     q4k_row_plain(row, NB, acts, sums);
@@ -457,7 +455,7 @@ int q4k_gemm(const void *x, const uint8_t *codes, const uint8_t *scale_min, cons
 
 /* Whether the vector paths were compiled in (AVX512-BW, or AVX2); else the plain C loops. */
 int tessera_kquant_vector(void) {
-#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
+#if TESSERA_AVX512 || TESSERA_AVX2
     return 1;
 #else
     return 0;

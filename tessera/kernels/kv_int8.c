@@ -30,8 +30,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "simd.h"
+#if TESSERA_AVX512
 #define HAVE_AVX512_Q8 1
 #endif
 
@@ -43,7 +43,7 @@
 /* acc + the products of a's and b's int16 lanes, summed in pairs into int32 lanes (VPDPWSSD where
  * the CPU has AVX512-VNNI, else VPMADDWD and an add). */
 static inline __m512i dot_i16_pairs(__m512i acc, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
+#if TESSERA_AVX512_VNNI
     return _mm512_dpwssd_epi32(acc, a, b);
 #else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));

@@ -19,9 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include "bf16.h"
 #include "tessera_kernels.h"
@@ -45,7 +43,7 @@ static void quantize_row_q8(const void *x, int is_bf16, int64_t m, int64_t K, in
     for (int64_t b = 0; b < K / MX_BLOCK; b++) {
         const int64_t at = m * K + b * MX_BLOCK;
         int8_t *q = xq + b * MX_BLOCK;
-#if defined(__AVX2__)
+#if TESSERA_AVX2
         __m256 v[4];
         __m256 vmax = _mm256_setzero_ps();
         const __m256 sign = _mm256_set1_ps(-0.f);
@@ -89,7 +87,7 @@ static void quantize_row_q8(const void *x, int is_bf16, int64_t m, int64_t K, in
     }
 }
 
-#if defined(__AVX2__)
+#if TESSERA_AVX2
 /* One weight row (NB blocks) against R activation rows (xq rows K apart, xd and xs rows NB apart)
  * -> sums[0..R-1]. The codes are looked up as kvalues + 12 (0..24, unsigned, as pmaddubsw wants
  * its first operand), so no row pays for a sign; the 12 * sum(xq) this adds per block is taken
@@ -192,7 +190,7 @@ void mxfp4_dequant(const uint8_t *blocks, void *out, int64_t N, int64_t K, int i
             const uint8_t *blk = blocks + (n * NB + b) * MX_BLOCK_BYTES;
             const float d = e8m0_half(blk[0]);
             float v[MX_BLOCK];
-#if defined(__AVX2__)
+#if TESSERA_AVX2
             const __m128i lut = _mm_loadu_si128((const __m128i *)kvalues_mxfp4);
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 1));
             const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, _mm_set1_epi8(0x0F)));

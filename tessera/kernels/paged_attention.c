@@ -14,12 +14,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
+#if TESSERA_AVX512_BF16
 #define HAVE_AVX512_BF16 1
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if TESSERA_AVX2
 #define HAVE_AVX2_FMA 1
 #endif
 

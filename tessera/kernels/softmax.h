@@ -8,8 +8,8 @@
 #define TESSERA_SOFTMAX_H
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
+#if TESSERA_AVX512
 
 static inline __m512 exp_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* exp(-104) is 0 in float32: keeps n finite */
@@ -32,7 +32,7 @@ static inline __m512 exp_ps(__m512 x) {
 static inline float exp_shifted_sum(float *s, int64_t n, float m) {
     float sum = 0.f;
     int64_t t = 0;
-#if defined(__AVX512F__)
+#if TESSERA_AVX512
     const __m512 mv = _mm512_set1_ps(m);
     __m512 acc = _mm512_setzero_ps();
     for (; t < n; t += 16) {

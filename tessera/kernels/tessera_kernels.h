@@ -74,6 +74,9 @@ typedef struct {
     double eps, scale;
 } dims_t;
 
+/* ---- variant.c ---- */
+const char *tessera_variant(void);
+
 /* ---- paged_attention.c ---- */
 void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
                             const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,

@@ -109,7 +109,10 @@ def parse_structs(header: str) -> dict[str, list[tuple[str, str]]]:
 
 
 def expected_ctype(ctype: str, structs: dict[str, type]) -> Optional[type]:
-    """The ctypes type a C type is passed or stored as here: every pointer as c_void_p."""
+    """The ctypes type a C type is passed or stored as here: every pointer as c_void_p, but a string
+    returned (const char *) as c_char_p."""
+    if ctype == "const char *":
+        return ctypes.c_char_p
     if "*" in ctype:
         return ctypes.c_void_p
     base = " ".join(w for w in ctype.split() if w not in ("const", "volatile"))
@@ -204,7 +207,8 @@ def _header() -> str:
 
 
 def _sources() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(KERNELS.glob("*.c"))}
+    """The library's sources (the CPU probe is built on its own, with no instruction-set flag)."""
+    return {p.name: p.read_text() for p in sorted(KERNELS.glob("*.c")) if p.name != library.PROBE}
 
 
 def test_header_and_bindings_agree():
