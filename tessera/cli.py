@@ -7,6 +7,7 @@ Every user-facing error ends as one `error: ...` line on stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import uuid
 from typing import Optional, Sequence
@@ -298,12 +299,26 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _cap_cpu_isa(args: argparse.Namespace) -> None:
+    """--cpu-isa (or TESSERA_CPU_ISA), checked against the CPU and set for this process and those it
+    starts, before anything imports torch: ATen reads its cap then."""
+    from tessera.kernels import isa
+
+    name = getattr(args, "cpu_isa", None) or os.environ.get(isa.ENV)
+    if name:
+        try:
+            isa.apply_cap(name.strip().lower())
+        except isa.CpuIsaError as exc:
+            raise TesseraError(str(exc)) from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The bench tools are only imported when they may be asked for: they are heavy and optional.
     parser = build_parser(with_bench=not (argv and argv[0] in OWN_COMMANDS))
     args = parser.parse_args(argv)
     try:
+        _cap_cpu_isa(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -136,6 +136,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference", "triton")
 # Where the model runs; auto: cuda when torch sees a GPU, else cpu.
 DEVICES = ("auto", "cpu", "cuda")
+CPU_ISAS = ("auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx", "neon")  # kernels/isa.py's levels
 # KV cache element format (vLLM's --kv-cache-dtype); auto = the compute dtype. int8: per-block scales.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 PROFILES = ("auto", "chat-solo", "multi-agent", "bursty")
@@ -359,6 +360,9 @@ class EngineConfig:
     # --gpu-memory-utilization); the KV cache gets what is left. CPU engines ignore it.
     gpu_memory_utilization: float = 0.9
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # The CPU instruction-set level the C kernels and PyTorch may use (kernels/isa.py): None follows
+    # TESSERA_CPU_ISA (auto: the host's best); a lower level measures and tests it on this host.
+    cpu_isa: Optional[str] = None
     # Weight storage of Linear layers (vLLM's --quantization): auto keeps the file's precision class.
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # Quantized weights also kept dense for large steps (prefill, big batches): auto = when small.
@@ -442,6 +446,8 @@ class EngineConfig:
                    ("scheduling_policy", SCHEDULING_POLICIES),
                    ("attention_backend", ATTENTION_BACKENDS), ("kv_cache_dtype", KV_CACHE_DTYPES),
                    ("device", DEVICES)]
+        if self.cpu_isa is not None:
+            choices.append(("cpu_isa", CPU_ISAS))
         if isinstance(self.dtype, str):  # a torch.dtype from the Python API is checked when resolved
             choices.append(("dtype", DTYPES))
         for name, allowed in choices:

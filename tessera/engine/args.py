@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import Any, Mapping
 
 from tessera.config import (
-    ATTENTION_BACKENDS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
+    ATTENTION_BACKENDS, CPU_ISAS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
     PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, SCHEDULING_POLICIES, EngineConfig,
 )
 from tessera.pooling_params import POOLING_TYPES
@@ -44,6 +44,10 @@ def _weight_args(g: Any, d: EngineConfig) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
                    help="compute dtype; auto: bfloat16 where the CPU computes it natively, else measured "
                         "(default: %(default)s)")
+    g.add_argument("--cpu-isa", default=None, choices=CPU_ISAS,
+                   help="instruction-set level of the CPU kernels, PyTorch's included: auto is the best this "
+                        "CPU runs; a lower level runs (and measures) that level here, a higher one is refused "
+                        "(default: $TESSERA_CPU_ISA, else auto)")
     g.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATIONS,
                    help="weight storage of linear layers: auto keeps the file's precision (a Q4 GGUF runs "
                         "int4, Q5-Q8 tensors int8, float files dense); none dequantizes (default: %(default)s)")

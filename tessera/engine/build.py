@@ -39,7 +39,7 @@ from tessera.engine.worker.sampler import Sampler
 from tessera.engine.core.structured_output import StructuredOutputManager
 from tessera.errors import TesseraError
 from tessera.hostinfo import available_memory, cpu_model_name, host_rates, others_cpu_seconds, source_digest
-from tessera.kernels import KernelUnavailable
+from tessera.kernels import KernelUnavailable, isa, library
 from tessera.models.adapters import read_adapter
 from tessera.models.lora_weights import load_lora_weights
 from tessera.sampling_params import InvalidRequestError, SamplingParams
@@ -109,6 +109,8 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
+    if device.type == "cpu" and config.cpu_isa is not None:
+        _cap_cpu_isa(config.cpu_isa)
     if loaded is None:
         if device.type == "cpu":
             _refuse_what_cannot_fit(config)
@@ -184,6 +186,18 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
                        inputs=inputs, cost_model=cost_model, stored_calibration=stored, scheduler=scheduler,
                        offload=offload, proposer=proposer, spec_policy=policy, kv_capacity_tokens=kv_capacity_tokens,
                        kv_tokens_per_gib=tokens_per_gib, lora=lora)
+
+
+def _cap_cpu_isa(name: str) -> None:
+    """--cpu-isa of an engine built where the command line did not set it (the Python API): the C
+    kernels switch to that level's variant; PyTorch keeps what it chose at import (isa.apply_cap warns)."""
+    if isa.requested() == name:
+        return
+    try:
+        isa.apply_cap(name)
+    except isa.CpuIsaError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    library.reset()
 
 
 def _build_lora(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, runner: ModelRunner) -> LoRAManager:

@@ -1,6 +1,7 @@
 """Choosing the compute dtype: float32, bfloat16, or "auto".
 
-"auto" first looks at the CPU: with AVX512-BF16 or AMX-BF16, oneDNN computes
+"auto" first looks at the CPU's level as the kernels run it (kernels/isa.py: the
+host's best, or the --cpu-isa cap, which caps oneDNN too): from avx512_bf16 up, oneDNN computes
 bfloat16 natively and it halves the bytes read per token, so bfloat16 is
 chosen without timing anything (a start-up timing of ~0.1 s once caught the
 machine in a cold or contended state, measured bfloat16 40x slower than it is
@@ -24,14 +25,14 @@ import torch.nn.functional as F
 
 from tessera.config import ModelConfig
 from tessera.errors import TesseraError
-from tessera.hostinfo import cpu_flags
+from tessera.kernels import isa
 
 logger = logging.getLogger(__name__)
 
 _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 SERVING_BATCH = 32
 BF16_MARGIN = 0.9  # bfloat16 must take under 90 % of float32's time to be chosen
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+NATIVE_BF16_LEVEL = "avx512_bf16"  # and every level above it (amx)
 
 
 def resolve_dtype(choice: Union[str, torch.dtype], config: ModelConfig) -> torch.dtype:
@@ -45,18 +46,18 @@ def resolve_dtype(choice: Union[str, torch.dtype], config: ModelConfig) -> torch
         return _NAMED[key]
     if key != "auto":
         raise TesseraError(f"unknown dtype {choice!r}; use auto, float32 or bfloat16")
-    native = sorted(NATIVE_BF16_FLAGS & cpu_flags())
-    if native:
-        logger.info("dtype auto: bfloat16 (the CPU computes it natively: %s)", ", ".join(native))
+    if isa.level_at_least(NATIVE_BF16_LEVEL):
+        logger.info("dtype auto: bfloat16 (the CPU computes it natively at level %s)", isa.selected().name)
         return torch.bfloat16
     timings = measure_linear_speed(config)
     f32 = timings[torch.float32][1] + timings[torch.float32][SERVING_BATCH]
     bf16 = timings[torch.bfloat16][1] + timings[torch.bfloat16][SERVING_BATCH]
     chosen = torch.bfloat16 if bf16 < BF16_MARGIN * f32 else torch.float32
     logger.info(
-        "dtype auto: no native bfloat16 on this CPU; median of one layer's linears: float32 %.0f us "
+        "dtype auto: no native bfloat16 at level %s; median of one layer's linears: float32 %.0f us "
         "(batch 1) / %.0f us (batch %d), bfloat16 %.0f us / %.0f us; using %s",
-        timings[torch.float32][1] * 1e6, timings[torch.float32][SERVING_BATCH] * 1e6, SERVING_BATCH,
+        isa.selected().name, timings[torch.float32][1] * 1e6, timings[torch.float32][SERVING_BATCH] * 1e6,
+        SERVING_BATCH,
         timings[torch.bfloat16][1] * 1e6, timings[torch.bfloat16][SERVING_BATCH] * 1e6,
         str(chosen).removeprefix("torch."),
     )
