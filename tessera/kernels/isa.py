@@ -58,6 +58,8 @@ _AVX2 = frozenset({"avx2", "fma", "f16c"})
 _AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi"}
 _AVX512_FLAGS = ("-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi")
 _SIMDE = ("simde/x86/avx512.h",)
+# SIMDe needs GNU C (strict C11 pulls in <complex.h>'s `I`); contraction stays off, as in C11.
+_SIMDE_FLAGS = ("-march=x86-64-v3", "-std=gnu11", "-ffp-contract=off", "-DTESSERA_EMULATE_AVX512")
 
 # Each architecture's levels, lowest first: a level's variant runs wherever its `needs` are met.
 LEVELS: dict[str, tuple[Variant, ...]] = {
@@ -77,10 +79,10 @@ LEVELS: dict[str, tuple[Variant, ...]] = {
 }
 EMULATED: dict[str, tuple[Variant, ...]] = {
     "x86_64": (
-        Variant("avx512+simde", "x86_64", ("-march=x86-64-v3", "-DTESSERA_EMULATE_AVX512"), _AVX2, aten="avx2",
+        Variant("avx512+simde", "x86_64", _SIMDE_FLAGS, _AVX2, aten="avx2",
                 onednn="AVX2", emulated=True, headers=_SIMDE),
         Variant("avx512_bf16+simde", "x86_64",
-                ("-march=x86-64-v3", "-DTESSERA_EMULATE_AVX512", "-DTESSERA_EMULATE_BF16"), _AVX2, aten="avx2",
+                _SIMDE_FLAGS + ("-DTESSERA_EMULATE_BF16",), _AVX2, aten="avx2",
                 onednn="AVX2", emulated=True, headers=_SIMDE),
     ),
 }

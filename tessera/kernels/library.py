@@ -35,7 +35,7 @@ HEADERS = ("tessera_kernels.h", "simd.h", "bf16.h", "softmax.h", "kquant.h")
 PROBE = "cpu_probe.c"
 # Flags of every variant; the instruction-set ones come from isa.Variant.flags. -mtune=native only
 # schedules for this CPU: it never emits an instruction the variant's level lacks.
-CFLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-std=gnu11"]
+CFLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-std=c11"]
 SOURCE_DIR = Path(__file__).parent
 
 
