@@ -59,7 +59,7 @@ def one_pass(lib: ctypes.CDLL, mats: list, x: torch.Tensor, outs: list, scratch:
 
 
 def main() -> None:
-    from tessera import kernels
+    from tessera.kernels import library
     from tessera.bench.machine import machine_info
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     base = bind(build_revision(args.base, Path(tempfile.mkdtemp())))
-    this = bind(kernels.load())
+    this = bind(library.load())
     mats = matrices()
     rows = []
     for m in args.rows:

@@ -9,7 +9,7 @@ down 896x4864 (Q6_K: groups of 16) plus the 151936x896 LM head (Q8_0), in bfloat
 - per_row_torch: torch._weight_int8pack_mm (per-row scales),
 - per_row_kernel: the previous per-row kernels (int8_gemv.c at `--before`, a git revision,
   compiled here), the 1-2 row streaming loop and the 3-8 row AVX512-BF16 one,
-- grouped: tessera.kernels.int8_gemv / int8_gemm_bf16 on the grouped layout.
+- grouped: tessera.kernels.matmul_ops.int8_gemv / int8_gemm_bf16 on the grouped layout.
 Medians of 7 passes, milliseconds per pass over the whole model.
 
     python benchmarks/int8_groups.py --before 97e3d4f --out benchmarks/results/int8_groups.json
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tessera import kernels
+from tessera.kernels import library, matmul_ops
 from tessera.bench.machine import median_ms
 from tessera.hostinfo import cpu_model_name
 
@@ -38,12 +38,12 @@ def old_library(rev: str) -> ctypes.CDLL:
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True).stdout.strip())
     tmp = Path(tempfile.mkdtemp())
-    for name in ("int8_gemv.c", *kernels.HEADERS):  # the headers `rev` has
+    for name in ("int8_gemv.c", *library.HEADERS):  # the headers `rev` has
         shown = subprocess.run(["git", "show", f"{rev}:tessera/kernels/{name}"], cwd=root, capture_output=True,
                                text=True, check=name == "int8_gemv.c")
         if shown.returncode == 0:
             (tmp / name).write_text(shown.stdout)
-    subprocess.run(["cc", *kernels.CFLAGS, str(tmp / "int8_gemv.c"), "-o", str(tmp / "old.so"), "-lm"], check=True)
+    subprocess.run(["cc", *library.CFLAGS, str(tmp / "int8_gemv.c"), "-o", str(tmp / "old.so"), "-lm"], check=True)
     lib = ctypes.CDLL(str(tmp / "old.so"))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.int8_gemv.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int, p]
@@ -79,9 +79,9 @@ def time_pass(mats, rows: int, how: str, old) -> float:
                     old.int8_gemm_bf16(x.data_ptr(), codes.data_ptr(), row_scale.data_ptr(), out.data_ptr(), rows,
                                        n, k)
             elif rows <= 2:
-                kernels.int8_gemv(x, codes, group_scale)
+                matmul_ops.int8_gemv(x, codes, group_scale)
             else:
-                kernels.int8_gemm_bf16(x, codes, group_scale)
+                matmul_ops.int8_gemm_bf16(x, codes, group_scale)
 
     return median_ms(one_pass)
 
@@ -93,8 +93,8 @@ def main() -> None:
     ap.add_argument("--before", default="97e3d4f", help="git revision whose per-row kernels to compare with")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if kernels.available() is not None:
-        raise SystemExit(f"kernels unavailable: {kernels.available()}")
+    if library.available() is not None:
+        raise SystemExit(f"kernels unavailable: {library.available()}")
     old = old_library(args.before)
     mats = build(args.layers)
     results = []

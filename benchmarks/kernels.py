@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tessera import kernels
+from tessera.kernels import library, matmul_ops
 from tessera.bench.machine import machine_info, median_ms
 from tessera.layers.quantization import dense_linear, quantize_int4
 
@@ -56,9 +56,9 @@ def time_pass(model, rows: int, how: str) -> float:
                 elif how == "torch_int4":
                     torch._weight_int4pack_mm_for_cpu(xs[k], packed, 32, sz)
                 elif how == "int4_i8":
-                    kernels.int4_gemm_i8(xs[k], packed, sz, n)
+                    matmul_ops.int4_gemm_i8(xs[k], packed, sz, n)
                 else:
-                    kernels.int4_gemm_bf16(xs[k], packed, sz, n)
+                    matmul_ops.int4_gemm_bf16(xs[k], packed, sz, n)
 
     return median_ms(one_pass)
 
@@ -71,8 +71,8 @@ def main() -> None:
                     choices=["dense", "torch_int4", "int4_gemm", "int4_i8"])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if kernels.available() is not None:
-        raise SystemExit(f"kernels unavailable: {kernels.available()}")
+    if library.available() is not None:
+        raise SystemExit(f"kernels unavailable: {library.available()}")
     model = build(args.layers)
     rows = []
     for m in args.rows:

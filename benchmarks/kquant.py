@@ -69,13 +69,13 @@ def time_pass(layers, rows: int, repeats: int = 7, product=None) -> float:
 def _bf16_product(m, x):
     """The route int8 products replaced: the weight dequantized to bfloat16 for the call, in the
     model's workspace, then a oneDNN bfloat16 product."""
-    from tessera import kernels
+    from tessera.kernels import gguf_ops
     from tessera.layers.quantization import dense_linear
 
     q = m.quant_method
     n, k = m.d.shape[0], m.scales.shape[1] * 16
     out = q.config.workspace.get("weight", (n, k), torch.bfloat16)
-    w = kernels.kquant_dequant_bf16(q.name, m.qweight, m.scales, m.d, k, out)
+    w = gguf_ops.kquant_dequant_bf16(q.name, m.qweight, m.scales, m.d, k, out)
     return dense_linear(x, w)
 
 

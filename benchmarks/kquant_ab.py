@@ -25,19 +25,19 @@ import torch
 
 def build_revision(rev: str, out_dir: Path) -> ctypes.CDLL:
     """The kernel library compiled from `rev`'s sources (tessera/kernels), with this tree's flags."""
-    from tessera import kernels
+    from tessera.kernels import library
 
     src = out_dir / "src"
     src.mkdir(parents=True, exist_ok=True)
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
-    for name in kernels.SOURCES + kernels.HEADERS:
+    for name in library.SOURCES + library.HEADERS:
         text = subprocess.run(["git", "-C", root, "show", f"{rev}:tessera/kernels/{name}"], capture_output=True,
                               text=True)
         if text.returncode == 0:
             (src / name).write_text(text.stdout)
-    sources = [str(src / n) for n in kernels.SOURCES if (src / n).is_file()]
+    sources = [str(src / n) for n in library.SOURCES if (src / n).is_file()]
     lib_path = out_dir / "base.so"
-    subprocess.run(["cc", *kernels.CFLAGS, *sources, "-o", str(lib_path), "-lm"], check=True)
+    subprocess.run(["cc", *library.CFLAGS, *sources, "-o", str(lib_path), "-lm"], check=True)
     return _bind(ctypes.CDLL(str(lib_path)))
 
 
@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from tessera import LLM, kernels
+    from tessera import LLM
+    from tessera.kernels import library
     from tessera.bench.machine import machine_info
     from tessera.layers import Linear
     from tessera.layers.quantization import KQuantMethod
@@ -91,7 +92,7 @@ def main() -> None:
               if isinstance(m, Linear) and isinstance(m.quant_method, KQuantMethod)]
     if not layers:
         raise SystemExit(f"{args.model} has no Q4_K/Q6_K layers here (bfloat16 and --int8-activations needed)")
-    libs = {"this tree": _bind(kernels.load())}
+    libs = {"this tree": _bind(library.load())}
     with tempfile.TemporaryDirectory() as tmp:
         libs[args.base] = build_revision(args.base, Path(tmp))
         rows_out = []

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tessera import kernels
+from tessera.kernels import bindings, gguf_ops, library
 from tessera.bench.machine import median_ms
 from tessera.hostinfo import cpu_model_name
 
@@ -59,13 +59,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if kernels.available() is not None:
-        raise SystemExit(f"kernels unavailable: {kernels.available()}")
+    if library.available() is not None:
+        raise SystemExit(f"kernels unavailable: {library.available()}")
     results = []
     for n, k in SHAPES:
         raw = mxfp4_blocks(n, k)
         blocks = torch.from_numpy(raw)
-        dense = kernels.mxfp4_dequant(blocks, k, torch.float32)
+        dense = gguf_ops.mxfp4_dequant(blocks, k, torch.float32)
         method = MXFP4Method(QuantConfig("auto", torch.float32))
         layer = nn.Module()
         method.load(layer, [GGUFWeight(raw, GGMLQuantizationType.MXFP4, (n, k))])
@@ -73,11 +73,11 @@ def main() -> None:
             x = torch.randn(m, k)
             r = {"shape": [n, k], "rows": m,
                  "dense_ms": round(median_ms(lambda: x @ dense.T, args.repeats), 3),
-                 "dequant_ms": round(median_ms(lambda: kernels.mxfp4_dequant(blocks, k, torch.float32, dense),
+                 "dequant_ms": round(median_ms(lambda: gguf_ops.mxfp4_dequant(blocks, k, torch.float32, dense),
                                                args.repeats), 3),
                  "method_ms": round(median_ms(lambda: method.apply(layer, x), args.repeats), 3)}
-            if m <= kernels.MXFP4_MAX_ROWS:
-                r["kernel_ms"] = round(median_ms(lambda: kernels.mxfp4_gemm(x, blocks), args.repeats), 3)
+            if m <= bindings.MXFP4_MAX_ROWS:
+                r["kernel_ms"] = round(median_ms(lambda: gguf_ops.mxfp4_gemm(x, blocks), args.repeats), 3)
                 r["dense_over_kernel"] = round(r["dense_ms"] / r["kernel_ms"], 2)
             results.append(r)
             print(r)

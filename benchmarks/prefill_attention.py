@@ -43,7 +43,7 @@ def median_ms(fn, repeats: int = 10) -> float:
 
 
 def kernel_case(hq: int, hkv: int, d: int, lens: list[int]) -> dict:
-    from tessera import kernels
+    from tessera.kernels import attention_ops
 
     bs = 16
     nblocks = sum(-(-n // bs) for n in lens)
@@ -60,7 +60,7 @@ def kernel_case(hq: int, hkv: int, d: int, lens: list[int]) -> dict:
     k = torch.randn(t, hkv, d).to(torch.bfloat16)
     v = torch.randn(t, hkv, d).to(torch.bfloat16)
     scale = 1 / math.sqrt(d)
-    plan = kernels.PrefillPlan.build(starts, lens, tables, None)
+    plan = attention_ops.PrefillPlan.build(starts, lens, tables, None)
 
     def sdpa():
         for a, b in zip(starts[:-1], starts[1:]):
@@ -68,7 +68,7 @@ def kernel_case(hq: int, hkv: int, d: int, lens: list[int]) -> dict:
                                            v[a:b].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
                                            enable_gqa=True)
 
-    c_ms = median_ms(lambda: kernels.paged_prefill_attention(q, cache, plan, scale))
+    c_ms = median_ms(lambda: attention_ops.paged_prefill_attention(q, cache, plan, scale))
     sdpa_ms = median_ms(sdpa)
     gflop = sum(n * n / 2 * hq * d * 4 for n in lens) / 1e9
     row = {"heads": [hq, hkv, d], "prompts": lens, "c_ms": c_ms, "sdpa_ms": sdpa_ms, "speedup": sdpa_ms / c_ms,
@@ -82,7 +82,7 @@ def long_context_case(hq: int, hkv: int, d: int, chunk: int, context: int, repea
     """One chunk of `chunk` rows whose last is token `context` (the rest already cached), one layer:
     the C kernel against the `sdpa` backend's path for such a step (the one it takes without the
     kernel: an int8 cache, a host without AVX512-BF16)."""
-    from tessera import kernels
+    from tessera.kernels import attention_ops
     from tessera.attention.sdpa import SdpaBackend
 
     bs = 16
@@ -93,11 +93,11 @@ def long_context_case(hq: int, hkv: int, d: int, chunk: int, context: int, repea
     k = torch.randn(chunk, hkv, d).to(torch.bfloat16)
     v = torch.randn(chunk, hkv, d).to(torch.bfloat16)
     scale = 1 / math.sqrt(d)
-    plan = kernels.PrefillPlan.build([0, chunk], [context], torch.tensor([table]), None)
+    plan = attention_ops.PrefillPlan.build([0, chunk], [context], torch.tensor([table]), None)
     sdpa = SdpaBackend()
     meta = sdpa.build_metadata([chunk], [context], [table], bs)
     out = torch.empty_like(q)
-    c_ms = median_ms(lambda: kernels.paged_prefill_attention(q, cache, plan, scale), repeats)
+    c_ms = median_ms(lambda: attention_ops.paged_prefill_attention(q, cache, plan, scale), repeats)
     sdpa_ms = median_ms(lambda: sdpa._prefill(q, k, v, cache, meta, scale, None, out), repeats)
     gflop = chunk * (context - (chunk - 1) / 2) * hq * d * 4 / 1e9
     row = {"heads": [hq, hkv, d], "chunk": chunk, "context": context, "c_ms": c_ms, "sdpa_ms": sdpa_ms,

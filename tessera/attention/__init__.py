@@ -10,7 +10,7 @@ from tessera.attention.paged import PagedBackend
 from tessera.attention.reference import ReferenceBackend
 from tessera.attention.sdpa import SdpaBackend
 from tessera.attention.triton_paged import TritonBackend
-from tessera.kernels import KernelUnavailable
+from tessera.kernels.library import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tessera import kernels
+from tessera.kernels import attention_ops, bindings, library
 from tessera.config import KV_CACHE_DTYPES
 from tessera.hostinfo import lazy_zeros
 
@@ -116,9 +116,9 @@ class AttentionBackend(ABC):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
         if kv_cache_dtype == "int8":
-            why = kernels.available()
+            why = library.available()
             if why is not None:
-                raise kernels.KernelUnavailable(f"--kv-cache-dtype int8 needs Tessera's C kernels: {why}")
+                raise library.KernelUnavailable(f"--kv-cache-dtype int8 needs Tessera's C kernels: {why}")
         self.kv_dtype_name = kv_cache_dtype
 
     @property
@@ -133,9 +133,9 @@ class AttentionBackend(ABC):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         if self.quantized:
-            if block_size % 2 or head_dim % 2 or head_dim > kernels.MAX_HEAD_DIM:
+            if block_size % 2 or head_dim % 2 or head_dim > bindings.MAX_HEAD_DIM:
                 raise ValueError(f"--kv-cache-dtype int8 needs an even --block-size (not {block_size}) and an "
-                                 f"even head dimension up to {kernels.MAX_HEAD_DIM} (not {head_dim})")
+                                 f"even head dimension up to {bindings.MAX_HEAD_DIM} (not {head_dim})")
             return (2, num_kv_heads, num_blocks, block_size * head_dim + SCALE_BYTES)
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
@@ -234,7 +234,7 @@ def check_sinks(sinks: Optional[torch.Tensor], num_heads: int, softcap: Optional
     if softcap is not None:
         raise ValueError("attention sinks with a score soft-cap: no model has both, and which of them "
                          "applies to the sink is undefined")
-    return kernels.sink_logits(sinks, num_heads).to(device)
+    return attention_ops.sink_logits(sinks, num_heads).to(device)
 
 
 def _padded_layout(meta: AttentionMetadata, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,7 +332,7 @@ class KeyBias:
         return (torch.stack([c.t(), s.t()], dim=1).contiguous(),
                 torch.stack([c16[0], s16[0]], dim=1).contiguous())
 
-    def kernel_args(self, positions: torch.Tensor, cache: dict) -> kernels.KeyBiasArgs:
+    def kernel_args(self, positions: torch.Tensor, cache: dict) -> attention_ops.KeyBiasArgs:
         """What the int8 kernels take for a step whose keys sit at `positions` [T] (their cos/sin
         made once per step and shared by every layer through `cache`, the step metadata's)."""
         key = ("key_bias_rows", self.inv_freq.data_ptr())
@@ -340,7 +340,7 @@ class KeyBias:
         if rows is None:
             rows = cache[key] = self.table(positions)
         basis, step = self._rotation
-        return kernels.KeyBiasArgs(self.lo, self.hi, self.pairs, self.inv_freq, basis, step, *rows)
+        return attention_ops.KeyBiasArgs(self.lo, self.hi, self.pairs, self.inv_freq, basis, step, *rows)
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """RoPE_p(b) at each of `positions` [T]: [T, Hkv, D] float32, zero off the outlier pairs."""
@@ -448,7 +448,7 @@ def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, block_size: int
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store this step's keys and values at their slots, in the cache's format."""
     if is_quantized(kv_cache):
-        kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size)
+        attention_ops.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size)
         return
     _, h, nb, bs, d = kv_cache.shape
     flat = kv_cache.view(2, h * nb * bs, d)

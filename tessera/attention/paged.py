@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera import kernels
+from tessera.kernels import attention_ops, library
 from tessera.attention.base import (check_sinks, is_quantized, key_rotation, rotation_is_hadamard, step_positions,
                                     transform_for_cache, write_kv)
 from tessera.attention.sdpa import SdpaBackend
@@ -30,17 +30,17 @@ class PagedBackend(SdpaBackend):
     name = "paged"
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
-        why = kernels.available()
+        why = library.available()
         if why is not None:
-            raise kernels.KernelUnavailable(why)
+            raise library.KernelUnavailable(why)
         super().__init__(kv_cache_dtype)
         self._prefill_c = True
 
     def decode_in_c(self, num_heads, kv_cache):
-        return kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 5 and kernels.supports(num_heads, kv_cache)
+        return kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 5 and attention_ops.supports(num_heads, kv_cache)
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None, sinks=None):
-        if softcap is not None or not kernels.supports(q.shape[1], kv_cache):  # no C kernel soft-caps
+        if softcap is not None or not attention_ops.supports(q.shape[1], kv_cache):  # no C kernel soft-caps
             return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias, softcap, sinks)
         sinks = check_sinks(sinks, q.shape[1], softcap, q.device)
         quantized = is_quantized(kv_cache)
@@ -53,10 +53,10 @@ class PagedBackend(SdpaBackend):
             # The key bias as the kernels take it, for the step's writes and reads.
             args = key_bias.kernel_args(positions, meta._cache) if key_bias is not None else None
             if k.shape[0] <= KERNEL_TRANSFORM_ROWS:
-                kernels.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, args, hadamard)
+                attention_ops.kv_write_int8(kv_cache, k, v, meta.slot_mapping, meta.block_size, rot, args, hadamard)
             else:
                 kt = transform_for_cache(k if key_bias is None else k.float() - key_bias.at(positions))
-                kernels.kv_write_int8(kv_cache, kt, v, meta.slot_mapping, meta.block_size)
+                attention_ops.kv_write_int8(kv_cache, kt, v, meta.slot_mapping, meta.block_size)
         else:
             write_kv(kv_cache, k, v, meta)
         nd = meta.num_decodes
@@ -67,17 +67,17 @@ class PagedBackend(SdpaBackend):
             if cached is None:  # per step, shared by all layers: lengths, tables, score scratch
                 seq_lens = torch.tensor(meta.seq_lens[:nd], dtype=torch.long)
                 max_len = max(meta.seq_lens[:nd])
-                scratch = (kernels.decode_int8_scratch(nd, hq, max_len, meta.block_size) if quantized
+                scratch = (attention_ops.decode_int8_scratch(nd, hq, max_len, meta.block_size) if quantized
                            else torch.empty(nd * hq * max_len, dtype=torch.float32))
                 cached = (seq_lens, meta.block_tables[:nd].contiguous(), max_len, scratch)
                 meta._cache["paged_decode"] = cached
             seq_lens, tables, max_len, scratch = cached
             if quantized:
-                o = kernels.paged_decode_attention_int8(q[:nd], kv_cache, tables, seq_lens, max_len,
+                o = attention_ops.paged_decode_attention_int8(q[:nd], kv_cache, tables, seq_lens, max_len,
                                                         meta.block_size, scale, sliding_window, scratch, rot, args,
                                                         hadamard, sinks)
             else:
-                o = kernels.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale,
+                o = attention_ops.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale,
                                                    sliding_window, scratch, sinks)
             if nd == meta.num_reqs:  # a decode-only step: no prefill rows to place beside it
                 return o.to(q.dtype).view(nd, hq * d)
@@ -87,13 +87,13 @@ class PagedBackend(SdpaBackend):
                 start = meta.query_start_loc[nd]
                 key = ("paged_prefill", sliding_window)
                 if key not in meta._cache:  # per step, shared by all layers
-                    meta._cache[key] = kernels.PrefillPlan.build(
+                    meta._cache[key] = attention_ops.PrefillPlan.build(
                         [s - start for s in meta.query_start_loc[nd:]], meta.seq_lens[nd:],
                         meta.block_tables[nd:], sliding_window)
                 try:
-                    kernels.paged_prefill_attention(q[start:], kv_cache, meta._cache[key], scale, out[start:], sinks)
+                    attention_ops.paged_prefill_attention(q[start:], kv_cache, meta._cache[key], scale, out[start:], sinks)
                     return out.view(q.shape[0], hq * d)
-                except kernels.KernelUnavailable:  # built without AVX512-BF16: SDPA from now on
+                except library.KernelUnavailable:  # built without AVX512-BF16: SDPA from now on
                     self._prefill_c = False
             self._prefill(transform_for_cache(q) if quantized else q, k, v, kv_cache, meta, scale,
                           sliding_window, out, key_bias, sinks=sinks)
@@ -103,4 +103,4 @@ class PagedBackend(SdpaBackend):
         """Whether prefill rows go to the C kernel (prefill_attention.c): a bfloat16 cache and
         queries of a shape it takes, on a build that has it (learned on the first call)."""
         return (self._prefill_c and q.dtype == torch.bfloat16
-                and kernels.prefill_supported(q.shape[1], kv_cache))
+                and attention_ops.prefill_supported(q.shape[1], kv_cache))

@@ -39,7 +39,8 @@ from tessera.engine.worker.sampler import Sampler
 from tessera.engine.core.structured_output import StructuredOutputManager
 from tessera.errors import TesseraError
 from tessera.hostinfo import available_memory, cpu_model_name, host_rates, others_cpu_seconds, source_digest
-from tessera.kernels import KernelUnavailable, isa, library
+from tessera.kernels import isa, library
+from tessera.kernels.library import KernelUnavailable
 from tessera.models.adapters import read_adapter
 from tessera.models.lora_weights import load_lora_weights
 from tessera.sampling_params import InvalidRequestError, SamplingParams

@@ -1,5 +1,5 @@
 import sys
 
-from tessera.kernels import main
+from tessera.kernels.library import main
 
 sys.exit(main(sys.argv))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera import kernels
+from tessera.kernels import bindings
 from tessera.errors import ModelFormatError
 from tessera.layers.lora import LoRATable
 from tessera.layers.quantization import Activation, QuantConfig, QuantMethod, method_for
@@ -110,7 +110,7 @@ class Linear(nn.Module):
             y = F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
         return y if residual is None else y + residual
 
-    def kernel_operand(self) -> Optional[kernels.LinearOperand]:
+    def kernel_operand(self) -> Optional[bindings.LinearOperand]:
         """This layer's weight and bias as the C decode step reads them, or None (see
         QuantMethod.kernel_operand)."""
         op = self.quant_method.kernel_operand(self) if self.quant_method is not None else None

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from tessera import kernels
+from tessera.kernels import library, lora_ops
 
 
 # Up to this many rows a step's updates go through kernels/lora.c: the decodes of many streams and
@@ -39,7 +39,7 @@ class LoRASlots:
         self.dtype = dtype
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.row_slots: Optional[Tensor] = None  # int32 [rows]; None: no row uses an adapter this step
-        self.native = kernels.available() is None and str(device) == "cpu"
+        self.native = library.available() is None and str(device) == "cpu"
         self._scratch = torch.empty(0, dtype=torch.float32)
         self.step_args: tuple = ()
         self.segments: list[tuple[int, int, int]] = []  # (slot, first row, end row): runs of one adapter
@@ -101,7 +101,7 @@ class LoRATable:
                 and x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1 and y.stride(1) == 1:
             rows_p, ranks_p, num_slots, scratch_p, width = slots.step_args
             a_p, b_p, ends_p, parts = self.addresses
-            kernels.lora_add(x, y, rows_p, a_p, b_p, ranks_p, num_slots, ends_p, parts, scratch_p, width,
+            lora_ops.lora_add(x, y, rows_p, a_p, b_p, ranks_p, num_slots, ends_p, parts, scratch_p, width,
                              slots.dtype == torch.bfloat16)
             return
         self._add_grouped(x, y)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera import kernels
+from tessera.kernels import capabilities, rowwise_ops
 from tessera.layers.linear import Linear
 from tessera.layers.quantization import QuantConfig
 
@@ -34,7 +34,7 @@ class GatedMLP(nn.Module):
         # the other projections together +0.6 % (docs/models.md, "int8 activations").
         self.down_proj = Linear(intermediate_size, hidden_size, quant, bias=bias, prefix=prefix + ".down_proj",
                                 int8_inputs=False)
-        # SiLU x up in one C pass (kernels.silu_mul) where the AVX512-BF16 kernels run; decided on
+        # SiLU x up in one C pass (rowwise_ops.silu_mul) where the AVX512-BF16 kernels run; decided on
         # the first bfloat16 call. Two PyTorch passes took ~70 ms of a 1 s SmolLM2 prefill step.
         self._c_silu: Optional[bool] = None
 
@@ -42,9 +42,9 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.activation == "silu" and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.is_cpu:
             if self._c_silu is None:
-                self._c_silu = kernels.bf16_matmuls()
+                self._c_silu = capabilities.bf16_matmuls()
             if self._c_silu:
-                return self.down_proj(kernels.silu_mul(gate_up))
+                return self.down_proj(rowwise_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation == "swiglu_clamped":
             gate = gate.clamp(max=self.limit)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera import kernels
+from tessera.kernels import bindings, library, rowwise_ops
 from tessera.errors import ModelFormatError
 
 
@@ -29,8 +29,8 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.prefix = prefix
         self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"), persistent=False)
-        self.use_kernel = (dtype in kernels.NORM_DTYPES and hidden_size <= kernels.MAX_NORM_HIDDEN
-                           and kernels.available() is None)
+        self.use_kernel = (dtype in rowwise_ops.NORM_DTYPES and hidden_size <= bindings.MAX_NORM_HIDDEN
+                           and library.available() is None)
 
     def weight_loader(self, w: Tensor) -> None:
         if tuple(w.shape) != (self.hidden_size,):
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
         (the kernel updates `residual` in place and returns it)."""
         if (self.use_kernel and x.is_cpu and x.dim() == 2 and x.dtype == self.weight.dtype and x.is_contiguous()
                 and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):
-            out = kernels.rms_norm(x, self.weight, self.eps, residual)
+            out = rowwise_ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from tessera import kernels
+from tessera.kernels import bindings, capabilities, decode_ops
 from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
@@ -57,24 +57,24 @@ class FusedDecode:
     """The weights' addresses, laid out once as decode_step.c reads them; `run` per step
     (a `tessera.models.base.FusedDecodeStep`)."""
 
-    def __init__(self, parts: DecoderParts, layers: "ctypes.Array[kernels.DecodeLayer]",
-                 dims: kernels.DecodeDims, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, parts: DecoderParts, layers: "ctypes.Array[bindings.DecodeLayer]",
+                 dims: bindings.DecodeDims, max_rows: int = MAX_ROWS) -> None:
         self.parts = parts
         self.layers = layers
         self.dims = dims
         self.max_rows = max_rows  # past it some projection's module path multiplies another way
         self._caches: Optional[tuple[int, ...]] = None  # the cache addresses `layers` holds
         self._workspace = torch.empty(0, dtype=torch.uint8)
-        self._lora_step = kernels.LoRAStep()
+        self._lora_step = bindings.LoRAStep()
         self._lora_bound: Optional[tuple[LoRASlots, list]] = None  # the slots and tables `layers` points at
 
     @classmethod
     def build(cls, parts: DecoderParts) -> Optional["FusedDecode"]:
         """The plan for a decoder's loaded weights, or None where some part has no C kernel here."""
         c = parts.config
-        if parts.dtype != torch.bfloat16 or not kernels.bf16_matmuls():
+        if parts.dtype != torch.bfloat16 or not capabilities.bf16_matmuls():
             return None
-        if c.hidden_size > kernels.MAX_NORM_HIDDEN or c.head_dim > kernels.MAX_HEAD_DIM or c.head_dim % 32:
+        if c.hidden_size > bindings.MAX_NORM_HIDDEN or c.head_dim > bindings.MAX_HEAD_DIM or c.head_dim % 32:
             return None
         rows, max_rows = [], MAX_ROWS
         for layer in parts.layers:
@@ -88,13 +88,13 @@ class FusedDecode:
             if any(op is None for op in ops) or any(w.dtype != torch.bfloat16 for w in norms):
                 return None
             max_rows = min([max_rows] + [op.max_rows for op in ops if op.max_rows])
-            rows.append(kernels.DecodeLayer(norms[0].data_ptr(), norms[1].data_ptr(), *ops, None))
+            rows.append(bindings.DecodeLayer(norms[0].data_ptr(), norms[1].data_ptr(), *ops, None))
         if parts.final_norm.weight.dtype != torch.bfloat16:
             return None
-        dims = kernels.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        dims = bindings.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                   head_dim=c.head_dim, intermediate=c.intermediate_size,
                                   eps=c.rms_norm_eps, scale=parts.layers[0].attn.scale)
-        return cls(parts, (kernels.DecodeLayer * len(rows))(*rows), dims, max_rows)
+        return cls(parts, (bindings.DecodeLayer * len(rows))(*rows), dims, max_rows)
 
     def applies(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step is one the C step takes: decode rows only, few enough, every layer
@@ -131,7 +131,7 @@ class FusedDecode:
                 op.lora_a, op.lora_b, op.lora_ends, op.lora_parts = table.addresses
         self._lora_bound = (lora, tables)  # kept alive while `layers` holds their addresses
 
-    def _lora_args(self, lora: LoRASlots) -> kernels.LoRAStep:
+    def _lora_args(self, lora: LoRASlots) -> bindings.LoRAStep:
         """This step's lora_step_t."""
         if self._lora_bound is None or self._lora_bound[0] is not lora:
             self._bind_lora(lora)
@@ -160,10 +160,10 @@ class FusedDecode:
             meta._cache["paged_decode_c"] = cached
         seq_lens, tables, max_len = cached
         self.dims.max_blocks = tables.shape[1]
-        need = kernels.decode_step_workspace_bytes(self.layers, self.dims, m, max_len)
+        need = decode_ops.decode_step_workspace_bytes(self.layers, self.dims, m, max_len)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(max(need, 2 * self._workspace.numel()), dtype=torch.uint8)
-        ok = kernels.decode_step_bf16(self.layers, self.dims, parts.final_norm.weight, x, cos, sin,
+        ok = decode_ops.decode_step_bf16(self.layers, self.dims, parts.final_norm.weight, x, cos, sin,
                                       parts.rotary.half, meta.slot_mapping.contiguous(), tables, seq_lens,
                                       max_len, self._workspace, lora_args)
         return x if ok else None

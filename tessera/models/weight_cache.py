@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from tessera import kernels
+from tessera.kernels import capabilities, library
 from tessera.layers.quantization import (DenseMethod, Int4Method, Int8Method, MXFP4Method, Q4KMethod, Q6KMethod,
                                          QuantConfig, int4pack_layout)
 
@@ -46,9 +46,9 @@ _SIMPLE = (bool, int, float, str, type(None))
 def cache_path(root: Path, model_sha256: str, quant: QuantConfig, extra: str = "") -> Path:
     from tessera.hostinfo import source_digest
 
-    built = kernels.available() is None
-    host = (int4pack_layout(), built, built and kernels.bf16_matmuls(), built and kernels.int4_i8_matmuls(),
-            built and kernels.avx2_matmuls())
+    built = library.available() is None
+    host = (int4pack_layout(), built, built and capabilities.bf16_matmuls(), built and capabilities.int4_i8_matmuls(),
+            built and capabilities.avx2_matmuls())
     key = hashlib.sha256(repr((FORMAT, model_sha256, repr(quant), extra, source_digest(),
                                torch.__version__, host)).encode()).hexdigest()[:20]
     return root / f"{model_sha256[:16]}-{key}.pt"

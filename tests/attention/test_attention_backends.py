@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera import kernels
+from tessera.kernels import attention_ops, capabilities, library
 from tessera.attention import BACKENDS, get_backend
 from tessera.attention.reference import ReferenceBackend
 
-pytestmark = pytest.mark.skipif(kernels.available() is not None, reason="C kernels unavailable here")
+pytestmark = pytest.mark.skipif(library.available() is not None, reason="C kernels unavailable here")
 
 
 def _case(dtype, hq=6, hkv=2, d=64, bs=16, lens=(1, 17, 40, 300), seed=0, tokens=None):
@@ -91,8 +91,8 @@ def test_backend_registry_and_auto():
 
 def test_kernel_refuses_unsupported_shapes():
     cache = torch.zeros(2, 1, 4, 128, 64)  # block size 128 > 64
-    with pytest.raises(kernels.KernelUnavailable, match="block size 128"):
-        kernels.paged_decode_attention(torch.zeros(1, 2, 64), cache, torch.zeros(1, 1, dtype=torch.long),
+    with pytest.raises(library.KernelUnavailable, match="block size 128"):
+        attention_ops.paged_decode_attention(torch.zeros(1, 2, 64), cache, torch.zeros(1, 1, dtype=torch.long),
                                        torch.ones(1, dtype=torch.long), 1, 1.0, None)
 
 
@@ -116,13 +116,13 @@ def test_paged_kernel_reads_row_strided_queries(dtype, atol):
     strided = fused[:, :6]
     assert not strided.is_contiguous()
     table = torch.tensor([t + [0] * (19 - len(t)) for t in tables])
-    got = kernels.paged_decode_attention(strided, cache, table, torch.tensor(lens), max(lens), 0.125, None)
-    want = kernels.paged_decode_attention(q.contiguous(), cache, table, torch.tensor(lens), max(lens), 0.125, None)
+    got = attention_ops.paged_decode_attention(strided, cache, table, torch.tensor(lens), max(lens), 0.125, None)
+    want = attention_ops.paged_decode_attention(q.contiguous(), cache, table, torch.tensor(lens), max(lens), 0.125, None)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
-needs_bf16_kernel = pytest.mark.skipif(kernels.available() is not None or not kernels.bf16_matmuls(),
+needs_bf16_kernel = pytest.mark.skipif(library.available() is not None or not capabilities.bf16_matmuls(),
                                        reason="the prefill kernel needs AVX512-BF16")
 
 
@@ -176,11 +176,11 @@ def test_prefill_kernel_reads_nothing_before_the_window():
 def test_prefill_plan_must_cover_the_queries():
     cache, tables, _, _, _ = _case(torch.bfloat16, lens=(20,))
     table = torch.tensor([tables[0]])
-    plan = kernels.PrefillPlan.build([0, 20], [20], table, None)
+    plan = attention_ops.PrefillPlan.build([0, 20], [20], table, None)
     with pytest.raises(ValueError, match="covers 20 rows"):
-        kernels.paged_prefill_attention(torch.zeros(19, 6, 64, dtype=torch.bfloat16), cache, plan, 0.125)
-    with pytest.raises(kernels.KernelUnavailable, match="head_dim 48"):
-        kernels.paged_prefill_attention(torch.zeros(20, 6, 48, dtype=torch.bfloat16),
+        attention_ops.paged_prefill_attention(torch.zeros(19, 6, 64, dtype=torch.bfloat16), cache, plan, 0.125)
+    with pytest.raises(library.KernelUnavailable, match="head_dim 48"):
+        attention_ops.paged_prefill_attention(torch.zeros(20, 6, 48, dtype=torch.bfloat16),
                                         torch.zeros(2, 2, 4, 16, 48, dtype=torch.bfloat16), plan, 0.125)
 
 
@@ -191,9 +191,9 @@ def test_paged_backend_prefills_through_sdpa_without_the_kernel(monkeypatch):
 
     def unavailable(*args, **kwargs):
         calls.append(1)
-        raise kernels.KernelUnavailable("paged_prefill_attention needs AVX512-BF16 on the build machine")
+        raise library.KernelUnavailable("paged_prefill_attention needs AVX512-BF16 on the build machine")
 
-    monkeypatch.setattr(kernels, "paged_prefill_attention", unavailable)
+    monkeypatch.setattr(attention_ops, "paged_prefill_attention", unavailable)
     qlens, seq = [1, 12, 4], [40, 12, 20]
     cache, tables, _, _, _ = _case(torch.bfloat16, lens=tuple(seq))
     gen = torch.Generator().manual_seed(5)
@@ -213,13 +213,13 @@ def test_prefill_kernel_takes_long_contexts(monkeypatch, window):
     beside a fresh prompt stays on the kernel, which copies 64 keys at a time per thread rather
     than the context, and matches sdpa's path."""
     calls = []
-    kernel = kernels.paged_prefill_attention
+    kernel = attention_ops.paged_prefill_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "paged_prefill_attention", counted)
+    monkeypatch.setattr(attention_ops, "paged_prefill_attention", counted)
     qlens, seq = [24, 30], [41_000, 30]
     cache, tables, _, _, _ = _case(torch.bfloat16, hq=8, hkv=4, d=128, lens=tuple(seq))
     gen = torch.Generator().manual_seed(6)

@@ -9,14 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera import kernels
+from tessera.kernels import attention_ops, capabilities, library
 from tessera.attention import get_backend
 from tessera.attention.reference import ReferenceBackend
 from tessera.layers.attention import Attention
 
 from test_attention_backends import _case
 
-pytestmark = pytest.mark.skipif(kernels.available() is not None, reason="C kernels unavailable here")
+pytestmark = pytest.mark.skipif(library.available() is not None, reason="C kernels unavailable here")
 
 
 def sink_reference(q, k, v, cache, tables, qlens, seqs, bs, scale, window, sinks):
@@ -189,7 +189,7 @@ def test_the_layer_hands_its_sinks_to_the_backend():
         encoder(q, k, v, None, backend.build_metadata(qlens, seqs, tables, 16), sinks=sinks)
 
 
-needs_bf16_kernel = pytest.mark.skipif(kernels.available() is not None or not kernels.bf16_matmuls(),
+needs_bf16_kernel = pytest.mark.skipif(library.available() is not None or not capabilities.bf16_matmuls(),
                                        reason="the prefill kernel needs AVX512-BF16")
 
 
@@ -219,7 +219,7 @@ def test_decode_kernel_takes_sinks(dtype, atol, d):
     cache, tables, q, _, _ = _case(dtype, d=d, lens=tuple(lens))
     sinks = torch.randn(6, generator=torch.Generator().manual_seed(4)) * 3
     table = torch.tensor([t + [0] * (19 - len(t)) for t in tables])
-    got = kernels.paged_decode_attention(q, cache, table, torch.tensor(lens), max(lens), 0.125, 8, sinks=sinks)
+    got = attention_ops.paged_decode_attention(q, cache, table, torch.tensor(lens), max(lens), 0.125, 8, sinks=sinks)
     # the "step's" keys and values: what the cache already holds at each last position
     k, v = (torch.stack([cache[i, :, t[-1], (n - 1) % 16] for t, n in zip(tables, lens)]) for i in (0, 1))
     want = sink_reference(q, k, v, cache, tables, [1] * 4, lens, 16, 0.125, 8, sinks)

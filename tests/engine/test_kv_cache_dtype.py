@@ -7,14 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera import kernels
+from tessera.kernels import attention_ops, library
 from tessera.attention import get_backend
 from tessera.attention.base import read_blocks
 from tessera.attention.reference import ReferenceBackend
 from tessera.errors import ConfigError
 from tessera.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(kernels.available() is not None, reason="C kernels unavailable here")
+pytestmark = pytest.mark.skipif(library.available() is not None, reason="C kernels unavailable here")
 
 
 def _scales(cache: torch.Tensor) -> torch.Tensor:
@@ -25,7 +25,7 @@ def _write(cache, k, v, slots, block_size, chunks):
     """Write rows in consecutive chunks, as successive engine steps would."""
     at = 0
     for n in chunks:
-        kernels.kv_write_int8(cache, k[at:at + n], v[at:at + n], slots[at:at + n], block_size)
+        attention_ops.kv_write_int8(cache, k[at:at + n], v[at:at + n], slots[at:at + n], block_size)
         at += n
 
 

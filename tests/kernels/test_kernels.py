@@ -5,27 +5,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera import kernels
+from tessera.kernels import capabilities, library, rowwise_ops
 from tessera.layers import RMSNorm
 
-pytestmark = pytest.mark.skipif(kernels.available() is not None, reason="C kernels unavailable here")
+pytestmark = pytest.mark.skipif(library.available() is not None, reason="C kernels unavailable here")
 
 
 @pytest.mark.slow
 def test_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
-    path = kernels.build()
+    path = library.build()
     assert path.parent == tmp_path / "kernels" and path.is_file()
     mtime = path.stat().st_mtime_ns
-    assert kernels.build() == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+    assert library.build() == path and path.stat().st_mtime_ns == mtime  # not rebuilt
     assert not list(path.parent.glob("*.partial"))
 
 
 def test_build_without_compiler_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises(kernels.KernelUnavailable, match="compiling the kernels failed"):
-        kernels.build()
+    with pytest.raises(library.KernelUnavailable, match="compiling the kernels failed"):
+        library.build()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 40])
@@ -39,7 +39,7 @@ def test_rms_norm_kernel_matches_torch(rows, with_residual, dtype):
     want_res = x + res if with_residual else x
     want = F.rms_norm(want_res, (576,), w, 1e-5)
     got_res = res.clone()
-    got = kernels.rms_norm(x, w, 1e-5, got_res if with_residual else None)
+    got = rowwise_ops.rms_norm(x, w, 1e-5, got_res if with_residual else None)
     if with_residual:
         assert torch.equal(got_res, want_res)
     if dtype == torch.bfloat16:
@@ -59,7 +59,7 @@ def test_silu_mul_kernel_matches_torch(rows, inter):
     gen = torch.Generator().manual_seed(rows)
     gu = (torch.randn(rows, 2 * inter, generator=gen) * 4).bfloat16()
     gate, up = gu.chunk(2, dim=-1)
-    assert torch.equal(kernels.silu_mul(gu), F.silu(gate) * up)
+    assert torch.equal(rowwise_ops.silu_mul(gu), F.silu(gate) * up)
     mlp = GatedMLP(64, inter, QuantConfig(mode="none"), "silu", "mlp")
     torch.manual_seed(rows)  # plain bfloat16 linears in place of the quantized ones: only the activation is under test
     mlp.gate_up_proj = torch.nn.Linear(64, 2 * inter, bias=False).bfloat16()
@@ -67,7 +67,7 @@ def test_silu_mul_kernel_matches_torch(rows, inter):
     x = torch.randn(rows, 64, generator=gen).bfloat16()
     want = mlp.down_proj(F.silu(mlp.gate_up_proj(x).chunk(2, -1)[0]) * mlp.gate_up_proj(x).chunk(2, -1)[1])
     assert torch.equal(mlp(x), want)
-    assert mlp._c_silu == kernels.bf16_matmuls()
+    assert mlp._c_silu == capabilities.bf16_matmuls()
 
 
 def test_rms_norm_layer_uses_kernel_for_bf16_and_f32():

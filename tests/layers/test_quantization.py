@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from torch import nn
 
-from tessera import kernels
+from tessera.kernels import bindings, capabilities, gguf_ops, library, matmul_ops
 from tessera.layers import FloatWeight, GGUFWeight, Linear, QuantConfig
 from tessera.layers.quantization.base import int4pack_layout
 from tessera.layers.quantization.int4 import AVX2_LAYOUT, pack_avx2_layout
@@ -93,7 +93,7 @@ def test_small_and_large_steps_compute_the_same_weight(method_cls, dense_copy, r
     torch.testing.assert_close(method.embedding(layer, ids), deq[ids])
 
 
-@pytest.mark.skipif(not kernels.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
+@pytest.mark.skipif(not capabilities.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
 def test_float32_int4_takes_the_avx2_kernel_whatever_the_hosts_layout():
     """On an AVX-512 host without BF16 PyTorch packs its AVX-512 layout, which only its own
     ~1 GFLOP/s float32 product reads: the method packs the AVX2 layout itself there."""
@@ -305,9 +305,8 @@ def test_merged_int8_pieces_take_the_finest_groups():
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
 def test_int8_kernels_against_the_reference(zeros, group, dtype, atol):
-    from tessera import kernels
 
-    if kernels.available() is not None:
+    if library.available() is not None:
         pytest.skip("C kernels unavailable")
     torch.manual_seed(group + zeros)
     n, k = 37, 192  # 37 rows: not a whole block of the gemm kernel's 4
@@ -318,14 +317,14 @@ def test_int8_kernels_against_the_reference(zeros, group, dtype, atol):
     w = (torch.addcmul(zero[..., None], g, scale[..., None]) if zeros else g * scale[..., None]).view(n, k)
     for rows in (1, 2, 3, 5, 8):
         x = torch.randn(rows, k).to(dtype)
-        got = kernels.int8_gemv(x, codes, scale, zero)
+        got = matmul_ops.int8_gemv(x, codes, scale, zero)
         assert got.dtype == dtype and got.shape == (rows, n)
         torch.testing.assert_close(got.float(), x.float() @ w.T, atol=atol, rtol=0.02)
-        if dtype == torch.bfloat16 and kernels.bf16_matmuls():
-            got = kernels.int8_gemm_bf16(x, codes, scale, zero)
+        if dtype == torch.bfloat16 and capabilities.bf16_matmuls():
+            got = matmul_ops.int8_gemm_bf16(x, codes, scale, zero)
             torch.testing.assert_close(got.float(), x.float() @ w.bfloat16().float().T, atol=atol, rtol=0.02)
-    with pytest.raises(kernels.KernelUnavailable):
-        kernels.int8_gemv(torch.randn(9, k), codes, scale, zero)
+    with pytest.raises(library.KernelUnavailable):
+        matmul_ops.int8_gemv(torch.randn(9, k), codes, scale, zero)
 
 
 def _kernel_built_for(sources: tuple[str, ...], isa: list[str], tmp_path: Path):
@@ -335,14 +334,13 @@ def _kernel_built_for(sources: tuple[str, ...], isa: list[str], tmp_path: Path):
     import shutil
     import subprocess
 
-    from tessera import kernels
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
     lib_path = tmp_path / f"{Path(sources[0]).stem}.so"
     subprocess.run([cc, "-O2", "-march=native", *isa, "-fopenmp", "-shared", "-fPIC", "-std=c11",
-                    *(str(Path(kernels.__file__).parent / s) for s in sources), "-o", str(lib_path), "-lm"], check=True,
+                    *(str(Path(library.__file__).parent / s) for s in sources), "-o", str(lib_path), "-lm"], check=True,
                    capture_output=True)
     return ctypes.CDLL(str(lib_path))
 
@@ -386,17 +384,16 @@ def test_int8_small_batches_run_in_slices_of_the_kernels_rows(dtype, atol):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])  # 1, 3, 5, 17: row blocks of 4 left incomplete
 def test_int4_gemm_kernel_matches_pytorchs(rows):
-    from tessera import kernels
     from tessera.layers.quantization import INT4_GEMM_MAX_ROWS
 
-    if not kernels.bf16_matmuls():
+    if not capabilities.bf16_matmuls():
         pytest.skip("no AVX512-BF16 matrix kernels here")
     torch.manual_seed(rows)
     w = torch.randn(200, 96) * 0.05  # 200 rows: the last 64-row tile is partly padding
     method, layer = _layer(Int4Method, w, dtype=torch.bfloat16, int8_activations=False)
     assert layer.use_gemm_kernel and not layer.use_i8_kernel and rows <= INT4_GEMM_MAX_ROWS
     x = torch.randn(rows, 96).bfloat16()
-    got = kernels.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+    got = matmul_ops.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
     want = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_zeros)[:, :layer.out_rows]
     assert got.shape == want.shape == (rows, 200)
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
@@ -422,9 +419,8 @@ def test_int4_int8_activation_kernel_is_exact_to_its_rounding(rows):
     """int4_gemm_i8 (VNNI) must compute the integer products of the codes and int8 activations
     exactly, each output rounded once to bfloat16; and the layer takes it when int8 activations
     are on (--int8-activations), the bfloat16 kernel when they are off."""
-    from tessera import kernels
 
-    if not kernels.int4_i8_matmuls():
+    if not capabilities.int4_i8_matmuls():
         pytest.skip("no AVX512-VNNI/VBMI int4 kernel here")
     g = torch.Generator().manual_seed(rows)
     n, k = 130, 96  # 130: the last 64-row tile mostly padding; 96: three groups
@@ -434,7 +430,7 @@ def test_int4_int8_activation_kernel_is_exact_to_its_rounding(rows):
                      -1).transpose(0, 1).contiguous().bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     x[0, 32:64] = 0  # a group of zeros: scale 0, no division by it
-    got = kernels.int4_gemm_i8(x, packed, sz, n)
+    got = matmul_ops.int4_gemm_i8(x, packed, sz, n)
     want = _int4_i8_reference(x, codes, sz)[:, :n]
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     # one bfloat16 rounding of each output (8 bits of mantissa), float32 sums of a few terms
@@ -445,7 +441,7 @@ def test_int4_int8_activation_kernel_is_exact_to_its_rounding(rows):
     assert layer.use_i8_kernel
     xs = torch.randn(rows, 96).bfloat16()
     taken = method.apply(layer, xs)
-    torch.testing.assert_close(taken, kernels.int4_gemm_i8(xs, layer.qweight, layer.scales_zeros, 200), atol=0, rtol=0)
+    torch.testing.assert_close(taken, matmul_ops.int4_gemm_i8(xs, layer.qweight, layer.scales_zeros, 200), atol=0, rtol=0)
     # against the bfloat16 product: the activations' rounding, about 1 % of the output's scale
     exact = xs.float() @ method.dequantize(layer).float().T
     assert ((taken.float() - exact).norm() / exact.norm()).item() < 0.03
@@ -455,23 +451,22 @@ def test_int4_int8_activation_kernel_is_exact_to_its_rounding(rows):
 def test_int4_f32_kernel_matches_the_dequantized_weight(rows):
     """AVX2 hosts compute in float32, where PyTorch's int4pack kernel runs at ~1 GFLOP/s: our
     kernel (int4_avx2.c) takes 1-64 rows there and must compute what the dense path computes."""
-    from tessera import kernels
     from tessera.layers.quantization import int4pack_layout
 
     layout = int4pack_layout()
-    if layout is None or not layout.avx2_layout or not kernels.avx2_matmuls():
+    if layout is None or not layout.avx2_layout or not capabilities.avx2_matmuls():
         pytest.skip("not an AVX2 int4pack layout with the AVX2 + FMA kernel")
     torch.manual_seed(rows)
     w = torch.randn(200, 96) * 0.05  # 200 rows: the last 32-row tile is partly padding
     method, layer = _layer(Int4Method, w, dtype=torch.float32)
     assert layer.use_f32_kernel
     x = torch.randn(rows, 96)
-    got = kernels.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+    got = matmul_ops.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
     assert got.shape == (rows, 200)
     torch.testing.assert_close(got, x @ method.dequantize(layer).T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(method.apply(layer, x), got, atol=0, rtol=0)  # the route taken
-    with pytest.raises(kernels.KernelUnavailable):
-        kernels.int4_gemm_f32(torch.randn(kernels.INT4_F32_MAX_ROWS + 1, 96), layer.qweight, layer.scales_zeros,
+    with pytest.raises(library.KernelUnavailable):
+        matmul_ops.int4_gemm_f32(torch.randn(bindings.INT4_F32_MAX_ROWS + 1, 96), layer.qweight, layer.scales_zeros,
                               layer.out_rows)
 
 
@@ -569,9 +564,8 @@ def _kquant_layer(src: GGUFWeight, dense_copy: bool = False):
 
 
 def _kquant_kernel(qtype):
-    from tessera import kernels
 
-    return kernels.q6k_gemm if qtype == Q.Q6_K else kernels.q4k_gemm
+    return gguf_ops.q6k_gemm if qtype == Q.Q6_K else gguf_ops.q4k_gemm
 
 
 @pytest.mark.parametrize("qtype", KQUANTS)
@@ -597,9 +591,8 @@ def test_kquant_storage_is_the_files_weights(qtype):
 def test_kquant_kernels_are_the_integer_product(qtype, dtype):
     """Per 256-value super-block the kernels' sums are exact in integers; only the float scaling
     and the output rounding differ from the float64 reference."""
-    from tessera import kernels
 
-    if not kernels.kquant_matmuls():
+    if not capabilities.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
     src = _random_blocks(qtype, 37, 3, seed=12)  # 37 rows: not a multiple of the threads' split
     method, layer = _kquant_layer(src)
@@ -615,15 +608,14 @@ def test_kquant_kernels_are_the_integer_product(qtype, dtype):
             torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-6)
         else:
             _assert_bf16_rounding_of(got, want)
-    with pytest.raises(kernels.KernelUnavailable):
+    with pytest.raises(library.KernelUnavailable):
         kernel(torch.randn(9, 768), layer.qweight, layer.scales, layer.d)
 
 
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_kquant_layers_slice_small_batches_and_dequantize_large_ones(qtype):
-    from tessera import kernels
 
-    if not kernels.kquant_matmuls():
+    if not capabilities.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
     src = _random_blocks(qtype, 40, 2, seed=13)
     w = src.dequantize()
@@ -644,10 +636,9 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype):
     step's smoothing factors and requantized per row to int8, the activations divided by them and
     quantized per token: the result is that integer product, scaled, rounded to bfloat16 once,
     and within a few percent of the exact product (here with an outlier channel)."""
-    from tessera import kernels
     from tessera.layers.quantization import SMOOTHING_ALPHA
 
-    if not kernels.kquant_matmuls():
+    if not capabilities.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
     src = _random_blocks(qtype, 45, 2, seed=14)
     w = src.dequantize()
@@ -657,7 +648,7 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype):
     x[:, 7] *= 40  # an outlier channel, as LLM activations have
     x = x.bfloat16()
     columns = x.float().abs().amax(dim=0).clamp_min(1e-5) ** SMOOTHING_ALPHA
-    wq, rs = kernels.kquant_dequant_int8(method.name, layer.qweight, layer.scales, layer.d, 512, columns=columns)
+    wq, rs = gguf_ops.kquant_dequant_int8(method.name, layer.qweight, layer.scales, layer.d, 512, columns=columns)
     smoothed = w * columns
     torch.testing.assert_close(rs, smoothed.abs().amax(dim=1) / 127, rtol=1e-6, atol=0)
     assert (wq.float() - smoothed / rs[:, None]).abs().max() <= 0.5 + 1e-3  # rounded to the nearest
@@ -671,9 +662,8 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype):
 
 
 def test_kquants_are_chosen_for_whole_kquant_weights_with_int8_activations():
-    from tessera import kernels
 
-    if not kernels.kquant_matmuls():
+    if not capabilities.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
     bf16 = QuantConfig("auto", torch.bfloat16)
     assert bf16.storage_for([Q.Q6_K], 1536) == "q6_k" and bf16.storage_for([Q.Q4_K], 1536) == "q4_k"
@@ -714,7 +704,6 @@ def test_kquant_kernels_on_older_instruction_sets(qtype, isa, tmp_path):
     want = _kquant_reference(x, src.dequantize())
     torch.testing.assert_close(out.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-6)
     # the block decoder's plain branch: bfloat16 and int8 weights equal to the host build's
-    from tessera import kernels
 
     name = "q6k" if qtype == Q.Q6_K else "q4k"
     bf16 = torch.empty(21, 512, dtype=torch.bfloat16)
@@ -727,7 +716,7 @@ def test_kquant_kernels_on_older_instruction_sets(qtype, isa, tmp_path):
     getattr(lib, f"{name}_dequant_int8").argtypes = [p, p, p, p, p, p, i64, i64]
     getattr(lib, f"{name}_dequant_int8")(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.d.data_ptr(),
                                          columns.data_ptr(), wq.data_ptr(), rs.data_ptr(), 21, 512)
-    host_wq, host_rs = kernels.kquant_dequant_int8(f"{name[:2]}_{name[2]}", layer.qweight, layer.scales, layer.d, 512,
+    host_wq, host_rs = gguf_ops.kquant_dequant_int8(f"{name[:2]}_{name[2]}", layer.qweight, layer.scales, layer.d, 512,
                                                    columns=columns)
     assert torch.equal(wq, host_wq) and torch.equal(rs, host_rs)
 
@@ -796,7 +785,6 @@ def test_mxfp4_blocks_decode_exactly():
     """gguf's decoder, the C one (float32 and bfloat16) and the format's definition agree bit for
     bit, subnormal and large exponents included; the layer stores the file's bytes unchanged, in
     the bytes storage_bytes (and so `tessera size`) counts: 17 a block of 32."""
-    from tessera import kernels
 
     src = _mxfp4_blocks(70, 96, seed=1)
     assert np.array_equal(src.dequantize().numpy().astype(np.float64), _mxfp4_by_the_spec(src))
@@ -805,8 +793,8 @@ def test_mxfp4_blocks_decode_exactly():
     for w in (src, edge):
         blocks = torch.from_numpy(w.raw)
         gguf_values = torch.from_numpy(dequantize(w.raw, Q.MXFP4).reshape(w.shape))
-        assert torch.equal(kernels.mxfp4_dequant(blocks, w.shape[1], torch.float32), gguf_values)
-        assert torch.equal(kernels.mxfp4_dequant(blocks, w.shape[1], torch.bfloat16), gguf_values.bfloat16())
+        assert torch.equal(gguf_ops.mxfp4_dequant(blocks, w.shape[1], torch.float32), gguf_values)
+        assert torch.equal(gguf_ops.mxfp4_dequant(blocks, w.shape[1], torch.bfloat16), gguf_values.bfloat16())
     method, layer = _mxfp4_layer(src)
     assert method.name == "mxfp4" and torch.equal(layer.blocks, torch.from_numpy(src.raw))
     assert torch.equal(method.dequantize(layer), src.dequantize())
@@ -821,7 +809,6 @@ def test_mxfp4_kernel_is_the_integer_product(k, dtype):
     """Per block the kernel's sums are exact in integers: against x quantized as it does, only
     float32 scaling (and bfloat16's output rounding) differs; against the exact product, within
     the bound the activations' rounding allows (and well away from it on average)."""
-    from tessera import kernels
 
     src = _mxfp4_blocks(37, k, seed=3)  # 37 rows: not a multiple of the threads' split
     w = src.dequantize()
@@ -829,7 +816,7 @@ def test_mxfp4_kernel_is_the_integer_product(k, dtype):
     for rows in (1, 3, 17, 64):
         x = torch.randn(rows, k).to(dtype)
         x[0, :32] = 0  # an all-zero block of activations
-        got = kernels.mxfp4_gemm(x, torch.from_numpy(src.raw))
+        got = gguf_ops.mxfp4_gemm(x, torch.from_numpy(src.raw))
         want, bound = _mxfp4_reference(x, w)
         assert got.dtype == dtype and got.shape == (rows, 37)
         if dtype == torch.float32:
@@ -839,8 +826,8 @@ def test_mxfp4_kernel_is_the_integer_product(k, dtype):
             assert (got.double() - exact).norm() / exact.norm() < 0.02
         else:
             _assert_bf16_rounding_of(got, want)
-    with pytest.raises(kernels.KernelUnavailable):
-        kernels.mxfp4_gemm(torch.randn(65, k), torch.from_numpy(src.raw))
+    with pytest.raises(library.KernelUnavailable):
+        gguf_ops.mxfp4_gemm(torch.randn(65, k), torch.from_numpy(src.raw))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

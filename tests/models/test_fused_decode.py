@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from tessera import LLM, SamplingParams, kernels
+from tessera import LLM, SamplingParams
+from tessera.kernels import bindings, capabilities
 from tessera.attention.paged import PagedBackend
 from tessera.attention.sdpa import SdpaBackend
 from tessera.engine.worker.model_executor import ModelExecutor
@@ -16,7 +17,7 @@ from tessera.models.fused_decode import FusedDecode
 
 from tiny_model import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not kernels.bf16_matmuls(), reason="the C decode step needs AVX512-BF16")
+pytestmark = pytest.mark.skipif(not capabilities.bf16_matmuls(), reason="the C decode step needs AVX512-BF16")
 
 # head_dim 32 (the kernels' smallest vector of pairs), three query heads per KV head.
 SHAPE = dict(hidden_size=192, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2)
@@ -184,14 +185,14 @@ def test_enforce_eager_runs_the_modules(folder):
 def test_c_decode_step_takes_kquant_projections(model_path, lens):
     """qwen2.5-coder-0.5b's Q4_K and Q6_K down projections (whole super-blocks of 256) stay in
     their blocks and run in the C step through q4k_gemm / q6k_gemm, as the modules run them."""
-    if not kernels.kquant_matmuls():
+    if not capabilities.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
     llm = LLM(str(model_path("qwen2.5-coder-0.5b")), dtype="bfloat16", max_model_len=256)
     model = llm.engine.runner.model
     plan = model.plan_fused_decode()
     assert isinstance(plan, FusedDecode)
     kinds = {layer.down.kind for layer in plan.layers}
-    assert kinds == {kernels.LINEAR_Q4K, kernels.LINEAR_Q6K}
+    assert kinds == {bindings.LINEAR_Q4K, bindings.LINEAR_Q6K}
     assert plan.max_rows == model.model.layers[0].mlp.down_proj.quant_method.config.small_batch_max
     backend = PagedBackend()
     ref, ref_caches, _ = _prefill_then_decode(model, backend, lens, use_c=False)

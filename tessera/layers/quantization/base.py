@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import Tensor, nn
 
-from tessera import kernels
+from tessera.kernels import bindings, capabilities, library
 from tessera.layers.weights import FIVE_TO_EIGHT_BIT, FOUR_BIT_OR_LESS, AnyWeight
 
 
@@ -46,7 +46,7 @@ INT8_REQUANT_GROUP = 32
 # weights as a step reads them (from memory, not cache): 1.7-4x faster at 2-16 rows, 1.3x at
 # 32-64, break-even at 128 (benchmarks/kernels.py, results/int4_gemm.json). Above 64, the dense copy
 # (decode_step.c splits its int4 products at the same count).
-INT4_GEMM_MAX_ROWS = kernels.INT4_GEMM_MAX_ROWS
+INT4_GEMM_MAX_ROWS = bindings.INT4_GEMM_MAX_ROWS
 # Dense bf16 matmuls go to oneDNN, which JIT-compiles and caches one kernel per row count (M): a
 # server meeting ever new step sizes grows by ~0.3 MiB of code and buffers per new (M, N, K) until
 # the primitive cache (1,024 entries) is full (docs/operations.md, "Reliability"). Rows above
@@ -177,11 +177,11 @@ class QuantConfig:
         (MXFP4Method: no int4 or int8 layout holds its values exactly)."""
         mode = self.mode
         if (mode == "auto" and ggml_types and all(t == GGMLQuantizationType.MXFP4 for t in ggml_types)
-                and in_features % INT4_GROUP == 0 and kernels.available() is None):
+                and in_features % INT4_GROUP == 0 and library.available() is None):
             return "mxfp4"
         kinds = {KQUANT_TYPES.get(t) for t in ggml_types}
         if (mode == "auto" and self.int8_activations and len(kinds) == 1
-                and None not in kinds and in_features % KQ_BLOCK == 0 and kernels.kquant_matmuls()):
+                and None not in kinds and in_features % KQ_BLOCK == 0 and capabilities.kquant_matmuls()):
             return kinds.pop()
         if mode == "auto":
             kinds = set()
@@ -299,7 +299,7 @@ class QuantMethod(ABC):
     def describe(self, layer: nn.Module) -> str:
         return self.name
 
-    def kernel_operand(self, layer: nn.Module) -> Optional[kernels.LinearOperand]:
+    def kernel_operand(self, layer: nn.Module) -> Optional[bindings.LinearOperand]:
         """The weight as the C decode step reads it (tessera/kernels/decode_step.c), or None where
         no C kernel reads this storage here; the bias is the caller's to add."""
         return None

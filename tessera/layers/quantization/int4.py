@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from tessera import kernels
+from tessera.kernels import bindings, capabilities, library, matmul_ops
 from tessera.layers.quantization.base import (
     INT4_GEMM_MAX_ROWS, INT4_GROUP, INT4_ROW_TILE, LOAD_CHUNK_ROWS, Int4PackLayout, QuantConfig, WeightOnlyMethod,
     dense_linear, int4pack_layout,
@@ -77,11 +77,11 @@ class Int4Method(WeightOnlyMethod):
         layer.register_buffer("scales_zeros", sz, persistent=False)  # [K/32, N_padded, 2]
         layer.out_rows = n
         layer.int4_exact = exact
-        native = self.config.dtype == torch.bfloat16 and self.layout.kernel_layout and kernels.bf16_matmuls()
+        native = self.config.dtype == torch.bfloat16 and self.layout.kernel_layout and capabilities.bf16_matmuls()
         layer.use_gemm_kernel = native
         layer.use_i8_kernel = native and getattr(layer, "int8_inputs", True) and self.int8_activation_kernel(self.config)
         layer.use_f32_kernel = self.config.dtype == torch.float32 and self.layout.avx2_layout \
-            and kernels.avx2_matmuls()
+            and capabilities.avx2_matmuls()
         layer.torch_layout = self.layout is int4pack_layout()  # PyTorch's own int4pack product reads it
         self._finish(layer)
 
@@ -95,7 +95,7 @@ class Int4Method(WeightOnlyMethod):
         256 and level with it at 512 (benchmarks/kernels.py, results/int4_i8/)."""
         layout = int4pack_layout()
         return (config.dtype == torch.bfloat16 and config.int8_activations and layout is not None
-                and layout.kernel_layout and kernels.bf16_matmuls() and kernels.int4_i8_matmuls())
+                and layout.kernel_layout and capabilities.bf16_matmuls() and capabilities.int4_i8_matmuls())
 
     @staticmethod
     def _groups(src: AnyWeight):
@@ -115,7 +115,7 @@ class Int4Method(WeightOnlyMethod):
         lookups read it every step."""
         layout = int4pack_layout()
         assert layout is not None, "storage_for never picks int4 without a known int4pack layout"
-        if self.config.dtype == torch.float32 and not layout.avx2_layout and kernels.avx2_matmuls():
+        if self.config.dtype == torch.float32 and not layout.avx2_layout and capabilities.avx2_matmuls():
             return AVX2_LAYOUT
         return layout
 
@@ -150,20 +150,20 @@ class Int4Method(WeightOnlyMethod):
 
     def apply(self, layer, x):
         rows = x.shape[0]
-        if rows <= kernels.INT4_F32_MAX_ROWS and layer.use_f32_kernel:
+        if rows <= bindings.INT4_F32_MAX_ROWS and layer.use_f32_kernel:
             try:
-                return kernels.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
-            except kernels.KernelUnavailable:  # built without AVX2 + FMA: PyTorch's kernels from now on
+                return matmul_ops.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+            except library.KernelUnavailable:  # built without AVX2 + FMA: PyTorch's kernels from now on
                 layer.use_f32_kernel = False
         if rows > 0 and layer.use_i8_kernel:
             try:
-                return kernels.int4_gemm_i8(x, layer.qweight, layer.scales_zeros, layer.out_rows)
-            except kernels.KernelUnavailable:  # built without VNNI/VBMI: the bfloat16 paths from now on
+                return matmul_ops.int4_gemm_i8(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+            except library.KernelUnavailable:  # built without VNNI/VBMI: the bfloat16 paths from now on
                 layer.use_i8_kernel = False
         if 0 < rows <= INT4_GEMM_MAX_ROWS and layer.use_gemm_kernel:
             try:
-                return kernels.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
-            except kernels.KernelUnavailable:  # built without AVX512-BF16: PyTorch's kernels from now on
+                return matmul_ops.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+            except library.KernelUnavailable:  # built without AVX512-BF16: PyTorch's kernels from now on
                 layer.use_gemm_kernel = False
         return super().apply(layer, x)
 
@@ -178,8 +178,8 @@ class Int4Method(WeightOnlyMethod):
         if not layer.use_gemm_kernel:  # the AVX-512 layout and bfloat16 scales that int4_gemm_bf16 reads
             return None
         sz = layer.scales_zeros
-        kind = kernels.LINEAR_INT4_I8 if layer.use_i8_kernel else kernels.LINEAR_INT4
-        return kernels.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=sz.data_ptr(),
+        kind = bindings.LINEAR_INT4_I8 if layer.use_i8_kernel else bindings.LINEAR_INT4
+        return bindings.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=sz.data_ptr(),
                                      n_pad=sz.shape[1], n=layer.out_rows, k=sz.shape[0] * INT4_GROUP)
 
     def describe(self, layer):

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from tessera import kernels
+from tessera.kernels import bindings, capabilities, library, matmul_ops
 from tessera.layers.quantization.base import (
     INT8_REQUANT_GROUP, LOAD_CHUNK_ROWS, QuantConfig, WeightOnlyMethod,
 )
@@ -85,9 +85,9 @@ class Int8Method(WeightOnlyMethod):
         else:
             layer.zeros = None
         layer.int8_exact = exact
-        layer.use_kernels = kernels.available() is None and group % 16 == 0
+        layer.use_kernels = library.available() is None and group % 16 == 0
         layer.use_gemm_kernel = (layer.use_kernels and self.config.dtype == torch.bfloat16 and cols % 32 == 0
-                                 and kernels.bf16_matmuls())
+                                 and capabilities.bf16_matmuls())
         self._finish(layer)
 
     def _groups(self, src: AnyWeight):
@@ -121,21 +121,21 @@ class Int8Method(WeightOnlyMethod):
         if not layer.use_kernels:
             return (x.float() @ self._weights(layer, slice(None)).T).to(x.dtype)
         gemm = layer.use_gemm_kernel and x.dtype == torch.bfloat16 and x.shape[0] >= 3
-        step = kernels.INT8_GEMM_MAX_ROWS if gemm else kernels.INT8_GEMV_MAX_ROWS
+        step = bindings.INT8_GEMM_MAX_ROWS if gemm else bindings.INT8_GEMV_MAX_ROWS
         parts = []
         for i in range(0, x.shape[0], step):
             rows = x[i:i + step]
             if gemm and rows.shape[0] >= 3:
-                parts.append(kernels.int8_gemm_bf16(rows, layer.qweight, layer.scales, layer.zeros))
+                parts.append(matmul_ops.int8_gemm_bf16(rows, layer.qweight, layer.scales, layer.zeros))
             else:
-                parts.append(kernels.int8_gemv(rows, layer.qweight, layer.scales, layer.zeros))
+                parts.append(matmul_ops.int8_gemv(rows, layer.qweight, layer.scales, layer.zeros))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def kernel_operand(self, layer):
         if not layer.use_kernels or self.config.dtype != torch.bfloat16:
             return None
         n, k = layer.qweight.shape
-        return kernels.LinearOperand(kind=kernels.LINEAR_INT8, weight=layer.qweight.data_ptr(),
+        return bindings.LinearOperand(kind=bindings.LINEAR_INT8, weight=layer.qweight.data_ptr(),
                                      scales=layer.scales.data_ptr(),
                                      zeros=None if layer.zeros is None else layer.zeros.data_ptr(),
                                      n_pad=n, n=n, k=k, group=k // layer.scales.shape[1],

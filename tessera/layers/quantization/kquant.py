@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from tessera import kernels
+from tessera.kernels import bindings, capabilities, gguf_ops
 from tessera.layers.quantization.base import (
     KQ_BLOCK, LOAD_CHUNK_ROWS, SMOOTHING_ALPHA, QuantConfig, WeightOnlyMethod, dense_linear,
 )
@@ -53,7 +53,7 @@ class KQuantMethod(WeightOnlyMethod):
     def dequantize(self, layer):
         if self.config.dtype == torch.bfloat16:  # as storage_for picks these: in C, not a dozen torch passes
             in_features = layer.scales.shape[1] * 16  # both kinds keep 16 scale bytes per 256 values
-            return kernels.kquant_dequant_bf16(self.name, layer.qweight, layer.scales, layer.d, in_features)
+            return gguf_ops.kquant_dequant_bf16(self.name, layer.qweight, layer.scales, layer.d, in_features)
         return self._weights(layer, slice(None)).to(self.config.dtype)
 
     def embedding(self, layer, ids):
@@ -61,7 +61,7 @@ class KQuantMethod(WeightOnlyMethod):
         return self._weights(layer, flat).to(self.config.dtype).view(*ids.shape, -1)
 
     def _small(self, layer, x):
-        step = kernels.KQUANT_MAX_ROWS
+        step = bindings.KQUANT_MAX_ROWS
         parts = [self.kernel(x[i:i + step], layer.qweight, layer.scales, layer.d) for i in range(0, x.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -74,7 +74,7 @@ class KQuantMethod(WeightOnlyMethod):
         return self._int8_matmul(layer, x)
 
     def _int8_matmul(self, layer: nn.Module, x: Tensor) -> Tensor:
-        """A prefill-sized step as int8 x int8 -> int32 (kernels.int8_matmul: torch._int_mm, oneDNN's
+        """A prefill-sized step as int8 x int8 -> int32 (gguf_ops.int8_matmul: torch._int_mm, oneDNN's
         VNNI kernels): the activations quantized per token, the weight requantized per row from
         the file's blocks for the call (in C, as `dequantize` does for bfloat16), both smoothed by
         the step's column maxima (SMOOTHING_ALPHA), then one float32 multiply by the two scales.
@@ -85,17 +85,17 @@ class KQuantMethod(WeightOnlyMethod):
         n, k = layer.d.shape[0], layer.scales.shape[1] * 16
         ws = self.config.workspace
         columns = x.abs().amax(dim=0).float().clamp_min_(1e-5).pow_(SMOOTHING_ALPHA)
-        wq, row_scales = kernels.kquant_dequant_int8(self.name, layer.qweight, layer.scales, layer.d, k,
+        wq, row_scales = gguf_ops.kquant_dequant_int8(self.name, layer.qweight, layer.scales, layer.d, k,
                                                      ws.get("weight", (n, k), torch.int8), columns)
-        return kernels.int8_matmul(x, wq, row_scales, ws.get("products", (x.shape[0], n), torch.int32), columns)
+        return gguf_ops.int8_matmul(x, wq, row_scales, ws.get("products", (x.shape[0], n), torch.int32), columns)
 
     def kernel_operand(self, layer):
         """Up to `small_batch_max` rows, as `apply` routes them: past that the C step declines."""
-        if self.config.dtype != torch.bfloat16 or not kernels.kquant_matmuls():
+        if self.config.dtype != torch.bfloat16 or not capabilities.kquant_matmuls():
             return None
         n = layer.d.shape[0]
-        kind = kernels.LINEAR_Q4K if self.name == "q4_k" else kernels.LINEAR_Q6K
-        return kernels.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=layer.scales.data_ptr(),
+        kind = bindings.LINEAR_Q4K if self.name == "q4_k" else bindings.LINEAR_Q6K
+        return bindings.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=layer.scales.data_ptr(),
                                      zeros=layer.d.data_ptr(), n_pad=n, n=n, k=layer.scales.shape[1] * 16,
                                      max_rows=self.config.small_batch_max)
 
@@ -110,7 +110,7 @@ class Q6KMethod(KQuantMethod):
     code x (d x sc) in float32)."""
 
     name = "q6_k"
-    kernel = staticmethod(kernels.q6k_gemm)
+    kernel = staticmethod(gguf_ops.q6k_gemm)
 
     @staticmethod
     def storage_bytes(rows: int, cols: int, config: QuantConfig, ggml_types: Sequence[Optional[int]] = ()) -> int:
@@ -140,7 +140,7 @@ class Q4KMethod(KQuantMethod):
     in integers (int4_gemv.c widens every code to bfloat16)."""
 
     name = "q4_k"
-    kernel = staticmethod(kernels.q4k_gemm)
+    kernel = staticmethod(gguf_ops.q4k_gemm)
 
     @staticmethod
     def storage_bytes(rows: int, cols: int, config: QuantConfig, ggml_types: Sequence[Optional[int]] = ()) -> int:

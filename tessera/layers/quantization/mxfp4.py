@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor
 
-from tessera import kernels
+from tessera.kernels import gguf_ops, library
 from tessera.layers.quantization.base import QuantConfig, WeightOnlyMethod, dense_linear
 from tessera.layers.weights import GGUFWeight
 
@@ -55,8 +55,8 @@ class MXFP4Method(WeightOnlyMethod):
     def _weights(self, blocks: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """Rows of blocks decoded to the compute dtype (into `out` if given)."""
         k = blocks.shape[1] // MXFP4_BLOCK_BYTES * MXFP4_BLOCK
-        if kernels.available() is None:
-            return kernels.mxfp4_dequant(blocks.contiguous(), k, self.config.dtype, out)
+        if library.available() is None:
+            return gguf_ops.mxfp4_dequant(blocks.contiguous(), k, self.config.dtype, out)
         w = GGUFWeight(blocks.numpy(), GGMLQuantizationType.MXFP4, (blocks.shape[0], k)).dequantize()
         return w.to(self.config.dtype) if out is None else out.copy_(w)
 
@@ -68,10 +68,10 @@ class MXFP4Method(WeightOnlyMethod):
         return self._weights(layer.blocks[flat]).view(*ids.shape, -1)
 
     def _small(self, layer, x):
-        return kernels.mxfp4_gemm(x, layer.blocks)
+        return gguf_ops.mxfp4_gemm(x, layer.blocks)
 
     def apply(self, layer, x):
-        if x.shape[0] <= MXFP4_KERNEL_MAX_ROWS and kernels.available() is None:
+        if x.shape[0] <= MXFP4_KERNEL_MAX_ROWS and library.available() is None:
             return self._small(layer, x)
         dense = getattr(layer, "dense_weight", None)
         if dense is None:

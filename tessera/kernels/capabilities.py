@@ -1,0 +1,30 @@
+"""Which of the kernel library's vector paths run on this host (each asks the loaded library
+what it was built for); `library.available()` says whether it loaded at all."""
+from __future__ import annotations
+
+from tessera.kernels.library import available, load
+
+
+def bf16_matmuls() -> bool:
+    """Whether the few-row AVX512-BF16 matrix kernels (int8_gemm_bf16,
+    int4_gemm_bf16) run here; the others have portable paths and only need `available()`."""
+    return available() is None and bool(load().tessera_avx512_bf16())
+
+
+def int4_i8_matmuls() -> bool:
+    """Whether the int8-activation int4 kernel (int4_gemm_i8: AVX512-VNNI dot products, VBMI byte
+    permutes, bfloat16 out) runs here."""
+    return available() is None and bool(load().tessera_int4_i8())
+
+
+def avx2_matmuls() -> bool:
+    """Whether the float32 AVX2 + FMA int4 kernel (int4_gemm_f32) runs here: hosts without
+    AVX-512, where PyTorch's int4pack kernel is the slow path (see int4_avx2.c)."""
+    return available() is None and bool(load().tessera_avx2_fma())
+
+
+def kquant_matmuls() -> bool:
+    """Whether the K-quant kernels' vector paths (AVX512-BW or AVX2) run here (kquant_gemm.c):
+    without them the native Q6_K / Q4_K storage would multiply in a plain C loop, so those
+    tensors keep the int8 and int4 layouts."""
+    return available() is None and bool(load().tessera_kquant_vector())
