@@ -206,8 +206,8 @@ class AttentionBackend(ABC):
 
     def decode_in_c(self, num_heads: int, kv_cache: torch.Tensor) -> bool:
         """Whether a decode step may write and read this cache from C (tessera/kernels/decode_step.c)
-        instead of through `forward`: only where that is what `forward` would do, a bfloat16 cache
-        in the [2, Hkv, blocks, block_size, D] layout of the paged decode kernel."""
+        instead of through `forward`: only where that is what `forward` would do, a bfloat16 or float32
+        cache in the [2, Hkv, blocks, block_size, D] layout of the paged decode kernel."""
         return False
 
     @abstractmethod

@@ -37,7 +37,8 @@ class PagedBackend(SdpaBackend):
         self._prefill_c = True
 
     def decode_in_c(self, num_heads, kv_cache):
-        return kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 5 and attention_ops.supports(num_heads, kv_cache)
+        return (kv_cache.dtype in (torch.bfloat16, torch.float32) and kv_cache.dim() == 5
+                and attention_ops.supports(num_heads, kv_cache))
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None, sinks=None):
         if softcap is not None or not attention_ops.supports(q.shape[1], kv_cache):  # no C kernel soft-caps

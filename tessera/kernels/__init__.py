@@ -22,7 +22,7 @@ wrapped for tensors, by topic, in modules of their own (this package re-exports 
   `int4_gemm_bf16`, `int4_gemm_i8`, `int4_gemm_f32`);
 - `gguf_ops`: GGUF's block formats as stored (`q6k_gemm`, `q4k_gemm`, `kquant_dequant_*`,
   `int8_matmul`, `mxfp4_gemm`, `mxfp4_dequant`);
-- `decode_ops`: the one-call decode step (`decode_step_bf16`, `decode_step_workspace_bytes`);
+- `decode_ops`: the one-call decode step (`decode_step`: bfloat16 or float32, `decode_step_workspace_bytes`);
 - `lora_ops`: `lora_add`;
 - `triton_attention`: the GPU attention kernel (Triton).
 

@@ -94,6 +94,9 @@ _ATTENTION_SHAPE = _names(I64, "B", "Hq", "Hkv", "D", "num_blocks", "block_size"
 _KQ_DEQUANT_BF16 = (("out", P), ("N", I64), ("K", I64))
 _KQ_DEQUANT_INT8 = (("col", P), ("out", P), ("rs", P), ("N", I64), ("K", I64))
 _FEATURE = _sig(INT)  # 1 when this build has a vector path, else 0
+_DECODE_STEP = _sig(
+    INT, ("layers", P), ("L", I64), ("d", P), ("final_norm", P), ("M", I64), *_names(P, "x", "cos", "sin"),
+    ("half", I64), *_names(P, "slots", "block_tables", "seq_lens"), ("max_len", I64), ("workspace", P), ("lora", P))
 
 SIGNATURES: dict[str, Signature] = {
     # variant.c
@@ -162,10 +165,8 @@ SIGNATURES: dict[str, Signature] = {
     # decode_step.c
     "decode_step_workspace_bytes": _sig(I64, ("layers", P), ("L", I64), ("d", P), ("M", I64), ("max_len", I64)),
     "silu_mul_bf16": _sig(None, ("gu", P), ("out", P), ("M", I64), ("I", I64)),
-    "decode_step_bf16": _sig(
-        INT, ("layers", P), ("L", I64), ("d", P), ("final_norm", P), ("M", I64), *_names(P, "x", "cos", "sin"),
-        ("half", I64), *_names(P, "slots", "block_tables", "seq_lens"), ("max_len", I64), ("workspace", P),
-        ("lora", P)),
+    "decode_step_bf16": _DECODE_STEP,
+    "decode_step_f32": _DECODE_STEP,
     # lora.c
     "lora_add": _sig(
         INT, ("x", P), ("x_stride", I64), ("y", P), ("y_stride", I64), ("x_bf16", INT), ("w_bf16", INT),

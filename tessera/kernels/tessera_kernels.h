@@ -36,10 +36,10 @@ enum { ROT_NONE = 0, ROT_MATRIX = 1, ROT_HADAMARD = 2 };
 typedef struct {
     int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT8, LINEAR_Q4K, LINEAR_Q6K */
     const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8; K-quants: code blocks */
-    const void *scales;    /* int4: [K/32][N_pad][2] bf16 (scale, zero); int8: [N][K/G] float32; K-quants:
+    const void *scales;    /* int4: [K/32][N_pad][2] (scale, zero), bf16 (float32 for decode_step_f32); int8: [N][K/G] float32; K-quants:
                               the sub-blocks' integer scales (and Q4_K's minimums) */
     const float *zeros;    /* int8: [N][K/G] float32 or NULL; K-quants: the super-blocks' d (and dmin) */
-    const uint16_t *bias;  /* [N] bf16 or NULL */
+    const void *bias;      /* [N] of the step's dtype (bf16 or float32) or NULL */
     int64_t n_pad, n, k;   /* int4: rows padded to the tile, real rows, columns */
     int64_t group;         /* int8: values per scale */
     int64_t int8_gemm;     /* int8: int8_gemm_bf16 may take steps of 3+ rows */
@@ -60,11 +60,11 @@ typedef struct {
     int64_t w_bf16;           /* the adapters' weights are bfloat16 (else float32) */
 } lora_step_t;
 
-/* One decoder layer of decode_step_bf16. */
+/* One decoder layer of decode_step_bf16 / decode_step_f32 (tensors of the step's dtype). */
 typedef struct {
-    const uint16_t *input_norm, *post_norm; /* [H] bf16 */
+    const void *input_norm, *post_norm; /* [H] */
     linear_t qkv, o, gate_up, down;
-    uint16_t *kv_cache; /* [2][Hkv][num_blocks][block_size][D] bf16 */
+    void *kv_cache; /* [2][Hkv][num_blocks][block_size][D] */
 } layer_t;
 
 /* The decoder's shapes and the cache's. */
@@ -162,6 +162,10 @@ int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const ui
                      uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
                      const lora_step_t *lora);
+int decode_step_f32(const layer_t *layers, int64_t L, const dims_t *d, const float *final_norm, int64_t M, float *x,
+                    const float *cos, const float *sin, int64_t half, const int64_t *slots,
+                    const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
+                    const lora_step_t *lora);
 
 /* ---- lora.c ---- */
 int lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride, int x_bf16, int w_bf16, int64_t M,

@@ -115,7 +115,7 @@ class Linear(nn.Module):
         QuantMethod.kernel_operand)."""
         op = self.quant_method.kernel_operand(self) if self.quant_method is not None else None
         if op is not None and self.bias is not None:
-            if self.bias.dtype != torch.bfloat16 or not self.bias.is_contiguous():
+            if self.bias.dtype not in (torch.bfloat16, torch.float32) or not self.bias.is_contiguous():
                 return None
             op.bias = self.bias.data_ptr()
         return op

@@ -3,9 +3,10 @@
 Why: at one to a few decode rows, the module path's ~20 operators and kernel calls per layer
 cost more in dispatch than their arithmetic (SmolLM2-135M: ~600 calls a token, of a few
 microseconds each, against ~3 ms of weight reads). The C step runs the same kernels in the
-same order with the same bfloat16 roundings, so it is a faster route to the same result,
-taken only where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host, int4,
-int8-group or Q4_K/Q6_K projections, the paged backend's bfloat16 cache, decode-only steps, rows of
+same order with the same roundings, so it is a faster route to the same result, taken only
+where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host or float32 compute (hosts
+and levels without native bfloat16: int4 through the AVX2 kernel), int4, int8-group or Q4_K/Q6_K
+projections, the paged backend's cache of the compute dtype, decode-only steps, rows of
 LoRA adapters among them (lora.c beside each projection, as layers/linear.py adds them). Everything
 else (prefill, mixed steps, other weight formats, int8 caches) runs the modules.
 """
@@ -18,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from tessera.kernels import bindings, capabilities, decode_ops
+from tessera.kernels import bindings, capabilities, decode_ops, library
 from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
@@ -71,8 +72,10 @@ class FusedDecode:
     @classmethod
     def build(cls, parts: DecoderParts) -> Optional["FusedDecode"]:
         """The plan for a decoder's loaded weights, or None where some part has no C kernel here."""
-        c = parts.config
-        if parts.dtype != torch.bfloat16 or not capabilities.bf16_matmuls():
+        c, dtype = parts.config, parts.dtype
+        if dtype == torch.bfloat16 and not capabilities.bf16_matmuls():
+            return None
+        if dtype not in (torch.bfloat16, torch.float32) or library.available() is not None:
             return None
         if c.hidden_size > bindings.MAX_NORM_HIDDEN or c.head_dim > bindings.MAX_HEAD_DIM or c.head_dim % 32:
             return None
@@ -83,13 +86,15 @@ class FusedDecode:
                 return None
             if any(lin.bias is not None for lin in (layer.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 return None
+            if layer.qkv_proj.bias is not None and layer.qkv_proj.bias.dtype != dtype:
+                return None
             ops = [lin.kernel_operand() for lin in (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_norm.weight, layer.post_norm.weight)
-            if any(op is None for op in ops) or any(w.dtype != torch.bfloat16 for w in norms):
+            if any(op is None for op in ops) or any(w.dtype != dtype for w in norms):
                 return None
             max_rows = min([max_rows] + [op.max_rows for op in ops if op.max_rows])
             rows.append(bindings.DecodeLayer(norms[0].data_ptr(), norms[1].data_ptr(), *ops, None))
-        if parts.final_norm.weight.dtype != torch.bfloat16:
+        if parts.final_norm.weight.dtype != dtype:
             return None
         dims = bindings.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                   head_dim=c.head_dim, intermediate=c.intermediate_size,
@@ -100,7 +105,8 @@ class FusedDecode:
         """Whether this step is one the C step takes: decode rows only, few enough, every layer
         reading the same tables, a cache the backend lets C write and read."""
         return (meta.num_decodes == meta.num_reqs and 0 < meta.num_reqs <= self.max_rows and meta.layers is None
-                and input_ids.is_cpu and meta.backend.decode_in_c(self.dims.num_heads, kv_caches[0]))
+                and input_ids.is_cpu and kv_caches[0].dtype == self.parts.dtype
+                and meta.backend.decode_in_c(self.dims.num_heads, kv_caches[0]))
 
     def _bind_caches(self, kv_caches: list[Tensor]) -> None:
         ptrs = tuple(c.data_ptr() for c in kv_caches)
@@ -163,7 +169,7 @@ class FusedDecode:
         need = decode_ops.decode_step_workspace_bytes(self.layers, self.dims, m, max_len)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(max(need, 2 * self._workspace.numel()), dtype=torch.uint8)
-        ok = decode_ops.decode_step_bf16(self.layers, self.dims, parts.final_norm.weight, x, cos, sin,
+        ok = decode_ops.decode_step(self.layers, self.dims, parts.final_norm.weight, x, cos, sin,
                                       parts.rotary.half, meta.slot_mapping.contiguous(), tables, seq_lens,
                                       max_len, self._workspace, lora_args)
         return x if ok else None

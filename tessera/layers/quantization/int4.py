@@ -175,12 +175,15 @@ class Int4Method(WeightOnlyMethod):
         return out if out.shape[1] == layer.out_rows else out[:, :layer.out_rows]
 
     def kernel_operand(self, layer):
-        if not layer.use_gemm_kernel:  # the AVX-512 layout and bfloat16 scales that int4_gemm_bf16 reads
+        """bfloat16: the AVX-512 layout and bfloat16 scales int4_gemm_bf16 (or int4_gemm_i8) reads;
+        float32: the AVX2 layout and float32 scales of int4_gemm_f32, up to its row limit as `apply`."""
+        if not (layer.use_gemm_kernel or layer.use_f32_kernel):
             return None
         sz = layer.scales_zeros
         kind = bindings.LINEAR_INT4_I8 if layer.use_i8_kernel else bindings.LINEAR_INT4
         return bindings.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=sz.data_ptr(),
-                                     n_pad=sz.shape[1], n=layer.out_rows, k=sz.shape[0] * INT4_GROUP)
+                                     n_pad=sz.shape[1], n=layer.out_rows, k=sz.shape[0] * INT4_GROUP,
+                                     max_rows=bindings.INT4_F32_MAX_ROWS if layer.use_f32_kernel else 0)
 
     def describe(self, layer):
         return "int4" + ("" if layer.int4_exact else " (requantized)") + (" (int8 activations)" if layer.use_i8_kernel else "")

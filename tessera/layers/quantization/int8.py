@@ -132,7 +132,7 @@ class Int8Method(WeightOnlyMethod):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def kernel_operand(self, layer):
-        if not layer.use_kernels or self.config.dtype != torch.bfloat16:
+        if not layer.use_kernels:
             return None
         n, k = layer.qweight.shape
         return bindings.LinearOperand(kind=bindings.LINEAR_INT8, weight=layer.qweight.data_ptr(),

@@ -91,7 +91,7 @@ class KQuantMethod(WeightOnlyMethod):
 
     def kernel_operand(self, layer):
         """Up to `small_batch_max` rows, as `apply` routes them: past that the C step declines."""
-        if self.config.dtype != torch.bfloat16 or not capabilities.kquant_matmuls():
+        if not capabilities.kquant_matmuls():
             return None
         n = layer.d.shape[0]
         kind = bindings.LINEAR_Q4K if self.name == "q4_k" else bindings.LINEAR_Q6K
