@@ -52,7 +52,7 @@ def test_non_q4_types_have_no_exact_int4_form():
 
 @pytest.mark.model
 def test_q4_k_blocks_map_exactly_onto_int4_groups(model_path):
-    from tessera.models.gguf_loader import read_gguf
+    from tessera.models.gguf_file import read_gguf
 
     gf = read_gguf(model_path("qwen2.5-coder-0.5b"))
     try:
@@ -879,7 +879,7 @@ def test_mxfp4_expert_tensors_stay_views_of_the_file(tmp_path):
     view again, decoding to that expert's slice."""
     from gguf import GGUFWriter
 
-    from tessera.models.gguf_loader import read_gguf
+    from tessera.models.gguf_file import read_gguf
 
     experts, rows, cols = 4, 24, 96
     values = np.random.default_rng(6).standard_normal((experts, rows, cols)).astype(np.float32)
