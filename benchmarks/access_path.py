@@ -16,7 +16,8 @@ import time
 from fastapi import FastAPI
 
 from tessera.metrics import MetricFamilies
-from tessera.server.auth import ADMIN, AccessControl, AccessSettings, ApiKey, digest_of
+from tessera.server.api_keys import ADMIN, AccessSettings, ApiKey, digest_of
+from tessera.server.auth import AccessControl
 from tessera.server.ratelimit import FairShare, KeyLimiter, KeyMeter
 
 
@@ -41,7 +42,8 @@ async def _per_request(middleware: AccessControl, app: FastAPI, headers: list, n
 
 def main() -> None:
     from tessera.server.app import create_app  # the real route table
-    from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
+    from tessera.server.model_router import ModelRouter
+    from tessera.server.served_model import ModelSpec, ServedModel
 
     app = create_app(router=ModelRouter([ServedModel(ModelSpec("m", "m"))]))
     keys = tuple(ApiKey(f"other-{i}", digest_of(f"sk-other-{i}")) for i in range(9)) + (

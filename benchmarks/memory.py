@@ -35,7 +35,8 @@ LLAMA_SERVER = Path(os.environ.get("PEERS_DIR", "/work/peers")) / "llama.cpp/bui
 def kv_bytes_per_token(model: str) -> int:
     """Bytes a token of KV cache takes in bfloat16/float16 (both 2 bytes): layers x 2 x kv_heads x head_dim x 2."""
     from tessera.models import registry
-    from tessera.models.gguf_loader import config_from_gguf, read_gguf
+    from tessera.models.gguf_file import read_gguf
+    from tessera.models.gguf_loader import config_from_gguf
 
     cfg = config_from_gguf(read_gguf(registry.ensure_model(model, progress=False)))
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2

@@ -112,7 +112,8 @@ def checkpoint_tensors(path: Path) -> tuple[ModelConfig, list[tuple[str, tuple[i
         return config, [_mxfp4_blocks(name, shape) for name, shape in safetensors_shapes(path)
                         if not name.endswith("_scales")]
     from tessera.layers.weights import FLOAT_TYPES
-    from tessera.models.gguf_loader import config_from_gguf, hf_name, read_gguf
+    from tessera.models.gguf_file import read_gguf
+    from tessera.models.gguf_loader import config_from_gguf, hf_name
 
     gf = read_gguf(path)
     try:

@@ -87,9 +87,9 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike, cache_dir: Optional[Path] = None, gguf=None) -> "Tokenizer":
         """Tokenizer described by a GGUF file's metadata (converted once, then cached).
 
-        `gguf` may pass an already opened tessera.models.gguf_loader.GGUFFile of `path`.
+        `gguf` may pass an already opened tessera.models.gguf_file.GGUFFile of `path`.
         """
-        from tessera.models.gguf_loader import read_gguf
+        from tessera.models.gguf_file import read_gguf
 
         path = Path(path)
         gf = gguf if gguf is not None else read_gguf(path)
@@ -297,7 +297,7 @@ def serialized_bytes(model_path: str | os.PathLike) -> int:
     if path.is_dir():
         file = path / "tokenizer.json"
     else:
-        from tessera.models.gguf_loader import read_gguf
+        from tessera.models.gguf_file import read_gguf
 
         gf = read_gguf(path)
         try:

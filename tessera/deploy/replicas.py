@@ -79,7 +79,7 @@ ReplicaCloser = Callable[[int, AsyncLLMEngine], None]
 
 
 class ReplicaSet:
-    """N replicas of one model, driven by the server as one engine (async_engine.ServingEngine)."""
+    """N replicas of one model, driven by the server as one engine (protocols.ServingEngine)."""
 
     def __init__(self, build: ReplicaBuilder, replicas: int, policy: RouterPolicyName = "least-loaded", *,
                  close: Optional[ReplicaCloser] = None, on_rejection: Optional[Callable[[int], None]] = None,

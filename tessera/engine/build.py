@@ -1,4 +1,5 @@
-"""Builds an engine's parts from its config: load, size, calibrate, make proposers and the disk tier.
+"""Builds an engine's parts from its config: load, size, calibrate (engine/calibration.py), make
+proposers and the disk tier.
 
 Everything that happens once, before the first step, lives here, so the step loop
 (engine/llm_engine.py) holds no loading, sizing or calibration code. `build_engine`
@@ -6,11 +7,7 @@ returns `EngineParts`, the finished pieces the loop drives.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -20,14 +17,12 @@ import torch
 from tessera.attention import AttentionBackend, get_backend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
-from tessera.engine.core.cost_model import (
-    CalibrationChecks, Roofline, StepCostModel, StoredCalibration, calibrate_checked, load_cached, save_cached,
-)
+from tessera.engine.calibration import calibrate_cost_model
+from tessera.engine.core.cost_calibration import StoredCalibration
+from tessera.engine.core.cost_model import StepCostModel
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.kv_offload import DiskKVTier
-from tessera.engine.core.request import Request
-from tessera.engine.core.scheduler import Scheduler, make_chunk
-from tessera.engine.core.scheduler_output import SchedulerOutput
+from tessera.engine.core.scheduler import Scheduler
 from tessera.engine.core.spec_acceptance import AcceptanceModel, AdaptiveDraftLength
 from tessera.engine.input_processor import InputLimits, InputProcessor
 from tessera.engine.lora_manager import LoRAManager
@@ -38,20 +33,18 @@ from tessera.engine.worker.runner import ModelRunner, ModelRunnerBase
 from tessera.engine.worker.sampler import Sampler
 from tessera.engine.core.structured_output import StructuredOutputManager
 from tessera.errors import TesseraError
-from tessera.hostinfo import available_memory, cpu_model_name, host_rates, others_cpu_seconds, source_digest
+from tessera.hostinfo import available_memory
 from tessera.kernels import isa, library
 from tessera.kernels.library import KernelUnavailable
 from tessera.models.adapters import read_adapter
 from tessera.models.lora_weights import load_lora_weights
-from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.sampling_params import InvalidRequestError
 from tessera.sizing import activation_bytes, default_kv_cache_memory
 from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger("tessera")
 
 DEFAULT_MAX_MODEL_LEN = 4096
-CALIBRATION_BUDGET_S = 3.0  # start-up time the step-cost calibration may take; online refinement does the rest
-CALIBRATION_CHECKS = CalibrationChecks()
 
 
 @dataclass
@@ -163,7 +156,7 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     lora = _build_lora(config, mc, dtype, runner) if config.enable_lora else None
     logger.info("%s", config.profile_summary())
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
-    cost_model, stored = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
+    cost_model, stored = calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
     logger.info("step-cost model: %s", cost_model.summary())
     acceptance = AcceptanceModel() if spec is not None and spec.adaptive else None
     scheduler = Scheduler(config, kv, max_model_len, cost_model, structured, acceptance)
@@ -298,7 +291,7 @@ def _build_encoder(config: EngineConfig, loaded, max_model_len: int, groups: KVC
                 "tokens a step", mc.architecture, pooler.pooling, ", normalised" if pooler.normalize else "",
                 pooler.max_seq_length or max_model_len, config.max_num_batched_tokens)
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
-    cost_model, stored = _calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
+    cost_model, stored = calibrate_cost_model(config, loaded, backend, kv_format, kv, runner)
     logger.info("step-cost model: %s", cost_model.summary())
     scheduler = Scheduler(config, kv, max_model_len, cost_model, structured)
     return EngineParts(config=config, loaded=loaded, model_config=mc, tokenizer=loaded.tokenizer, dtype=dtype,
@@ -441,127 +434,3 @@ def _ranges(ids: list[int]) -> str:
             parts.append(str(start) if start == x else f"{start}-{x}")
             start = None
     return ",".join(parts)
-
-
-# -- step-cost model ------------------------------------------------------------------
-def _calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBackend, kv_format: str,
-                          kv: KVCacheManager, runner: ModelRunnerBase) -> tuple[StepCostModel, StoredCalibration]:
-    """Time synthetic steps on free KV blocks (nothing is cached or running yet) and fit the model,
-    checked (cost_model.calibrate_checked) against the host's roofline and load; then run the
-    steps the first requests would otherwise pay for.
-
-    A trusted fit is kept in $TESSERA_HOME/cost_models under a key of everything that changes step
-    times (model, dtype, weights' storage, step limits, threads, CPU, Tessera's source), so a
-    restart skips the ~3 s; online correction absorbs what differs today.
-    """
-    from tessera.models.registry import tessera_home
-
-    path = tessera_home() / "cost_models" / f"{_cost_model_key(config, loaded, backend, kv_format)}.json"
-    vocab = loaded.config.vocab_size
-
-    def synthetic_step(chunks: list[tuple[int, int, bool]]) -> bool:
-        """Run one step of (start, tokens, samples) chunks on scratch blocks; False if they do not fit."""
-        params = SamplingParams(max_tokens=1, temperature=1.0)
-        sched = SchedulerOutput()
-        reqs: list[Request] = []
-        try:
-            for i, (start, n, samples) in enumerate(chunks):
-                length = start + n + (0 if samples else 1)
-                ids = [(7919 * (i + 1) + 104729 * t) % vocab for t in range(length)]
-                req = Request(f"calibration-{i}", ids, params, 1, [], generator=torch.Generator().manual_seed(i))
-                reqs.append(req)
-                if not kv.allocate_slots(req, start + n):
-                    return False
-                req.num_computed_tokens = start
-                sched.scheduled.append(make_chunk(req, n, kv.block_tables(req.request_id)))
-            runner.execute(sched)
-            return True
-        finally:
-            for req in reqs:
-                kv.free(req)
-
-    state = runner.sampler.generator.get_state()  # calibration must not shift seeded output
-    try:
-        model = load_cached(path)
-        if model is not None:
-            logger.info("step-cost model: calibration reused from %s", path)
-        else:
-            roofline = _roofline(config, loaded)
-            model = calibrate_checked(
-                synthetic_step, max_tokens=config.max_num_batched_tokens, max_rows=config.max_num_seqs,
-                max_context=config.max_model_len, budget_s=CALIBRATION_BUDGET_S,
-                prefill_only=not loaded.config.is_causal, experts=_experts(loaded.config),
-                checks=CALIBRATION_CHECKS, roofline=roofline, host_load=others_cpu_seconds,
-                spare_cores=_spare_cores())
-            save_cached(path, model)
-        for chunks in _warm_up_steps(config, loaded.config.is_causal):
-            synthetic_step(chunks)
-    finally:
-        runner.sampler.generator.set_state(state)
-    return model, StoredCalibration(path)
-
-
-def _spare_cores() -> float:
-    """Cores this process's threads leave free: what others may take without disturbing its steps."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
-    return float(max(0, usable - torch.get_num_threads()))
-
-
-def _warm_up_steps(config: EngineConfig, causal: bool) -> list[list[tuple[int, int, bool]]]:
-    """Steps of the shapes first requests bring (a prompt chunk, decodes alone, decodes beside a
-    chunk), run before the engine reports ready whether or not the calibration was reused: a
-    reused one runs no step, and the first requests would pay for the thread pool's start,
-    oneDNN's kernels for their row counts and first-touch allocations (encoders: whole inputs)."""
-    chunk = max(1, min(64, config.max_num_batched_tokens - 4, config.max_model_len - 2))
-    if not causal:
-        return [[(0, chunk, False)], [(0, chunk, False)] * max(1, min(4, config.max_num_seqs))]
-    context = min(64, config.max_model_len - 2)
-    rows = max(1, min(4, config.max_num_seqs - 1))
-    return [[(0, chunk, False)], [(context, 1, True)], [(context, 1, True)] * rows,
-            [(context, 1, True)] * rows + [(0, chunk, False)]]
-
-
-def _roofline(config: EngineConfig, loaded) -> Optional[Roofline]:
-    """The host's roofline for this model's steps on the CPU (None on a GPU: the host's rates say
-    nothing of it): every Linear's weights as stored read once, two FLOPs per parameter per token;
-    a mixture of experts' experts count by the share a token chooses. The LM head is left out (its
-    cost is the sampled rows', not the tokens'), so both bounds stay lenient."""
-    from tessera.layers.linear import Linear, VocabEmbedding
-    from tessera.models.registry import tessera_home
-
-    if config.device != "cpu":
-        return None
-    moe = loaded.config.moe
-    share = 1.0 if moe is None else moe.top_k / moe.num_experts
-    weight_bytes, params = 0.0, 0.0
-    for name, module in loaded.model.named_modules():
-        if isinstance(module, Linear) and not isinstance(module, VocabEmbedding):
-            part = share if ".experts." in f".{name}." else 1.0
-            weight_bytes += part * module.quant_method.nbytes(module)
-            params += part * module.input_size * module.output_size
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    rates = host_rates(dtype if dtype in ("float32", "bfloat16", "float16") else "float32", tessera_home() / "host",
-                       CALIBRATION_CHECKS.max_other_cores)
-    return Roofline(weight_bytes, 2 * params, rates.bandwidth, rates.flops,
-                    dispatch_s=0.02 + 0.002 * loaded.config.num_layers)
-
-
-def _experts(mc: ModelConfig) -> Optional[tuple[int, int]]:
-    """(experts, experts per token) of a mixture of experts, for the step-cost model."""
-    return None if mc.moe is None else (mc.moe.num_experts, mc.moe.top_k)
-
-
-def _cost_model_key(config: EngineConfig, loaded, backend: AttentionBackend, kv_format: str) -> str:
-    c = config
-    parts = {
-        "model": dataclasses.asdict(loaded.config), "path": str(loaded.path),
-        "dtype": str(loaded.dtype), "quant": repr(loaded.quant), "backend": type(backend).__name__,
-        "kv_cache": kv_format,
-        "limits": [c.block_size, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len],
-        "threads": torch.get_num_threads(), "cpu": cpu_model_name(), "source": source_digest(),
-        "device": torch.cuda.get_device_name(c.device) if c.device == "cuda" else "cpu",
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]

@@ -30,7 +30,8 @@ def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokeniz
             config.pooler = dataclasses.replace(pooler, matryoshka=config.matryoshka)
         tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
     elif path.is_file():
-        from tessera.models.gguf_loader import config_from_gguf, read_gguf
+        from tessera.models.gguf_file import read_gguf
+        from tessera.models.gguf_loader import config_from_gguf
 
         gf = read_gguf(path)
         try:

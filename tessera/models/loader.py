@@ -85,7 +85,8 @@ def load_model(
 
         _load_weights(model, path, quant, weight_cache, lambda: iter_safetensors_weights(path))
     else:
-        from tessera.models.gguf_loader import iter_gguf_weights, read_gguf
+        from tessera.models.gguf_file import read_gguf
+        from tessera.models.gguf_loader import iter_gguf_weights
 
         gf = read_gguf(path)
         try:

@@ -16,7 +16,7 @@ from tessera.config import PROFILE_FIELDS
 from tessera.server.auth import request_key
 from tessera.server.endpoint import server_state
 from tessera.server.errors import APIError, model_not_found
-from tessera.server.model_router import ServedModel
+from tessera.server.served_model import ServedModel
 from tessera.server.openai.response_models import ModelCard, ModelList
 
 if TYPE_CHECKING:

@@ -20,7 +20,8 @@ from fastapi import FastAPI
 from tessera.server import admin, lora
 from tessera.server.access_log import AccessLog
 from tessera.server.anthropic import router as anthropic_api
-from tessera.server.auth import AccessControl, AccessSettings
+from tessera.server.api_keys import AccessSettings
+from tessera.server.auth import AccessControl
 from tessera.server.batches import router as batches_api
 from tessera.server.batches.protocol import BatchLimits
 from tessera.server.endpoint import add_request_schemas

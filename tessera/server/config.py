@@ -43,8 +43,8 @@ from tessera.config import EngineConfig
 from tessera.deploy.routing import ROUTER_POLICIES, RouterPolicyName
 from tessera.errors import ConfigError, TesseraError
 from tessera.server.output_parsers import OutputParsing
-from tessera.server.auth import AccessSettings
-from tessera.server.model_router import FallbackCondition, FallbackRule, ModelSpec
+from tessera.server.api_keys import AccessSettings
+from tessera.server.served_model import FallbackCondition, FallbackRule, ModelSpec
 from tessera.server.transport import TransportSettings
 from tessera.server.traffic import RecordSettings
 from tessera.slo import SLOSpec

@@ -26,7 +26,7 @@ from tessera.server.auth import request_key
 request_logger = logging.getLogger("tessera.server.requests")
 
 if TYPE_CHECKING:
-    from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.engine.frontend.protocols import ServingEngine
 
 
 class ClientDisconnected(Exception):

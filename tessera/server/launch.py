@@ -19,9 +19,11 @@ import uvicorn
 from tessera.errors import TesseraError
 from tessera.models.registry import tessera_home
 from tessera.server.app import create_app
-from tessera.server.auth import describe_access, is_loopback
+from tessera.server.api_keys import describe_access
+from tessera.server.auth import is_loopback
 from tessera.server.batches.protocol import BatchLimits
-from tessera.server.model_router import ModelRouter, ServedModel
+from tessera.server.model_router import ModelRouter
+from tessera.server.served_model import ServedModel
 from tessera.server.serving import ServerState
 from tessera.server.topology import build_serving_engine, close_serving_engine, init_ray
 from tessera.server.transport import uvicorn_config

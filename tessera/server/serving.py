@@ -24,10 +24,11 @@ from tessera.server.auth import check_model, enter_queue
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
 from tessera.server.openai.response_models import UsageInfo
-from tessera.server.model_router import NO_FALLBACK_HEADER, ModelRouter, Route, ServedModel
+from tessera.server.model_router import NO_FALLBACK_HEADER, ModelRouter, Route
+from tessera.server.served_model import ServedModel
 
 if TYPE_CHECKING:
-    from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.engine.frontend.protocols import ServingEngine
     from tessera.server.traffic import TrafficRecorder
     from tessera.slo import SLOSpec
 

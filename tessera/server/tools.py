@@ -27,7 +27,7 @@ from tessera.server.output_parsers import (
     is_harmony_template, output_parser, prompt_closes_think, prompt_opens_think,
 )
 from tessera.server.output_parsers.hermes import HermesToolParser
-from tessera.server.openai.protocol import ChatTool, NamedToolChoice
+from tessera.server.openai.tool_schemas import ChatTool, NamedToolChoice
 
 # The parser of today's default syntax, under the name the chat handler has always used.
 ToolCallParser = HermesToolParser

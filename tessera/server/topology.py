@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from tessera.config import PROFILE_SETTINGS
 from tessera.errors import TesseraError
-from tessera.server.model_router import ServedModel
+from tessera.server.served_model import ServedModel
 
 if TYPE_CHECKING:
     from tessera.config import EngineConfig
-    from tessera.engine.frontend.async_engine import AsyncLLMEngine, CoreFactory, ServingEngine
+    from tessera.engine.frontend.async_engine import AsyncLLMEngine
+    from tessera.engine.frontend.protocols import CoreFactory, ServingEngine
     from tessera.engine.frontend.ray_core import RayPlacement
     from tessera.live_stats import LiveStats
     from tessera.metrics import MetricFamilies, PrometheusStatLogger
@@ -33,7 +34,7 @@ def build_serving_engine(served: ServedModel, spec: ServingSpec, families: Metri
     engine-process core, or a ReplicaSet of them over process or Ray cores (P/D included).
     Each engine gets the same wiring (`_start_engine`); the model's loggers are left on `served`
     for the app (429s, the dashboard) and `close_serving_engine`."""
-    from tessera.engine.frontend.async_engine import make_engine_core
+    from tessera.engine.frontend.protocols import make_engine_core
 
     model = served.spec
     config = spec.engine_config(model)

@@ -13,10 +13,12 @@ import pytest
 from fakes import FakeCore, serve_in_thread
 
 from tessera.deploy.replicas import NoReplicaError, ReplicaSet
-from tessera.engine.frontend.async_engine import AsyncLLMEngine, ServingEngine
+from tessera.engine.frontend.async_engine import AsyncLLMEngine
+from tessera.engine.frontend.protocols import ServingEngine
 from tessera.sampling_params import SamplingParams
 from tessera.server.app import create_app
-from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.model_router import ModelRouter
+from tessera.server.served_model import ModelSpec, ServedModel
 
 
 def fake(step_s: float = 0.002, fail_after_steps: Optional[int] = None, queue: Optional[int] = None) -> AsyncLLMEngine:

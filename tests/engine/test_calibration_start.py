@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tessera.engine import build
+from tessera.engine import calibration
 from tessera.engine.worker.runner import ModelRunner
 from tessera.llm import LLM
 from tessera.sampling_params import SamplingParams
@@ -34,9 +34,9 @@ def quiet(monkeypatch):
     beside the test: these tests are about what start-up does with a trusted calibration."""
     import tessera.hostinfo
 
-    monkeypatch.setattr(build, "others_cpu_seconds", lambda: 0.0)
+    monkeypatch.setattr(calibration, "others_cpu_seconds", lambda: 0.0)
     monkeypatch.setattr(tessera.hostinfo, "others_cpu_seconds", lambda: 0.0)
-    monkeypatch.setattr(build, "CALIBRATION_CHECKS", build.CalibrationChecks(
+    monkeypatch.setattr(calibration, "CALIBRATION_CHECKS", calibration.CalibrationChecks(
         monotone_slack=100.0, max_over_roofline=1e6, min_of_bandwidth_floor=0.0))
 
 
@@ -60,7 +60,7 @@ def test_a_reused_calibration_still_warms_up_before_the_engine_is_ready(loaded, 
     calls = count_steps(monkeypatch)
     llm = LLM(str(loaded.path), loaded=loaded, max_model_len=256)
     assert llm.engine.cost_model_stats()["stored_calibration"] == str(stored[0])
-    assert calls[0] == len(build._warm_up_steps(llm.engine.config, True)) >= 3
+    assert calls[0] == len(calibration._warm_up_steps(llm.engine.config, True)) >= 3
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
@@ -71,8 +71,8 @@ def test_a_calibration_beside_an_injected_hog_is_not_stored(loaded, home, monkey
     calibration, and nothing is written for the next start to reuse."""
     import time
 
-    monkeypatch.setattr(build, "others_cpu_seconds", lambda: 2 * time.perf_counter())
-    monkeypatch.setattr(build, "CALIBRATION_CHECKS", build.CalibrationChecks(pause_s=0.01))
+    monkeypatch.setattr(calibration, "others_cpu_seconds", lambda: 2 * time.perf_counter())
+    monkeypatch.setattr(calibration, "CALIBRATION_CHECKS", calibration.CalibrationChecks(pause_s=0.01))
     llm = LLM(str(loaded.path), loaded=loaded, max_model_len=256)
     stats = llm.engine.cost_model_stats()
     assert stats["calibration_trusted"] is False and stats["calibration_checks"]["attempts"] == 2
@@ -84,7 +84,7 @@ def test_a_calibration_beside_an_injected_hog_is_not_stored(loaded, home, monkey
 
 def test_the_roofline_counts_the_models_products(loaded, home, quiet):
     config = LLM(str(loaded.path), loaded=loaded, max_model_len=256).engine.config
-    roofline = build._roofline(config, loaded)
+    roofline = calibration._roofline(config, loaded)
     assert roofline is not None
     mc = loaded.config
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim

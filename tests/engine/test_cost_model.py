@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.engine.core import cost_calibration as cc
 from tessera.engine.core import cost_model as cm
-from tessera.engine.core.cost_model import CalibrationPoint, StepCostModel, StepShape, calibrate, default_knots
+from tessera.engine.core.cost_calibration import calibrate
+from tessera.engine.core.cost_model import CalibrationPoint, StepCostModel, StepShape, default_knots
 
 
 def synthetic_step_time(shape: StepShape, multi_ms: float = 0.0) -> float:
@@ -28,7 +30,7 @@ def test_calibration_recovers_a_known_machine(monkeypatch, multi_ms):
         now[0] += synthetic_step_time(shape, multi_ms)
         return True
 
-    monkeypatch.setattr(cm.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: now[0])
     model = calibrate(run_step, max_tokens=256, max_rows=32, max_context=2048, budget_s=100)
     for shape in (StepShape(1, 1, 300), StepShape(16, 16, 16 * 500), StepShape(32, 32, 32 * 900),
                   StepShape(100, 4, 3000, 1), StepShape(256, 0, 33000, 1), StepShape(96, 32, 4000, 1)):
@@ -61,14 +63,14 @@ def test_cache_round_trip_and_pruning(tmp_path, monkeypatch):
     points = [CalibrationPoint(StepShape(t, t % 3, 7 * t, t % 2), 0.001 * (4 + t)) for t in (1, 2, 4, 8)]
     model = StepCostModel.fit(default_knots(8), points, 1.5)
     path = tmp_path / "a.json"
-    cm.save_cached(path, model)
-    again = cm.load_cached(path)
+    cc.save_cached(path, model)
+    again = cc.load_cached(path)
     assert again is not None and again.to_dict() == model.to_dict()
     path.write_text("{not json")
-    assert cm.load_cached(path) is None
-    monkeypatch.setattr(cm, "MAX_CACHED_CALIBRATIONS", 3)
+    assert cc.load_cached(path) is None
+    monkeypatch.setattr(cc, "MAX_CACHED_CALIBRATIONS", 3)
     for i in range(5):
-        cm.save_cached(tmp_path / f"m{i}.json", model)
+        cc.save_cached(tmp_path / f"m{i}.json", model)
     assert len(list(tmp_path.glob("*.json"))) == 3
 
 
@@ -135,15 +137,15 @@ class FakeHost:
 
 
 def checked(host: FakeHost, monkeypatch, **kw):
-    monkeypatch.setattr(cm.time, "perf_counter", host.clock)
-    return cm.calibrate_checked(host.run_step, max_tokens=256, max_rows=32, max_context=2048, budget_s=100,
+    monkeypatch.setattr(cc.time, "perf_counter", host.clock)
+    return cc.calibrate_checked(host.run_step, max_tokens=256, max_rows=32, max_context=2048, budget_s=100,
                                 host_load=host.meter, sleep=host.sleep, **kw)
 
 
 def test_a_calibration_beside_a_hog_is_measured_again_once_the_hog_is_gone(monkeypatch):
     host = FakeHost(hog_attempts=1)
     model = checked(host, monkeypatch)
-    assert host.sleeps == [cm.CalibrationChecks().pause_s]
+    assert host.sleeps == [cc.CalibrationChecks().pause_s]
     assert model.verdict.trusted and model.verdict.attempts == 2 and model.verdict.other_cores == 0
     shape = StepShape(16, 16, 16 * 500)
     assert model.predict(shape) == pytest.approx(synthetic_step_time(shape), rel=0.05)
@@ -156,7 +158,7 @@ def test_a_calibration_beside_a_hog_that_stays_is_refused_storage_and_corrected_
     assert "other processes took 1.00 cores" in model.verdict.problems[0]
     assert model.describe()["calibration_trusted"] is False
     path = tmp_path / "m.json"
-    cm.save_cached(path, model)
+    cc.save_cached(path, model)
     assert not path.exists()
     # Serving: the hog is gone. The first real step in a bucket replaces its correction, and the
     # buckets not seen yet borrow the nearest seen one's, so prompt chunks are not sized by 8x costs.
@@ -207,7 +209,7 @@ def test_disagreeing_samples_are_measured_again_and_their_median_kept(monkeypatc
         now[0] += series[calls[tokens] - 1] if series else 0.004 + 0.0001 * tokens
         return True
 
-    monkeypatch.setattr(cm.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: now[0])
     model = calibrate(run_step, max_tokens=16, max_rows=1, max_context=64, budget_s=100)
     point = next(p for p in model.calibration if p.shape == StepShape(4, 0, 10, 1))
     assert calls[4] >= 5 and point.seconds == pytest.approx(0.005)
@@ -228,28 +230,28 @@ def test_a_step_that_breaks_monotonicity_is_measured_again(monkeypatch):
         now[0] += cost
         return True
 
-    monkeypatch.setattr(cm.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: now[0])
     model = calibrate(run_step, max_tokens=16, max_rows=1, max_context=64, budget_s=100)
     point = next(p for p in model.calibration if p.shape.num_tokens == 8 and p.shape.num_sampled == 0)
     assert point.seconds == pytest.approx(0.004 + 0.0016)
-    assert cm.monotone_violations(model.calibration, 0.3) == []
+    assert cc.monotone_violations(model.calibration, 0.3) == []
 
 
 def test_roofline_bounds_refuse_impossible_calibrations():
     roofline = cm.Roofline(weight_bytes=100e6, flops_per_token=2e8, bandwidth=20e9, flops=100e9, dispatch_s=0.01)
     assert roofline.floor(1) == pytest.approx(0.005) and roofline.floor(1000) == pytest.approx(2.0)
-    checks = cm.CalibrationChecks()
+    checks = cc.CalibrationChecks()
 
     def fitted(per_token_s: float, base_s: float) -> StepCostModel:
         pts = [CalibrationPoint(StepShape(t, 0, 0), base_s + per_token_s * t) for t in (1, 2, 4, 8, 16)]
         return StepCostModel.fit(default_knots(1024), pts)
 
-    assert cm.check_calibration(fitted(0.004, 0.020), checks, roofline, 0.0) == []
-    too_slow = cm.check_calibration(fitted(0.5, 0.020), checks, roofline, 0.0)  # 16 tokens 8 s: 20x is 1.6 s
+    assert cc.check_calibration(fitted(0.004, 0.020), checks, roofline, 0.0) == []
+    too_slow = cc.check_calibration(fitted(0.5, 0.020), checks, roofline, 0.0)  # 16 tokens 8 s: 20x is 1.6 s
     assert len(too_slow) == 1 and "exceed 20x the roofline" in too_slow[0]
-    too_fast = cm.check_calibration(fitted(0.00001, 0.0005), checks, roofline, 0.0)  # faster than the weights' read
+    too_fast = cc.check_calibration(fitted(0.00001, 0.0005), checks, roofline, 0.0)  # faster than the weights' read
     assert len(too_fast) == 1 and "measured bandwidth" in too_fast[0]
-    busy = cm.check_calibration(fitted(0.004, 0.020), checks, roofline, 1.2)
+    busy = cc.check_calibration(fitted(0.004, 0.020), checks, roofline, 1.2)
     assert len(busy) == 1 and "1.20 cores" in busy[0]
 
 
@@ -259,13 +261,13 @@ def test_unchecked_and_untrusted_files_are_not_reused(tmp_path):
     points = [CalibrationPoint(StepShape(t, 0, 0), 0.001 * (4 + t)) for t in (1, 2, 4, 8)]
     model = StepCostModel.fit(default_knots(8), points, 1.0)
     path = tmp_path / "m.json"
-    cm.save_cached(path, model)
+    cc.save_cached(path, model)
     d = json.loads(path.read_text())
     assert d["checks"] == {"other_cores": None, "attempts": 1, "problems": []}
     for stale in ({k: v for k, v in d.items() if k not in ("format", "checks")},  # written before the checks
                   {**d, "checks": {"other_cores": 1.5, "attempts": 2, "problems": ["busy"]}}):
         path.write_text(json.dumps(stale))
-        assert cm.load_cached(path) is None
+        assert cc.load_cached(path) is None
 
 
 def test_a_stored_calibration_the_corrections_show_wrong_is_removed(tmp_path):
@@ -273,8 +275,8 @@ def test_a_stored_calibration_the_corrections_show_wrong_is_removed(tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     for path, factor in ((good, 1.6), (bad, 0.3)):  # real steps at 1.6x the prediction, or 0.3x
         model = StepCostModel.fit(default_knots(32), points)
-        cm.save_cached(path, model)
-        stored = cm.StoredCalibration(path)
+        cc.save_cached(path, model)
+        stored = cc.StoredCalibration(path)
         for _ in range(cm.DRIFT_MIN_STEPS * 2):
             model.observe(StepShape(8, 0, 0), factor * model.predict_raw(StepShape(8, 0, 0)))
             stored.review(model)
@@ -292,8 +294,8 @@ def test_knots_past_the_measured_steps_are_lifted_to_the_roofline(monkeypatch):
         now[0] += max(0.004, roofline.floor(tokens) * 2)  # memory-bound to 16 tokens, then twice the roofline
         return True
 
-    monkeypatch.setattr(cm.time, "perf_counter", lambda: now[0])
-    model = cm.calibrate_checked(run_step, max_tokens=256, max_rows=1, max_context=64, budget_s=0.05,
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: now[0])
+    model = cc.calibrate_checked(run_step, max_tokens=256, max_rows=1, max_context=64, budget_s=0.05,
                                  roofline=roofline)
     assert max(p.shape.num_tokens for p in model.calibration) < 256
     assert model.predict(StepShape(256, 0, 0, 1)) >= roofline.floor(256)
@@ -312,7 +314,7 @@ def test_an_untrusted_calibration_is_never_reviewed_for_removal(tmp_path):
     points = [CalibrationPoint(StepShape(t, 0, 0), 0.001 * (4 + t)) for t in (1, 2, 4, 8)]
     model = StepCostModel.fit(default_knots(8), points)
     model.verdict = cm.CalibrationVerdict(1.0, 2, ("busy",))
-    stored = cm.StoredCalibration(tmp_path / "never-written.json")
+    stored = cc.StoredCalibration(tmp_path / "never-written.json")
     for _ in range(cm.DRIFT_MIN_STEPS * 2):
         model.observe(StepShape(8, 0, 0), 0.3 * model.predict_raw(StepShape(8, 0, 0)))
         stored.review(model)

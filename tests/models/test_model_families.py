@@ -225,7 +225,8 @@ def test_the_c_decode_step_is_offered_to_llama_shaped_blocks_only(family_model, 
 
 
 def test_family_configs_from_hf_and_gguf(family_model):
-    from tessera.models.gguf_loader import config_from_gguf, read_gguf
+    from tessera.models.gguf_file import read_gguf
+    from tessera.models.gguf_loader import config_from_gguf
 
     def both(kind):
         folder, gguf, *_ = family_model(kind)

@@ -19,8 +19,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
 from tessera.errors import ModelFormatError
-from tessera.models import gguf_loader
-from tessera.models.gguf_loader import config_from_gguf, read_gguf
+from tessera.models import gguf_file, gguf_loader
+from tessera.models.gguf_file import read_gguf
+from tessera.models.gguf_loader import config_from_gguf
 from tessera.models.loader import forward_single, load_model
 from tessera.tokenizer import Tokenizer
 from tiny_gguf import write_tiny_gguf
@@ -37,7 +38,7 @@ def tessera_home(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_gguf_logits_match_transformers(kind, tmp_path, tessera_home, monkeypatch):
     path, ref_model = write_tiny_gguf(kind, tmp_path)
-    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK", 100)  # exercise row-chunked dequantization
+    monkeypatch.setattr(gguf_file, "_DEQUANT_CHUNK", 100)  # exercise row-chunked dequantization
     loaded = load_model(path, "float32", quantization="none")
     with torch.no_grad():
         ref = ref_model(torch.tensor([TOKENS])).logits[0]
@@ -137,7 +138,7 @@ def _minimal_gguf(path: Path, arch: str, tensor_type: Q = Q.F32) -> Path:
     if tensor_type == Q.F32:
         w.add_tensor("token_embd.weight", np.zeros((4, 256), dtype=np.float32))
     else:
-        block, size = gguf_loader.GGML_QUANT_SIZES[tensor_type]
+        block, size = gguf_file.GGML_QUANT_SIZES[tensor_type]
         raw = np.zeros((4, 256 // block * size), dtype=np.uint8)
         w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape, raw_dtype=tensor_type)
     w.write_header_to_file()

@@ -90,7 +90,8 @@ def test_only_the_chosen_experts_run_each_once_per_step():
 
 
 def test_moe_configs_from_hf_and_gguf(family_model_moe):
-    from tessera.models.gguf_loader import config_from_gguf, read_gguf
+    from tessera.models.gguf_file import read_gguf
+    from tessera.models.gguf_loader import config_from_gguf
 
     for kind, experts, top_k, ffn, sparse in (("qwen3_moe", 8, 2, 64, [True, False, True]),
                                               ("mixtral", 8, 2, 128, None), ("gpt_oss", 4, 2, 64, None)):

@@ -26,8 +26,9 @@ from tessera.errors import ConfigError, TesseraError
 from tessera.live_stats import LiveStats
 from tessera.metrics import MetricFamilies
 from tessera.server.app import create_app
-from tessera.server.auth import (ADMIN, INFERENCE, METRICS, PUBLIC, UI, AccessSettings, ApiKey, describe_access,
-                                 digest_of, error_shape, is_loopback, keys_from_toml, route_scope)
+from tessera.server.api_keys import (ADMIN, INFERENCE, METRICS, AccessSettings, ApiKey, describe_access, digest_of,
+                                     keys_from_toml)
+from tessera.server.auth import PUBLIC, UI, error_shape, is_loopback, route_scope
 from tessera.server.ratelimit import FairShare, KeyLimiter, KeyMeter, TokenBucket, format_reset
 
 ADMIN_KEY, INFERENCE_KEY, METRICS_KEY = "sk-admin-0123456789", "sk-inference-0123456789", "sk-metrics-0123456789"

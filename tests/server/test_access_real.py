@@ -14,7 +14,7 @@ from tessera.config import EngineConfig
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.server.app import create_app
-from tessera.server.auth import ADMIN, AccessSettings, ApiKey, digest_of
+from tessera.server.api_keys import ADMIN, AccessSettings, ApiKey, digest_of
 
 NAME = "tiny"
 SECRET = "sk-fuzz-0123456789abcdef"

@@ -20,7 +20,7 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.live_stats import LiveStats
 from tessera.server.app import create_app
-from tessera.server.auth import AccessSettings, ApiKey
+from tessera.server.api_keys import AccessSettings, ApiKey
 from tessera.server.batches.protocol import BatchLimits
 from tessera.server.batches.store import BatchStore
 

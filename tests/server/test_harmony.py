@@ -21,7 +21,8 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.server.anthropic.protocol import MessagesRequest
 from tessera.server.app import create_app
 from tessera.server.openai.chat import chat_prompt_text
-from tessera.server.openai.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from tessera.server.openai.protocol import ChatCompletionRequest
+from tessera.server.openai.tool_schemas import ChatTool, NamedToolChoice
 from tessera.server.output_parsers import OutputParsing
 from tessera.server.tools import tool_constraint
 from tessera.tokenizer import Tokenizer

@@ -30,8 +30,9 @@ from tessera.errors import TesseraError
 from tessera.live_stats import LiveStats
 from tessera.metrics import MetricFamilies, PrometheusStatLogger
 from tessera.server.app import create_app
-from tessera.server.auth import ADMIN, INFERENCE, AccessSettings, ApiKey, digest_of
-from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.api_keys import ADMIN, INFERENCE, AccessSettings, ApiKey, digest_of
+from tessera.server.model_router import ModelRouter
+from tessera.server.served_model import ModelSpec, ServedModel
 
 ADMIN_KEY, APP_KEY, SQL_ONLY_KEY, BASE_ONLY_KEY = "sk-admin-lora-01", "sk-app-lora-0001", "sk-sql-only-0001", \
     "sk-base-only-001"

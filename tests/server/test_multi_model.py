@@ -19,7 +19,8 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.errors import TesseraError
 from tessera.server.app import create_app
 from tessera.server.config import ServingSpec, parse_duration
-from tessera.server.model_router import FallbackCondition, FallbackRule, ModelRouter, ModelSpec, ServedModel
+from tessera.server.model_router import ModelRouter
+from tessera.server.served_model import FallbackCondition, FallbackRule, ModelSpec, ServedModel
 from fakes import fake_engine
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tessera.errors import ConfigError
 from tessera.server.output_parsers import OutputParsing, detect_tool_parser, output_parser, prompt_opens_think
-from tessera.server.openai.protocol import ChatTool, NamedToolChoice
+from tessera.server.openai.tool_schemas import ChatTool, NamedToolChoice
 from tessera.server.tools import add_tools_to_messages, tool_constraint
 
 TOOLS = [ChatTool.model_validate(t) for t in [

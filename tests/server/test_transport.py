@@ -29,7 +29,7 @@ from fakes import MODEL, REPLY, FakeCore, serve_in_thread
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.errors import ConfigError
 from tessera.server.app import create_app
-from tessera.server.auth import AccessSettings
+from tessera.server.api_keys import AccessSettings
 from tessera.server.transport import TransportSettings, uvicorn_config
 
 

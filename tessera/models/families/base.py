@@ -21,7 +21,7 @@ from tessera.errors import ModelFormatError
 
 
 class GGUFMetadata(Protocol):
-    """The part of an open GGUF file a family reads (tessera/models/gguf_loader.GGUFFile)."""
+    """The part of an open GGUF file a family reads (tessera/models/gguf_file.GGUFFile)."""
 
     metadata: dict[str, Any]
     tensors: dict[str, Any]

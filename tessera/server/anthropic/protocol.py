@@ -25,7 +25,8 @@ from pydantic import Discriminator, Field, Tag
 
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.errors import validated
-from tessera.server.openai.protocol import ChatCompletionRequest, OpenAIModel
+from tessera.server.openai.protocol import ChatCompletionRequest
+from tessera.server.openai.schema_base import OpenAIModel
 
 # ----------------------------------------------------------------------------- content blocks
 
@@ -165,7 +166,7 @@ class Tool(OpenAIModel):
 
 class ServerTool(OpenAIModel):
     """A tool Anthropic's platform runs (web_search_..., code_execution_..., bash_..., with a
-    `type`): left out here (protocol.HostedTool)."""
+    `type`): left out here (tool_schemas.HostedTool)."""
 
     type: str
     name: Optional[str] = None

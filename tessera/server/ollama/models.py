@@ -13,14 +13,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tessera import __version__
-from tessera.server.model_router import ServedModel
+from tessera.server.served_model import ServedModel
 from tessera.server.ollama.protocol import OllamaShowRequest
 from tessera.server.ollama.serving import served_model
 from tessera.server.serving import ServerState
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
-    from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.engine.frontend.protocols import ServingEngine
 
 # Go's largest duration: what Ollama reports as the expiry of a model kept loaded for ever.
 _FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)

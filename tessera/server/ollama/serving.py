@@ -51,14 +51,14 @@ from tessera.server.ollama.protocol import (
     DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, KeepAlive, OllamaChatRequest, OllamaGenerateRequest,
     OllamaGenerationRequest,
 )
-from tessera.server.model_router import ServedModel
+from tessera.server.served_model import ServedModel
 from tessera.server.serving import Run, ServerState, StreamFraming, clamp_logprob, record_usage, usage_of
 from tessera.server.tools import (
     OutputParser, OutputParsing, check_tools, output_parser, tool_choice_mode, tool_constraint,
 )
 
 if TYPE_CHECKING:
-    from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.engine.frontend.protocols import ServingEngine
 
 _LATEST = ":latest"
 

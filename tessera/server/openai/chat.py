@@ -12,7 +12,8 @@ from fastapi.responses import Response
 from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server.auth import request_priority
-from tessera.server.openai.protocol import ChatCompletionRequest, IGNORED_TOOLS_HEADER, ToolCall
+from tessera.server.openai.protocol import ChatCompletionRequest
+from tessera.server.openai.tool_schemas import IGNORED_TOOLS_HEADER, ToolCall
 from tessera.server.openai.response_models import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
     ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall, TopLogprob, UsageInfo,
@@ -20,7 +21,7 @@ from tessera.server.openai.response_models import (
 from tessera.server.serving import DONE, Run, ServerState, StreamRenderer, clamp_logprob, record_usage, sse, usage_of
 
 if TYPE_CHECKING:
-    from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.engine.frontend.protocols import ServingEngine
     from tessera.tokenizer import Tokenizer
 
 from tessera.server.tools import (

@@ -24,7 +24,8 @@ from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server.auth import request_priority
 from tessera.server.errors import APIError
-from tessera.server.openai.protocol import OpenAIModel, Prompt, prompt_list
+from tessera.server.openai.protocol import Prompt, prompt_list
+from tessera.server.openai.schema_base import OpenAIModel
 from tessera.server.openai.response_models import UsageInfo
 from tessera.server.model_router import Route
 from tessera.server.serving import Run, ServerState, record_usage

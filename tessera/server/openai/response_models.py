@@ -7,7 +7,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from tessera.server.openai.protocol import CustomCall, OpenAIModel, SparseModel, ToolCall
+from tessera.server.openai.schema_base import OpenAIModel, SparseModel
+from tessera.server.openai.tool_schemas import CustomCall, ToolCall
 
 
 class UsageInfo(OpenAIModel):

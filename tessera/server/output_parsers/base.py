@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from tessera.server.openai.protocol import ChatTool
+    from tessera.server.openai.tool_schemas import ChatTool
 
 EventKind = Literal["content", "reasoning", "call", "args"]
 

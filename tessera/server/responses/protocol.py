@@ -29,7 +29,9 @@ from pydantic import (
 
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.errors import validated
-from tessera.server.openai.protocol import FREEFORM_ARGUMENT, ChatCompletionRequest, OpenAIModel
+from tessera.server.openai.protocol import ChatCompletionRequest
+from tessera.server.openai.schema_base import OpenAIModel
+from tessera.server.openai.tool_schemas import FREEFORM_ARGUMENT
 
 # ----------------------------------------------------------------------------- input items
 
@@ -183,7 +185,7 @@ class CustomTool(OpenAIModel):
 
 class HostedResponsesTool(OpenAIModel):
     """web_search, file_search, code_interpreter, image_generation, computer_use, mcp, local_shell,
-    ...: run by OpenAI's platform, not here (protocol.HostedTool)."""
+    ...: run by OpenAI's platform, not here (tool_schemas.HostedTool)."""
 
     type: str
 

@@ -30,7 +30,8 @@ from tessera.engine.outputs import RequestOutput
 from tessera.server.openai.chat import chat_run
 from tessera.server.errors import APIError
 from tessera.server.output import parse_whole, typed_sse
-from tessera.server.openai.protocol import FREEFORM_ARGUMENT, OpenAIModel, freeform_input
+from tessera.server.openai.schema_base import OpenAIModel
+from tessera.server.openai.tool_schemas import FREEFORM_ARGUMENT, freeform_input
 from tessera.server.openai.response_models import UsageInfo
 from tessera.server.responses.protocol import (
     CallNames, CustomToolCallOutput, FunctionCallOutput, IncompleteDetails, OutputItem, OutputMessage, OutputText,

@@ -21,11 +21,13 @@ from tessera.engine.input_processor import check_token_ids
 from tessera.sampling_params import InvalidRequestError
 from tessera.server.openai.chat import chat_prompt_text
 from tessera.server.errors import APIError
-from tessera.server.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool, OpenAIModel
+from tessera.server.openai.protocol import ChatCompletionRequest, ChatMessage
+from tessera.server.openai.schema_base import OpenAIModel
+from tessera.server.openai.tool_schemas import ChatTool
 from tessera.server.tools import OutputParsing
 
 if TYPE_CHECKING:
-    from tessera.engine.frontend.async_engine import ServingEngine
+    from tessera.engine.frontend.protocols import ServingEngine
     from tessera.server.serving import ServerState
 
 

@@ -32,7 +32,8 @@ from tessera.server.anthropic.protocol import MessageResponse
 from tessera.server.responses.protocol import ResponseObject
 from tessera.server.openai.response_models import UsageInfo
 from tessera.server.responses.serving import ResponseBuilder, ResponsesStream, ResponseStore, StoredResponse
-from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.model_router import ModelRouter
+from tessera.server.served_model import ModelSpec, ServedModel
 from tessera.server.tools import OutputParsing, ParsedCall, ParserEvent, output_parser
 
 NAME = "tiny"

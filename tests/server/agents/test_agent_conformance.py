@@ -28,7 +28,7 @@ from tiny_model import make_tiny_model
 
 from tessera.metrics import MetricFamilies
 from tessera.server.app import create_app
-from tessera.server.openai.protocol import IGNORED_TOOLS_HEADER
+from tessera.server.openai.tool_schemas import IGNORED_TOOLS_HEADER
 from tessera.server.anthropic.protocol import BILLING_HEADER, MessagesRequest
 from tessera.server.responses.protocol import ResponsesRequest, items_to_messages
 from tessera.server.tools import OutputParsing, render_prompt

@@ -23,7 +23,8 @@ from tessera.metrics import MetricFamilies, PrometheusStatLogger
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server.app import create_app
-from tessera.server.model_router import ModelRouter, ModelSpec, ServedModel
+from tessera.server.model_router import ModelRouter
+from tessera.server.served_model import ModelSpec, ServedModel
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
