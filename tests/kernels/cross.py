@@ -94,10 +94,11 @@ def build_driver(cc: str, out_dir: Path, source_dir: Path = library.SOURCE_DIR) 
     return path
 
 
-def run_check(target: Optional[Target], driver: Path, ref: Path, variant: Path, *args: str,
+def run_check(target: Optional[Target], driver: Path, ref: Path, variant: Path, *cases: str, verbose: bool = False,
               timeout: float = 600) -> subprocess.CompletedProcess:
-    """The driver on (ref, variant): natively (target None) or under target's qemu."""
-    cmd = [str(driver), *args, str(ref), str(variant)]
+    """The driver on (ref, variant), natively (target None) or under target's qemu: every case, or
+    those whose names start with one of `cases`; `verbose`: each case's error."""
+    cmd = [str(driver), *(["-v"] if verbose else []), str(ref), str(variant), *cases]
     if target is not None:
         cmd = [target.qemu, "-L", target.sysroot, *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

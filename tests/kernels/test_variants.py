@@ -10,6 +10,7 @@ TESSERA_REQUIRE_VARIANTS=1 (CI, .ci/run, installs them).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -91,26 +92,42 @@ def test_cross_variants_match_scalar_under_qemu(arch):
         check(cross.run_check(target, driver, ref, cross.build_variant(target, name)), "scalar", name)
 
 
-# One operation of int8_gemv's one-row AVX2 path changed: the group's two partial sums subtracted.
-BROKEN = ("int8_gemv.c", "acc = _mm256_fmadd_ps(_mm256_set1_ps(sr[g]), _mm256_add_ps(d0, d1), acc);",
-          "acc = _mm256_fmadd_ps(_mm256_set1_ps(sr[g]), _mm256_sub_ps(d0, d1), acc);")
+# Per architecture, one operation of a vector path changed, and the cases that must then mismatch:
+# AVX2's one-row int8_gemv adds a group's two partial sums (subtracts them here); NEON's Q4_K rows
+# take a sub-block's second 16 activations (one byte early here).
+BROKEN = {
+    "x86_64": ("avx2", "int8_gemv.c", "_mm256_add_ps(d0, d1), acc);", "_mm256_sub_ps(d0, d1), acc);",
+               r"int8_gemv/.*/M1/"),
+    "aarch64": ("neon", "kquant_gemm.c", "vld1q_s8(xb + 32 * g + 16));", "vld1q_s8(xb + 32 * g + 15));", r"q4k_gemm/"),
+}
 
 
 @pytest.mark.slow
-def test_a_broken_vector_path_is_caught(tmp_path, monkeypatch, driver, scalar):
-    v = isa.variant("avx2") if isa.machine() == "x86_64" else None
-    if v is None or not isa.runnable(v):
-        pytest.skip("the broken path is AVX2's: this host runs no AVX2")
+@pytest.mark.parametrize("arch", sorted(BROKEN))
+def test_a_broken_vector_path_is_caught(arch, tmp_path, monkeypatch, driver, scalar):
+    name, source, old, new, cases = BROKEN[arch]
     sources = tmp_path / "kernels"
     shutil.copytree(library.SOURCE_DIR, sources, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    name, old, new = BROKEN
-    text = (sources / name).read_text()
-    assert text.count(old) == 1, f"{name} changed: update BROKEN"
-    (sources / name).write_text(text.replace(old, new))
+    text = (sources / source).read_text()
+    assert text.count(old) == 1, f"{source} changed: update BROKEN"
+    (sources / source).write_text(text.replace(old, new))
+    if isa.machine() == arch:
+        if not isa.runnable(isa.variant(name)):
+            pytest.skip(f"this CPU cannot run the {name} kernels")
+        target, ref = None, scalar
+    elif arch in cross.TARGETS:
+        target = cross.TARGETS[arch]
+        missing = cross.missing_tools(target)
+        if missing:
+            unavailable(f"no {', '.join(missing)} to cross-compile and run the {arch} kernels")
+        driver, ref = cross.build_driver(target.cc, tmp_path), cross.build_variant(target, "scalar")
+    else:
+        pytest.skip(f"no way to run {arch} code here")
     monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "home"))  # the broken build stays out of the cache
-    broken = library.build(v, source_dir=sources)
-    done = cross.run_check(None, driver, scalar, broken)
+    broken = library.build(isa.variant(name), source_dir=sources) if target is None else \
+        cross.build_variant(target, name, source_dir=sources)
+    done = cross.run_check(target, driver, ref, broken)
     assert done.returncode == 1, done.stdout + done.stderr
     mismatches = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("MISMATCH")]
-    assert mismatches and all(case.startswith("int8_gemv/") and "/M1/" in case for case in mismatches), done.stdout
+    assert mismatches and all(re.match(cases, case) for case in mismatches), done.stdout
     assert "ok rms_norm_bf16/rows1" in done.stdout  # the rest still compared
