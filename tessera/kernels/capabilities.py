@@ -24,7 +24,7 @@ def avx2_matmuls() -> bool:
 
 
 def kquant_matmuls() -> bool:
-    """Whether the K-quant kernels' vector paths (AVX512-BW or AVX2) run here (kquant_gemm.c):
-    without them the native Q6_K / Q4_K storage would multiply in a plain C loop, so those
-    tensors keep the int8 and int4 layouts."""
+    """Whether the K-quant kernels' vector paths (AVX512-BW, AVX2, or NEON's dot products) run here
+    (kquant_gemm.c): without them the native Q6_K / Q4_K storage would multiply in a plain C loop,
+    so those tensors keep the int8 and int4 layouts."""
     return available() is None and bool(load().tessera_kquant_vector())

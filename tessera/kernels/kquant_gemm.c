@@ -24,7 +24,7 @@
  * same integers, Q4_K's minimums (dmin * mn_g * xd * bsum over 32) in float; one float multiply
  * per super-block by d * xd. Rows are split across torch's OpenMP threads; each weight
  * super-block is unpacked once for all M activation rows. AVX2 hosts take 32 codes at a time;
- * others a plain C loop.
+ * aarch64 with the dot-product extension (the neon variant) 16 per vdotq_s32; others a plain C loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -243,6 +243,82 @@ static inline __attribute__((always_inline)) void q4k_row_avx2(kq_row_t row, int
     for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
 }
 #else
+#if TESSERA_NEON_DOTPROD
+/* The sixteen 16-code vectors of a Q6_K super-block, as signed values (q - 32): vector g holds
+ * codes 16g .. 16g + 15 (sub-block g), so each meets its 16 activations in one vdotq_s32. */
+static inline void q6k_unpack_neon(const uint8_t *blk, int8x16_t q[16]) {
+    const uint8x16_t low4 = vdupq_n_u8(0x0F), low2 = vdupq_n_u8(0x03);
+    const int8x16_t off = vdupq_n_s8(32);
+    for (int i = 0; i < 4; i++) { /* bytes 16i .. 16i + 15 of each 64-byte row: codes 64c + 16i .. */
+        const uint8x16_t ql0 = vld1q_u8(blk + 16 * i), ql1 = vld1q_u8(blk + 64 + 16 * i);
+        const uint8x16_t qh = vld1q_u8(blk + 128 + 16 * i);
+        const uint8x16_t c[4] = {
+            vorrq_u8(vandq_u8(ql0, low4), vshlq_n_u8(vandq_u8(qh, low2), 4)),
+            vorrq_u8(vshrq_n_u8(ql0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(qh, 2), low2), 4)),
+            vorrq_u8(vandq_u8(ql1, low4), vshlq_n_u8(vandq_u8(vshrq_n_u8(qh, 4), low2), 4)),
+            vorrq_u8(vshrq_n_u8(ql1, 4), vshlq_n_u8(vshrq_n_u8(qh, 6), 4)),
+        };
+        for (int k = 0; k < 4; k++) q[4 * k + i] = vsubq_s8(vreinterpretq_s8_u8(c[k]), off);
+    }
+}
+
+/* q6k_row with NEON dot products (ARMv8.2 dotprod): per sub-block one vdotq_s32 of 16 signed
+ * codes by 16 activations, times its scale into int32 lanes; exact integers, as the plain loop. */
+static inline __attribute__((always_inline)) void q6k_row_neon(kq_row_t row, int64_t NB, const kq_acts_t *acts,
+                                                                float *sums) {
+    const int64_t M = acts->M, K = acts->K;
+    const int8_t *sc = (const int8_t *)row.scales;
+    float total[KQUANT_MAX_ROWS] = {0};
+    for (int64_t b = 0; b < NB; b++) {
+        int8x16_t q[16];
+        q6k_unpack_neon(row.codes + b * Q6K_CODE_BYTES, q);
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xb = acts->xq + m * K + b * KQ_BLOCK;
+            int32x4_t acc = vdupq_n_s32(0);
+            for (int g = 0; g < 16; g++)
+                acc = vmlaq_n_s32(acc, vdotq_s32(vdupq_n_s32(0), q[g], vld1q_s8(xb + 16 * g)), sc[b * 16 + g]);
+            total[m] += (float)vaddvq_s32(acc) * (row.d[b] * acts->xd[m * (K / KQ_BLOCK) + b]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = total[m];
+}
+
+/* q4k_row with NEON dot products: codes 0..15 by activations per 32-code sub-block (two vdotq_s32),
+ * times its scale; the minimums' term from the activations' 16-sums (bsum), as the AVX2 path. */
+static inline __attribute__((always_inline)) void q4k_row_neon(kq_row_t row, int64_t NB, const kq_acts_t *acts,
+                                                                float *sums) {
+    const int64_t M = acts->M, K = acts->K;
+    const uint8x16_t low4 = vdupq_n_u8(0x0F);
+    float total[KQUANT_MAX_ROWS] = {0};
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = row.codes + b * Q4K_CODE_BYTES, *sb = (const uint8_t *)row.scales + b * 16;
+        int8x16_t q[16]; /* vector 4c + i: codes 64c + 16i .. + 15 */
+        for (int i = 0; i < 4; i++) {
+            const uint8x16_t ql0 = vld1q_u8(blk + 16 * i), ql1 = vld1q_u8(blk + 64 + 16 * i);
+            q[i] = vreinterpretq_s8_u8(vandq_u8(ql0, low4));
+            q[4 + i] = vreinterpretq_s8_u8(vshrq_n_u8(ql0, 4));
+            q[8 + i] = vreinterpretq_s8_u8(vandq_u8(ql1, low4));
+            q[12 + i] = vreinterpretq_s8_u8(vshrq_n_u8(ql1, 4));
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xb = acts->xq + m * K + b * KQ_BLOCK;
+            const int16_t *bs = acts->bsum + m * (K / 16) + b * 16;
+            int32x4_t acc = vdupq_n_s32(0);
+            int32_t corr = 0;
+            for (int g = 0; g < 8; g++) {
+                const int32x4_t d2 = vdotq_s32(vdotq_s32(vdupq_n_s32(0), q[2 * g], vld1q_s8(xb + 32 * g)), q[2 * g + 1],
+                                               vld1q_s8(xb + 32 * g + 16));
+                acc = vmlaq_n_s32(acc, d2, sb[g]);
+                corr += sb[8 + g] * (bs[2 * g] + bs[2 * g + 1]);
+            }
+            const float xs = acts->xd[m * (K / KQ_BLOCK) + b];
+            total[m] += (float)vaddvq_s32(acc) * (row.d[2 * b] * xs) - (float)corr * (row.d[2 * b + 1] * xs);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) sums[m] = total[m];
+}
+#endif
+
 /* q6k_row in plain C, one code at a time. */
 static inline __attribute__((always_inline)) void q6k_row_plain(kq_row_t row, int64_t NB, const kq_acts_t *acts,
                                                                  float *sums) {
@@ -349,6 +425,8 @@ static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
 #elif TESSERA_AVX2
     q6k_row_avx2(row, NB, acts, sums);
+#elif TESSERA_NEON_DOTPROD
+    q6k_row_neon(row, NB, acts, sums);
 #else
     q6k_row_plain(row, NB, acts, sums);
 #endif
@@ -400,6 +478,8 @@ static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums
     for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
 #elif TESSERA_AVX2
     q4k_row_avx2(row, NB, acts, sums);
+#elif TESSERA_NEON_DOTPROD
+    q4k_row_neon(row, NB, acts, sums);
 #else
     q4k_row_plain(row, NB, acts, sums);
 #endif
@@ -453,9 +533,10 @@ int q4k_gemm(const void *x, const uint8_t *codes, const uint8_t *scale_min, cons
     return kquant_gemm(q4k_row, Q4K_CODE_BYTES, 16, 2, x, codes, scale_min, dm, out, M, N, K, is_bf16, scratch);
 }
 
-/* Whether the vector paths were compiled in (AVX512-BW, or AVX2); else the plain C loops. */
+/* Whether the vector paths were compiled in (AVX512-BW, AVX2, or NEON's dot products); else the
+ * plain C loops. */
 int tessera_kquant_vector(void) {
-#if TESSERA_AVX512 || TESSERA_AVX2
+#if TESSERA_AVX512 || TESSERA_AVX2 || TESSERA_NEON_DOTPROD
     return 1;
 #else
     return 0;
