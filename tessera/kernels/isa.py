@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
+from tessera.kernels import toolchain
+
 logger = logging.getLogger(__name__)
 
 ENV = "TESSERA_CPU_ISA"
@@ -117,9 +119,7 @@ def variant(name: str) -> Variant:
 def host_features() -> frozenset[str]:
     """What this CPU and OS let the process execute (cpu_probe.c; /proc/cpuinfo's flags where no C
     compiler builds the probe)."""
-    from tessera.kernels import library
-
-    bits = library.probe_features()
+    bits = toolchain.probe_features()
     if bits is not None:
         return frozenset(name for i, name in enumerate(FEATURE_BITS) if bits >> i & 1)
     from tessera.hostinfo import cpu_flags

@@ -14,7 +14,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from tessera.kernels import bindings, isa
+from tessera.kernels.toolchain import SOURCE_DIR, KernelUnavailable, compiler, host_cpu, kernel_dir, run
 
 logger = logging.getLogger(__name__)
 
@@ -32,42 +32,13 @@ SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_int8.c", "rms_norm.c"
            "int4_avx2.c", "kquant_gemm.c", "kquant_dequant.c", "mxfp4_gemm.c", "decode_step.c", "lora.c",
            "variant.c")
 HEADERS = ("tessera_kernels.h", "simd.h", "bf16.h", "softmax.h", "kquant.h")
-PROBE = "cpu_probe.c"
 # Flags of every variant; the instruction-set ones come from isa.Variant.flags. -mtune=native only
 # schedules for this CPU: it never emits an instruction the variant's level lacks.
 CFLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-std=c11"]
-SOURCE_DIR = Path(__file__).parent
-
-
-class KernelUnavailable(RuntimeError):
-    pass
-
-
-def kernel_dir() -> Path:
-    home = os.environ.get("TESSERA_HOME")
-    return (Path(home) if home else Path.home() / ".cache" / "tessera") / "kernels"
-
-
-def compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelUnavailable("no C compiler (cc/gcc) found")
-    return cc
 
 
 def _source_text(source_dir: Path, names: tuple[str, ...]) -> str:
     return "".join((source_dir / name).read_text() for name in names)
-
-
-def _host_cpu() -> str:
-    """The CPU's model and feature flags (-mtune=native and the probe's answer depend on them)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-        return platform.processor() or platform.machine()
-    keep = [line for line in text.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(sorted(set(keep)))
 
 
 def variant_flags(variant: isa.Variant) -> list[str]:
@@ -75,18 +46,9 @@ def variant_flags(variant: isa.Variant) -> list[str]:
 
 
 def library_path(cc: str, variant: isa.Variant, source_dir: Path = SOURCE_DIR) -> Path:
-    text = _source_text(source_dir, SOURCES + HEADERS) + " ".join(variant_flags(variant)) + cc + _host_cpu()
+    text = _source_text(source_dir, SOURCES + HEADERS) + " ".join(variant_flags(variant)) + cc + host_cpu()
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return kernel_dir() / f"tessera_kernels-{variant.name}-{digest}.so"
-
-
-def _run(cmd: list[str]) -> None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"compiling the kernels failed: {exc}") from None
-    if done.returncode != 0:
-        raise KernelUnavailable(f"compiling the kernels failed: {done.stderr.strip()[:2000]}")
 
 
 def missing_headers(variant: isa.Variant) -> list[str]:
@@ -117,35 +79,13 @@ def build(variant: Optional[isa.Variant] = None, verbose: bool = False, source_d
         objects = [str(Path(tmp) / (name + ".o")) for name in SOURCES]
         jobs = [[cc, *flags, "-c", str(source_dir / name), "-o", obj] for name, obj in zip(SOURCES, objects)]
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            list(pool.map(_run, jobs))
+            list(pool.map(run, jobs))
         partial = Path(tmp) / "lib.so"
-        _run([cc, *flags, "-shared", *objects, "-o", str(partial), "-lm"])
+        run([cc, *flags, "-shared", *objects, "-o", str(partial), "-lm"])
         os.replace(partial, path)  # atomic: concurrent builders never load a half-written file
     if verbose:
         print(f"built {path}")
     return path
-
-
-@lru_cache(maxsize=1)
-def probe_features() -> Optional[int]:
-    """cpu_probe.c's answer (isa.FEATURE_BITS), built without instruction-set flags; None where it
-    cannot be built or loaded."""
-    try:
-        cc = compiler()
-        text = (SOURCE_DIR / PROBE).read_text() + cc + _host_cpu()
-        path = kernel_dir() / f"tessera_cpu_probe-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-                partial = Path(tmp) / "probe.so"
-                _run([cc, "-O2", "-shared", "-fPIC", str(SOURCE_DIR / PROBE), "-o", str(partial)])
-                os.replace(partial, path)
-        fn = ctypes.CDLL(str(path)).tessera_cpu_features
-        fn.restype = ctypes.c_uint64
-        return int(fn())
-    except (KernelUnavailable, OSError, AttributeError) as exc:
-        logger.warning("CPU feature check unavailable (%s); reading /proc/cpuinfo", exc)
-        return None
 
 
 @lru_cache(maxsize=None)

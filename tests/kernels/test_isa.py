@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tessera.kernels import isa, library
+from tessera.kernels import isa, library, toolchain
 
 X86 = isa.machine() == "x86_64"
 AVX2_HOST = frozenset({"avx2", "fma", "f16c"})
@@ -110,7 +110,7 @@ def test_a_cap_above_the_host_is_one_line_from_the_command_line(tmp_path):
 def test_the_feature_check_agrees_with_the_kernel_flags():
     """The probe asks CPUID and XCR0; /proc/cpuinfo's flags name what the CPU reports. Every feature
     the probe grants must be one the kernel lists (it may withhold one the OS does not save)."""
-    if library.probe_features() is None:
+    if toolchain.probe_features() is None:
         pytest.skip("no C compiler for the probe")
     from tessera.hostinfo import cpu_flags
 

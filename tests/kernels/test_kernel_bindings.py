@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import pytest
 
-from tessera.kernels import bindings, library
+from tessera.kernels import bindings, library, toolchain
 
 KERNELS = Path(bindings.__file__).parent
 HEADER = "tessera_kernels.h"
@@ -208,7 +208,7 @@ def _header() -> str:
 
 def _sources() -> dict[str, str]:
     """The library's sources (the CPU probe is built on its own, with no instruction-set flag)."""
-    return {p.name: p.read_text() for p in sorted(KERNELS.glob("*.c")) if p.name != library.PROBE}
+    return {p.name: p.read_text() for p in sorted(KERNELS.glob("*.c")) if p.name != toolchain.PROBE}
 
 
 def test_header_and_bindings_agree():
@@ -302,7 +302,7 @@ def test_a_mismatched_constant_or_struct_is_reported():
     narrowed = header.replace("double eps, scale;", "double eps;\n    float scale;")
     assert check_interface(narrowed, sources) == [
         "struct dims_t: field 9 is float scale in C, scale: c_double in DecodeDims"]
-    grown = header.replace("uint16_t *kv_cache; /*", "uint16_t *kv_cache;\n    int64_t window; /*")
+    grown = header.replace("void *kv_cache; /*", "void *kv_cache;\n    int64_t window; /*")
     assert check_interface(grown, sources) == ["struct layer_t: 8 fields in C, 7 in DecodeLayer"]
 
 
