@@ -259,7 +259,7 @@ def mapped_cpu_backends(pid: int) -> list[str]:
 
 def tessera_isa_lines(log: Path) -> list[str]:
     """Tessera's start-up lines about its instruction-set level (kernel variant, --cpu-isa)."""
-    keys = ("cpu-isa", "cpu_isa", "kernel variant", "instruction-set", "instruction set")
+    keys = ("c kernels: variant", "cpu-isa", "dtype auto")
     return [ln.strip() for ln in log.read_text(errors="replace").splitlines()
             if any(k in ln.lower() for k in keys)][:6]
 
