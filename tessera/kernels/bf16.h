@@ -28,6 +28,30 @@ static inline void store_column(void *out, int64_t N, int64_t n, const float *su
     }
 }
 
+/* Code (0..15) of weight row n, input column k, in PyTorch's int4pack layout with tiles of
+ * `tile_rows` rows (64: int4_gemv.c's AVX-512 layout; 32: int4_avx2.c's AVX2 one): tile t, column k
+ * holds tile_rows / 2 bytes, byte j holding row j of the tile in its low nibble and row
+ * tile_rows / 2 + j in its high nibble. For the plain C paths; the vector paths unpack whole tiles. */
+static inline int int4pack_code(const uint8_t *packed, int64_t K, int64_t tile_rows, int64_t n, int64_t k) {
+    const int64_t half = tile_rows / 2, t = n / tile_rows, r = n % tile_rows;
+    const uint8_t byte = packed[(t * K + k) * half + r % half];
+    return r < half ? byte & 0x0F : byte >> 4;
+}
+
+/* One group of 32 columns k0 .. k0 + 31 of weight row n (int4pack_code's layout) against x[0..31]:
+ * returns sum x (q - 8), and the group's sum x in *xsum; w = (q - 8) * s + z makes the group's share
+ * of the product s * (the return) + z * (*xsum). */
+static inline float int4pack_group_dot(const float *x, const uint8_t *packed, int64_t K, int64_t tile_rows,
+                                       int64_t n, int64_t k0, float *xsum) {
+    float dot = 0.f, sum = 0.f;
+    for (int i = 0; i < 32; i++) {
+        dot += x[i] * (float)(int4pack_code(packed, K, tile_rows, n, k0 + i) - 8);
+        sum += x[i];
+    }
+    *xsum = sum;
+    return dot;
+}
+
 #if TESSERA_AVX2
 /* The sum of an AVX register's 8 floats. */
 static inline float hsum_ps256(__m256 v) {

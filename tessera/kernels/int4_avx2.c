@@ -25,7 +25,7 @@
 
 #define INT4_F32_FEW_ROWS 2 /* up to here rows go through few_rows_tile (3-4 rows in pairs: 0.93x) */
 
-/* 1 when this build has the AVX2 + FMA float32 path of int4_gemm_f32, else 0. */
+/* 1 when this build has the AVX2 + FMA float32 path of int4_gemm_f32, else 0 (the plain C path). */
 int tessera_avx2_fma(void) {
 #ifdef HAVE_AVX2_FMA
     return 1;
@@ -173,8 +173,10 @@ static inline __attribute__((always_inline)) void odd_row_group(const float *xa,
 #endif
 
 /* x: [M][K] float32 (K a multiple of 32, M <= INT4_F32_MAX_ROWS); packed: [N_pad/32][K][16] uint8;
- * sz: [K/32][N_pad][2] float32; out: [M][N_out] float32. Returns 0, or -1 when this build has no
- * AVX2 + FMA path or the shape is out of range (callers then use PyTorch's kernel). */
+ * sz: [K/32][N_pad][2] float32; out: [M][N_out] float32. Returns 0, or -1 when the shape is out of
+ * range (callers then use PyTorch's kernel). Builds without AVX2 + FMA take a plain C loop over the
+ * same layout (the reference the vector paths are tested against; tessera_avx2_fma() says 0 there,
+ * as callers prefer PyTorch's kernel to it). */
 int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
                   int64_t N_out, int64_t K) {
 #ifdef HAVE_AVX2_FMA
@@ -211,7 +213,21 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float 
     }
     return 0;
 #else
-    (void)x; (void)packed; (void)sz; (void)out; (void)M; (void)N_pad; (void)N_out; (void)K;
-    return -1;
+    /* Plain C: per output row n and group g, y += s * sum x (q - 8) + z * sum x, float32 sums. */
+    if (M < 1 || M > INT4_F32_MAX_ROWS || K % 32 != 0 || N_pad % 32 != 0) return -1;
+    const int64_t G = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N_out; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                float sum;
+                const float dot = int4pack_group_dot(x + m * K + g * 32, packed, K, 32, n, g * 32, &sum);
+                const float *pair = sz + (g * N_pad + n) * 2;
+                acc += pair[0] * dot + pair[1] * sum;
+            }
+            out[m * N_out + n] = acc;
+        }
+    return 0;
 #endif
 }

@@ -8,6 +8,7 @@
  * too: SmolLM2-135M's projections for one token, 3.5 -> 2.9 ms, its bfloat16 dot products doing
  * two codes per lane.)
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include "simd.h"
@@ -19,7 +20,8 @@
 #include "tessera_kernels.h"
 
 /* 1 when this build has the AVX512-BF16 paths of the few-row matrix kernels (int4_gemm_bf16,
- * int8_gemm_bf16), 0 when they would return -1 (an AVX2 host, say). */
+ * int8_gemm_bf16), 0 when they take their plain C paths (an AVX2 host, say: callers then prefer
+ * PyTorch's kernels). */
 int tessera_avx512_bf16(void) {
 #ifdef HAVE_AVX512
     return 1;
@@ -56,7 +58,8 @@ static inline void store_bf16x16(uint16_t *out, int64_t row, int64_t N_out, __m5
  * The unpack instructions permute the 64 rows of a tile (lane l of vector v holds row
  * ROW_OF(v, l)); scales, zeros and outputs follow the same permutation.
  * x: [M, K] bf16 (K a multiple of 32); packed: [N_pad/64][K][32]; sz: [K/32][N_pad][2] bf16;
- * out: [M, N_out] bf16; scratch: M * K/32 floats. */
+ * out: [M, N_out] bf16; scratch: M * K/32 floats. Builds without AVX512-BF16 compute the same sums
+ * in a plain C loop (the reference the vector path is tested against). */
 #ifdef HAVE_AVX512
 #define INT4_MB 4
 static inline int row_of(int v, int l) { /* v: 0..3 vector, l: 0..15 lane -> row in the tile */
@@ -150,8 +153,24 @@ int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz,
     }
     return 0;
 #else
-    (void)x; (void)packed; (void)sz; (void)out; (void)M; (void)N_pad; (void)N_out; (void)K; (void)scratch;
-    return -1;
+    /* Plain C: per output row n and group g, y += s * sum x (q - 8) + z * sum x, float32 sums. */
+    (void)scratch;
+    if (K % 32 != 0) return -1;
+    const int64_t G = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N_out; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                float xg[32], sum;
+                for (int i = 0; i < 32; i++) xg[i] = bf16_to_f32(x[m * K + g * 32 + i]);
+                const float dot = int4pack_group_dot(xg, packed, K, 64, n, g * 32, &sum);
+                const uint16_t *pair = sz + (g * N_pad + n) * 2;
+                acc += bf16_to_f32(pair[0]) * dot + bf16_to_f32(pair[1]) * sum;
+            }
+            out[m * N_out + n] = f32_to_bf16(acc);
+        }
+    return 0;
 #endif
 }
 
@@ -169,7 +188,9 @@ int int4_gemm_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *sz,
  * half tile; the low nibbles are then rows 16h + j, the high nibbles rows 32 + 16h + j.
  * Work is split across torch's OpenMP threads by half tile (32 output rows), each running blocks of
  * up to I8_MB activation rows over its codes (which stay in L1). x: [M, K] bf16; scratch:
- * int4_i8_scratch_bytes(M, K) bytes. */
+ * int4_i8_scratch_bytes(M, K) bytes. Builds without AVX512-VNNI and VBMI (or BF16) quantize the rows
+ * the same way and take a plain C loop of the same integer sums and formula (the reference;
+ * tessera_int4_i8() says 0 there). */
 #if defined(HAVE_AVX512) && TESSERA_AVX512_VNNI && TESSERA_AVX512_VBMI
 #define HAVE_INT4_I8 1
 #define I8_MB 6
@@ -189,10 +210,10 @@ int64_t int4_i8_scratch_bytes(int64_t M, int64_t K) {
     return M * K + 3 * M * (K / 32) * (int64_t)sizeof(float) + 64;
 }
 
-#ifdef HAVE_INT4_I8
 /* Row m of x -> xq [K] int8, and per group of 32: dx, sx, 8 * sx. */
 static void quantize_row_g32(const uint16_t *x, int64_t K, int8_t *xq, float *dx, float *sx, float *sx8) {
     for (int64_t g = 0; g < K / 32; g++) {
+#ifdef HAVE_INT4_I8
         const __m512i raw = _mm512_loadu_si512((const void *)(x + g * 32));
         const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
         const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
@@ -202,12 +223,31 @@ static void quantize_row_g32(const uint16_t *x, int64_t K, int8_t *xq, float *dx
         /* round to nearest even (the default mode), as nearbyintf; |x * inv| <= 127 */
         _mm_storeu_si128((__m128i *)(xq + g * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
         _mm_storeu_si128((__m128i *)(xq + g * 32 + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+#else
+        /* as the vector path: the sum in its order (value i plus value 16 + i, then halving, as
+         * the register's reduction adds), each value rounded to nearest even and saturated */
+        float v[16], amax = 0.f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(bf16_to_f32(x[g * 32 + i]));
+            amax = a > amax ? a : amax;
+        }
+        for (int i = 0; i < 16; i++) v[i] = bf16_to_f32(x[g * 32 + i]) + bf16_to_f32(x[g * 32 + 16 + i]);
+        for (int w = 8; w >= 1; w /= 2)
+            for (int i = 0; i < w; i++) v[i] += v[i + w];
+        const float sum = v[0];
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int i = 0; i < 32; i++) {
+            const float r = nearbyintf(bf16_to_f32(x[g * 32 + i]) * inv);
+            xq[g * 32 + i] = (int8_t)(r > 127.f ? 127.f : r < -128.f ? -128.f : r);
+        }
+#endif
         dx[g] = amax / 127.f;
         sx[g] = sum;
         sx8[g] = 8.f * sum;
     }
 }
 
+#ifdef HAVE_INT4_I8
 /* Rows m0 .. m0 + NM - 1 against NH half tiles from half h0 of tile `tile` (NH = 2: the whole
  * tile, for one or two rows, where four accumulator chains a row keep the dot products busy and the
  * tile's bytes are loaded once; NH = 1 for more rows, the registers holding six rows' sums). NM and
@@ -272,7 +312,6 @@ static inline __attribute__((always_inline)) void int4_i8_block(
 
 int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t M,
                  int64_t N_pad, int64_t N_out, int64_t K, void *scratch) {
-#ifdef HAVE_INT4_I8
     if (K % 32 != 0 || M < 1) return -1;
     const int64_t G = K / 32;
     int8_t *xq = (int8_t *)scratch;
@@ -280,6 +319,7 @@ int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, u
     float *sx = dx + M * G, *sx8 = sx + M * G;
 #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row_g32(x + m * K, K, xq + m * K, dx + m * G, sx + m * G, sx8 + m * G);
+#ifdef HAVE_INT4_I8
     /* output byte 4j + i of half h: code byte 16h + j of k + i (k, k + 1 in lo; k + 2, k + 3 in hi) */
     uint8_t idx[2][64];
     for (int h = 0; h < 2; h++)
@@ -340,7 +380,23 @@ int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, u
     }
     return 0;
 #else
-    (void)x; (void)packed; (void)sz; (void)out; (void)M; (void)N_pad; (void)N_out; (void)K; (void)scratch;
-    return -1;
+    /* Plain C: per output row n, row m and group g, the exact integer sum Q = sum q * xq, then
+     * y += s * (dx * Q - 8 * sx) + z * sx. */
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N_out; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t q = 0;
+                for (int64_t k = g * 32; k < g * 32 + 32; k++)
+                    q += int4pack_code(packed, K, 64, n, k) * (int32_t)xq[m * K + k];
+                const uint16_t *pair = sz + (g * N_pad + n) * 2;
+                const int64_t at = m * G + g;
+                acc += bf16_to_f32(pair[0]) * (dx[at] * (float)q - sx8[at]);
+                acc += bf16_to_f32(pair[1]) * sx[at];
+            }
+            out[m * N_out + n] = f32_to_bf16(acc);
+        }
+    return 0;
 #endif
 }

@@ -135,14 +135,16 @@ int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *z
  * bfloat16 (the weight a dense bfloat16 copy would hold) and fed to AVX512-BF16 dot products,
  * 32 multiply-adds an instruction, against the rows' bfloat16 activations; float32
  * accumulation, one rounding of the result. Four weight rows at a time share each activation load.
+ * Builds without AVX512-BF16 compute the same in a plain C loop (the reference; tessera_avx512_bf16()
+ * says 0 there, and callers keep int8_gemv). Returns 0, or -1 for a shape outside the above.
  */
 #define INT8_GEMM_NB 4
 
 int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
                    int64_t M, int64_t N, int64_t K, int64_t G) {
-#if TESSERA_AVX512_BF16
     if (M > INT8_GEMM_MAX_ROWS || K % 32 != 0 || G < 16 || (G & (G - 1)) != 0 || K % G != 0) return -1;
     const int64_t groups = K / G;
+#if TESSERA_AVX512_BF16
     const int shift = __builtin_ctzll((unsigned long long)G); /* k / G without a division per block */
     const int64_t blocks = (N + INT8_GEMM_NB - 1) / INT8_GEMM_NB;
 #pragma omp parallel for schedule(static)
@@ -179,7 +181,18 @@ int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const
     }
     return 0;
 #else
-    (void)x; (void)w; (void)scale; (void)zero; (void)out; (void)M; (void)N; (void)K; (void)G;
-    return -1;
+    /* Plain C: each weight scaled (and shifted) in float32 and rounded to bfloat16, times x. */
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t g = n * groups + k / G;
+                const float wk = (float)w[n * K + k] * scale[g] + (zero ? zero[g] : 0.f);
+                acc += bf16_to_f32(f32_to_bf16(wk)) * bf16_to_f32(x[m * K + k]);
+            }
+            out[m * N + n] = f32_to_bf16(acc);
+        }
+    return 0;
 #endif
 }

@@ -269,9 +269,10 @@ static int costlier_first(const void *a, const void *b) {
  * window:       sliding window in tokens, 0 for none
  * sinks:        [Hq] float32 or NULL: per query head, a logit that joins the softmax's denominator
  *               and adds no value (gpt-oss's attention sinks)
- * Returns 0; -1 where this build or shape is not handled (no AVX512-BF16; D not a multiple of 32
- * or over 256; more than 16 query heads per KV head): the caller then uses PyTorch; -2 where the
- * threads' buffers (a few hundred KiB each, whatever the context) could not be allocated.
+ * Returns 0; -1 where this shape is not handled (D not a multiple of 32 or over 256; more than 16
+ * query heads per KV head): the caller then uses PyTorch; -2 where the threads' buffers (a few
+ * hundred KiB each, whatever the context) could not be allocated. Builds without AVX512-BF16 take a
+ * plain C path with the same blocks, order and roundings (the reference; it allocates nothing).
  */
 int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache,
                                  const int64_t *block_tables, int64_t max_blocks, const int64_t *q_start,
@@ -363,9 +364,51 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint
     free(buf);
     return 0;
 #else
-    (void)q; (void)q_stride; (void)cache; (void)block_tables; (void)max_blocks; (void)q_start; (void)seq_lens;
-    (void)out; (void)B; (void)Hq; (void)Hkv; (void)D; (void)num_blocks; (void)block_size; (void)scale;
-    (void)window; (void)sinks;
-    return -1;
+    /* Plain C, one query vector at a time, in the vector path's order and roundings: its keys in the
+     * same blocks of PF_KEYS positions, each updating the running maximum m, sum l and output o,
+     * the probabilities rounded to bfloat16 for O += P V (not for their sum). */
+    const int64_t G = Hq / Hkv;
+    if (D % 32 || D > PREFILL_MAX_HEAD_DIM || G > MAX_GROUP || G * Hkv != Hq) return -1;
+    const int64_t plane = num_blocks * block_size;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t qlen = q_start[b + 1] - q_start[b];
+        const int64_t *table = block_tables + b * max_blocks;
+#pragma omp parallel for schedule(static) collapse(2)
+        for (int64_t r = 0; r < qlen; r++)
+            for (int64_t hq = 0; hq < Hq; hq++) {
+                const int64_t row = q_start[b] + r, pos = seq_lens[b] - qlen + r, h = hq / G;
+                const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                const uint16_t *qv = q + row * q_stride + hq * D;
+                const uint16_t *kc = cache + h * plane * D, *vc = cache + (Hkv + h) * plane * D;
+                /* a sink is a key of that score and no value: m starts at it, l at exp(0) */
+                float m = sinks ? sinks[hq] : -INFINITY, l = sinks ? 1.f : 0.f;
+                float o[PREFILL_MAX_HEAD_DIM] = {0};
+                for (int64_t k0 = first - first % PF_KEYS; k0 <= pos; k0 += PF_KEYS) {
+                    const int64_t lo = k0 > first ? k0 : first, hi = k0 + PF_KEYS - 1 < pos ? k0 + PF_KEYS - 1 : pos;
+                    float s[PF_KEYS], bm = -INFINITY;
+                    for (int64_t t = lo; t <= hi; t++) {
+                        const uint16_t *kv = kc + (table[t / block_size] * block_size + t % block_size) * D;
+                        float dot = 0.f;
+                        for (int64_t i = 0; i < D; i++) dot += bf16_to_f32(qv[i]) * bf16_to_f32(kv[i]);
+                        s[t - lo] = dot * scale;
+                        if (s[t - lo] > bm) bm = s[t - lo];
+                    }
+                    const float mnew = bm > m ? bm : m;
+                    const float alpha = expf(m - mnew); /* 0 on the first block (m = -inf) without a sink */
+                    m = mnew;
+                    float sum = 0.f;
+                    for (int64_t i = 0; i < D; i++) o[i] *= alpha;
+                    for (int64_t t = lo; t <= hi; t++) {
+                        const uint16_t *vv = vc + (table[t / block_size] * block_size + t % block_size) * D;
+                        const float p = expf(s[t - lo] - mnew), pr = bf16_to_f32(f32_to_bf16(p));
+                        sum += p;
+                        for (int64_t i = 0; i < D; i++) o[i] += pr * bf16_to_f32(vv[i]);
+                    }
+                    l = l * alpha + sum;
+                }
+                store_scaled_row(out, (row * Hq + hq) * D, o, 1.f / l, D, 1);
+            }
+    }
+    return 0;
 #endif
 }
