@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.kernels import attention_ops, library
+from tessera.kernels import attention_ops, capabilities, library
 from tessera.attention.base import (check_sinks, is_quantized, key_rotation, rotation_is_hadamard, step_positions,
                                     transform_for_cache, write_kv)
 from tessera.attention.sdpa import SdpaBackend
@@ -102,6 +102,7 @@ class PagedBackend(SdpaBackend):
 
     def _prefill_in_c(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether prefill rows go to the C kernel (prefill_attention.c): a bfloat16 cache and
-        queries of a shape it takes, on a build that has it (learned on the first call)."""
-        return (self._prefill_c and q.dtype == torch.bfloat16
+        queries of a shape it takes, on a build whose AVX512-BF16 path runs (its plain C path is the
+        variants' reference, slower than PyTorch's sdpa)."""
+        return (self._prefill_c and q.dtype == torch.bfloat16 and capabilities.bf16_matmuls()
                 and attention_ops.prefill_supported(q.shape[1], kv_cache))
