@@ -433,8 +433,8 @@ static int run_lora(const lib_t *L, const case_t *c, out_t *o) {
     return rc;
 }
 
-/* A whole decode step of two layers over three rows (decode_step_bf16): Q4_K QKV with a bias,
- * int8-group O and down projections, Q6_K gate/up, bfloat16 caches holding the contexts before. */
+/* A whole decode step of two layers over three rows (decode_step_bf16, or decode_step_f32 where p[0]): Q4_K QKV with a bias,
+ * int8-group O and down projections, Q6_K gate/up, caches of the step's dtype holding the contexts before. */
 static linear_t linear_of(int kind, int64_t n, int64_t k) {
     linear_t l = {.kind = kind, .n = n, .n_pad = n, .k = k, .group = 32};
     if (kind == LINEAR_INT8) {
@@ -449,37 +449,44 @@ static linear_t linear_of(int kind, int64_t n, int64_t k) {
 
 static int run_decode_step(const lib_t *L, const case_t *c, out_t *o) {
     enum { LAYERS = 2, M = 3, H = 256, NQ = 4, NKV = 2, D = 64, I = 256, MAX_LEN = 100 };
-    (void)c;
+    const int bf = !c->p[0]; /* p[0]: float32 (decode_step_f32) */
     const dims_t d = {H, NQ, NKV, D, I, NUM_BLOCKS, BLOCK, MAX_BLOCKS, 1e-6, 0.125};
     const int64_t cache_n = 2 * NKV * NUM_BLOCKS * BLOCK * D;
     layer_t layers[LAYERS];
     for (int i = 0; i < LAYERS; i++) {
         layer_t *ly = &layers[i];
-        ly->input_norm = bf16s(H, 1.f), ly->post_norm = bf16s(H, 1.f);
+        ly->input_norm = acts(H, bf, 1.f), ly->post_norm = acts(H, bf, 1.f);
         ly->qkv = linear_of(LINEAR_Q4K, (NQ + 2 * NKV) * D, H);
-        ly->qkv.bias = bf16s((NQ + 2 * NKV) * D, 0.5f);
+        ly->qkv.bias = acts((NQ + 2 * NKV) * D, bf, 0.5f);
         ly->o = linear_of(LINEAR_INT8, H, NQ * D);
         ly->gate_up = linear_of(LINEAR_Q6K, 2 * I, H);
         ly->down = linear_of(LINEAR_INT8, H, I);
-        ly->kv_cache = bf16s(cache_n, 1.f);
+        ly->kv_cache = acts(cache_n, bf, 1.f);
     }
     const int64_t *tables = block_tables(M);
     int64_t slots[M];
-    uint16_t *cos = new0(M * D * 2), *sin = new0(M * D * 2);
+    void *cos = new0(M * D * 4), *sin = new0(M * D * 4);
     for (int r = 0; r < M; r++) {
         const int64_t pos = seq_lens3[r] - 1;
         slots[r] = tables[r * MAX_BLOCKS + pos / BLOCK] * BLOCK + pos % BLOCK;
         for (int i = 0; i < D; i++) {
             const float angle = (float)pos * powf(10000.f, -(float)(2 * (i % (D / 2))) / D);
-            cos[r * D + i] = to_bf16(cosf(angle)), sin[r * D + i] = to_bf16(sinf(angle));
+            if (bf)
+                ((uint16_t *)cos)[r * D + i] = to_bf16(cosf(angle)), ((uint16_t *)sin)[r * D + i] = to_bf16(sinf(angle));
+            else
+                ((float *)cos)[r * D + i] = cosf(angle), ((float *)sin)[r * D + i] = sinf(angle);
         }
     }
-    uint16_t *x = bf16s(M * H, 1.f);
+    void *x = acts(M * H, bf, 1.f), *final_norm = acts(H, bf, 1.f);
     void *ws = new0(K(decode_step_workspace_bytes)(layers, LAYERS, &d, M, MAX_LEN));
-    const int rc = K(decode_step_bf16)(layers, LAYERS, &d, bf16s(H, 1.f), M, x, cos, sin, D / 2, slots, tables,
-                                       seq_lens3, MAX_LEN, ws, NULL);
-    put(o, "x", BF16, x, M * H, 8); /* two layers of bfloat16 roundings after sums in another order */
-    for (int i = 0; i < LAYERS; i++) put(o, i ? "cache 1" : "cache 0", BF16, layers[i].kv_cache, cache_n, 8);
+    const int rc = bf ? K(decode_step_bf16)(layers, LAYERS, &d, final_norm, M, x, cos, sin, D / 2, slots, tables,
+                                            seq_lens3, MAX_LEN, ws, NULL)
+                      : K(decode_step_f32)(layers, LAYERS, &d, final_norm, M, x, cos, sin, D / 2, slots, tables,
+                                           seq_lens3, MAX_LEN, ws, NULL);
+    /* two layers of roundings after sums in another order; the activations' int8 rounding in the
+     * K-quant products may move a code by one step */
+    put_act(o, "x", x, M * H, bf, 8, 5e-4);
+    for (int i = 0; i < LAYERS; i++) put_act(o, i ? "cache 1" : "cache 0", layers[i].kv_cache, cache_n, bf, 8, 5e-4);
     return rc;
 }
 
@@ -549,6 +556,7 @@ static const case_t CASES[] = {
     {"lora_add/f32+bf16_weights", run_lora, {0, 1}},
     {"lora_add/bf16", run_lora, {1, 1}},
     {"decode_step_bf16", run_decode_step},
+    {"decode_step_f32", run_decode_step, {1}},
 };
 
 /* ---- Comparison and the driver ---- */
