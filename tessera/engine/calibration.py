@@ -20,8 +20,7 @@ from tessera.engine.core.cost_calibration import (CalibrationChecks, StoredCalib
 from tessera.engine.core.cost_model import Roofline, StepCostModel
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.request import Request
-from tessera.engine.core.scheduler import make_chunk
-from tessera.engine.core.scheduler_output import SchedulerOutput
+from tessera.engine.core.scheduler_output import SchedulerOutput, make_chunk
 from tessera.engine.worker.runner import ModelRunnerBase
 from tessera.hostinfo import cpu_model_name, host_rates, others_cpu_seconds, source_digest
 from tessera.sampling_params import SamplingParams

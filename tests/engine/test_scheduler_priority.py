@@ -117,7 +117,6 @@ def test_interactive_waiting_blocks_background_admission() -> None:
 
 def test_forecast_ignores_a_lower_priority_backlog() -> None:
     s = make(max_seqs=2, target_ms=100)
-    s.cost_model = LinearCost()
     for i in range(20):
         s.add_request(req(f"b{i}", priority=100, prompt=50))
     snap = s.load_snapshot()

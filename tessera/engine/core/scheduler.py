@@ -4,17 +4,8 @@ There are no separate prefill and decode phases: each running request is
 granted `num_new_tokens` (1 when decoding, a chunk when prefilling) within one
 token budget and a sequence cap. Decodes are scheduled first, so they are never
 starved. With a latency target (`target_itl_ms`) and a step-cost model, prefill
-chunks are then sized so the predicted step time stays under the target while
-decodes are running; with no decode running, prefill uses the whole budget. The
-target gives way, and prompts take the whole budget, in two cases
-(`_StepState.unbounded`): when the decodes leave room for less than
-`min_prefill_chunk` prompt tokens under it (the step is late for every stream
-whatever it carries, and a prompt chunk makes the step run the modules instead of one
-C call, so fewer, larger chunks serve the prompts at the matmuls' best rate and leave
-the other steps decode-only), and when more requests
-wait for their first token than are decoding (the queue is then the larger
-latency: a 32-request burst waited behind 64-token chunks for up to 15 s; see
-docs/performance.md, "Capacity and tuning"). Waiting requests are admitted
+chunks are then sized so the predicted step time stays under the target
+(`chunk_sizing.py`, which says when the target gives way). Waiting requests are admitted
 first-come first-served while blocks, budget and the target allow; a newcomer's whole
 prompt must fit beside what the running requests' prompts still need (`_prompt_fits`),
 so admitting it does not preempt them later. When a running request cannot get a block
@@ -28,31 +19,24 @@ preempts running requests of lower priority; a prompt below the best class decod
 gets only what fits under the target (it never makes the step give way), so a lower class does
 not spend a higher one's inter-token latency. Requests at or past `background_priority` (the
 Batch API's) are background work: they are scheduled after everything else in a step and only
-into the room the latency target leaves (`_background_limit`), so they fill the gaps of
+into the room the latency target leaves (`ChunkSizer.background_limit`), so they fill the gaps of
 interactive traffic without slowing it.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from tessera.config import EngineConfig
-from tessera.engine.core.cost_model import StepCostPredictor, StepShape, max_fitting
+from tessera.engine.core.chunk_sizing import ChunkSizer, StepState, is_background
+from tessera.engine.core.cost_model import StepCostPredictor, StepShape
 from tessera.engine.core.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
+from tessera.engine.core.queue_stats import WaitForecast, load_snapshot, scheduler_stats
 from tessera.engine.core.request import Request, RequestStatus
-from tessera.engine.core.scheduler_output import (
-    GrammarBitmask, Proposal, SamplingInputs, ScheduledChunk, SchedulerOutput, TokenHistory)
+from tessera.engine.core.scheduler_output import GrammarBitmask, Proposal, SchedulerOutput, make_chunk
 from tessera.engine.core.spec_acceptance import AcceptanceModel
 from tessera.engine.stats import LoadSnapshot, SchedulerStats
-
-# In a gap (a step of background work alone), prompt chunks may take the step up to the latency
-# target, or to this many times the predicted time of its decodes with one least prompt chunk
-# where that is longer (a host slower than the target would otherwise start one background prompt
-# a step).
-BACKGROUND_GAP_GROWTH = 1.5
 
 if TYPE_CHECKING:
     from tessera.engine.core.structured_output import StructuredOutputManager
@@ -71,10 +55,10 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.cost_model = cost_model
-        # Latency targeting needs both a target and a model to predict against.
-        self.target_s: Optional[float] = config.target_itl_ms / 1000 \
-            if config.target_itl_ms and cost_model is not None else None
-        self.by_priority = config.scheduling_policy == "priority"
+        self.sizing = ChunkSizer(config, cost_model)
+        self.target_s = self.sizing.target_s  # None without a target or a model to predict against
+        self.by_priority = self.sizing.by_priority
+        self.forecast = WaitForecast(config, cost_model, self.target_s)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -106,7 +90,7 @@ class Scheduler:
 
     def is_background(self, req: Request) -> bool:
         """Whether `req` only fills the room other requests leave (see the module's docstring)."""
-        return self.by_priority and req.priority >= self.config.background_priority
+        return is_background(self.config, req)
 
     def set_proposals(self, proposals: dict[str, Proposal]) -> None:
         """Take a proposer's answer for the coming step: each running request verifies its own
@@ -149,21 +133,7 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
 
     def stats(self) -> SchedulerStats:
-        swapped = sum(1 for r in self.waiting if r.status == RequestStatus.SWAPPED)
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting) - swapped,
-            num_swapped=swapped,
-            kv_cache_usage=self.kv.usage(),
-            num_blocks_total=self.kv.num_blocks,
-            num_blocks_free=self.kv.num_free_blocks,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            lora_running=_count_adapters(self.running),
-            lora_waiting=_count_adapters(self.waiting),
-            requests_by_priority=self._by_priority(),
-        )
+        return scheduler_stats(self.running, self.waiting, self.kv, self.num_preemptions)
 
     def _lora_admissible(self, req: Request, adapters: set[str]) -> bool:
         """Whether `req`'s adapter may run now: loaded, and among the running requests' adapters
@@ -172,73 +142,15 @@ class Scheduler:
         return name is None or (name in self.lora_ready and
                                 (name in adapters or len(adapters) < self.config.max_loras))
 
-    def _by_priority(self) -> tuple[tuple[int, int, int], ...]:
-        """(priority, running, waiting) per priority class present, ascending."""
-        counts: dict[int, list[int]] = {}
-        for r in self.running:
-            counts.setdefault(r.priority, [0, 0])[0] += 1
-        for r in self.waiting:
-            counts.setdefault(r.priority, [0, 0])[1] += 1
-        return tuple((p, c[0], c[1]) for p, c in sorted(counts.items()))
-
     # -- admission forecast ----------------------------------------------------
-    def load_snapshot(self) -> "LoadSnapshot":
+    def load_snapshot(self) -> LoadSnapshot:
         """Plain numbers describing the queue, published each step for predict_wait()."""
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        queued += sum(r.num_tokens - r.num_computed_tokens for r in self.running
-                      if r.num_tokens - r.num_computed_tokens > 1)
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
-        context = sum(r.num_tokens for r in decoding) // len(decoding) if decoding else 0
-        remaining = sorted(max(0, r.max_tokens - r.num_output_tokens) for r in self.running)
-        classes: dict[int, list[int]] = {}
-        for r in self.waiting:
-            c = classes.setdefault(r.priority, [0, 0])
-            c[0] += 1
-            c[1] += r.num_tokens - r.num_computed_tokens
-        return LoadSnapshot(queued_prefill_tokens=queued, num_waiting=len(self.waiting),
-                            waiting_by_priority=tuple((p, c[0], c[1]) for p, c in sorted(classes.items())),
-                            num_decoding=len(decoding), num_prefilling=len(self.running) - len(decoding),
-                            mean_context=context,
-                            free_seq_slots=max(0, self.config.max_num_seqs - len(self.running)),
-                            remaining_output_tokens=tuple(remaining))
+        return load_snapshot(self.running, self.waiting, self.config.max_num_seqs)
 
-    def predict_wait(self, snap: "LoadSnapshot", prompt_tokens: int, priority: int = 0) -> Optional[float]:
-        """Seconds until a request of `prompt_tokens` arriving now would have its prompt computed.
-
-        Under the priority policy only the waiting requests of `priority` or higher (lower
-        numbers) are ahead of it: a backlog of lower priority does not lengthen its forecast.
-
-        From the cost model: the prompts queued ahead and its own go at the prefill rate the
-        latency target leaves next to the current decodes (the rules of `_prefill_chunk`), after
-        a sequence slot frees up (running requests assumed to run to max_tokens, an upper
-        bound). None without a model. Safe to call from another thread: it reads only the
-        snapshot, config and model.
-        """
-        model = self.cost_model
-        if model is None:
-            return None
-        if self.by_priority:
-            snap = snap.ahead_of(priority)
-        budget = self.config.max_num_batched_tokens
-        rows = snap.num_decoding
-        decode = StepShape(rows, rows, rows * snap.mean_context)
-        chunk = budget
-        if rows and self.target_s is not None and \
-                not _prompts_outnumber_decodes(snap.num_prefilling, snap.num_waiting + 1, snap.free_seq_slots, rows):
-            fitted = max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
-            if fitted >= min(budget, self.config.min_prefill_chunk):
-                chunk = fitted
-        tokens = snap.queued_prefill_tokens + prompt_tokens
-        chunk = max(1, min(chunk, tokens))  # a step carries no more prompt than there is
-        step_s = model.predict(decode.plus(StepShape.chunk(0, chunk, False)))
-        prefill_s = tokens / chunk * step_s
-        short = snap.num_waiting + 1 - snap.free_seq_slots  # slots that must free up first
-        slot_s = 0.0
-        if short > 0 and snap.remaining_output_tokens:
-            k = min(short, len(snap.remaining_output_tokens)) - 1
-            full = self.config.max_num_seqs
-            slot_s = snap.remaining_output_tokens[k] * model.predict(StepShape(full, full, full * snap.mean_context))
-        return slot_s + prefill_s
+    def predict_wait(self, snap: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]:
+        """Seconds until a request of `prompt_tokens` arriving now would have its prompt computed
+        (`WaitForecast.predict`; None without a cost model). Safe to call from another thread."""
+        return self.forecast.predict(snap, prompt_tokens, priority)
 
     # -- the decision -------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
@@ -275,118 +187,11 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         return max(0, min(remaining, budget, self.max_model_len - req.num_computed_tokens))
 
-    def _prefill_chunk(self, req: Request, start: int, cap: int, step: "_StepState") -> int:
-        """Tokens of `req`'s prompt (from position `start`) to compute this step, at most `cap`.
-
-        Under a latency target with decodes in the step: the most that keeps the predicted
-        step time under the target. Where the target leaves the step's first prefill less
-        than `min_prefill_chunk` tokens, a chunk would either crawl (a token or a few a step)
-        or overshoot the target on every step; the step becomes unbounded instead and its
-        prompts take the whole budget: the prompts are computed at the matmuls' best rate in
-        a few late steps, and the steps between them stay decode-only (a prompt chunk of any
-        size makes a step of decodes run the modules instead of one C call: at 32 SmolLM2
-        streams, 64-token chunks past the target kept nearly every step mixed, ~125 ms, where
-        decode-only steps take ~60 ms).
-        """
-        if cap <= 0 or self.target_s is None or not step.has_decodes:
-            return max(cap, 0)
-        # Under the priority policy a prompt below the step's best decoding class never makes the
-        # step unbounded, nor joins one: the higher class's inter-token latency is not its to spend.
-        lower = self.by_priority and step.top_decode_priority is not None and req.priority > step.top_decode_priority
-        if step.unbounded is not None and not lower:
-            return cap
-        assert self.cost_model is not None
-        total = req.num_tokens
-        n = max_fitting(self.cost_model, step.shape, self.target_s, cap,
-                         lambda k: StepShape.chunk(start, k, start + k == total))
-        if not step.has_prefill and not lower and n < min(cap, self.config.min_prefill_chunk):
-            step.unbounded = "past_target"
-            return cap
-        return n
-
-    def _background_limit(self, step: "_StepState") -> Optional[float]:
-        """The predicted step time background work may fill up to, once everything else is
-        granted; None without a latency target (background work then only goes last). A step
-        carrying other requests may grow by `--background-step-slack` of its time (never past the
-        target); with other requests waiting that could not be admitted, by nothing. A step of
-        background work alone (a gap: `step.background_gap`) runs every background decode and
-        fills the rest with prompt chunks up to the target (or BACKGROUND_GAP_GROWTH times the
-        decodes and a least chunk, set once the decodes are granted: `_gap_limit`), never the
-        whole budget: a request
-        arriving meanwhile waits for about that step before its prompt starts."""
-        if self.target_s is None:
-            return None
-        assert self.cost_model is not None
-        if any(not self.is_background(r) for r in self.waiting):
-            return 0.0
-        if step.ids:
-            return min(self.target_s, self.cost_model.predict(step.shape) * (1 + self.config.background_step_slack))
-        step.background_gap = True
-        return self.target_s
-
-    def _gap_limit(self, step: "_StepState") -> None:
-        """In a gap, once its decodes are granted: the room for prompt chunks (see _background_limit)."""
-        if step.background_gap:
-            assert self.cost_model is not None and self.target_s is not None
-            least = step.shape.plus(StepShape.chunk(0, self.config.min_prefill_chunk, False))
-            step.background_limit = max(self.target_s, BACKGROUND_GAP_GROWTH * self.cost_model.predict(least))
-
-    def _prompt_chunk(self, req: Request, start: int, cap: int, step: "_StepState") -> int:
-        """`_prefill_chunk`, or for background work under a limit the largest chunk within it (in a
-        gap, the first prompt chunk is at least `min_prefill_chunk`, as `_prefill_chunk` gives
-        way to the budget where the target leaves less: prompts must not crawl)."""
-        if step.background_limit is None or not self.is_background(req):
-            return self._prefill_chunk(req, start, cap, step)
-        assert self.cost_model is not None
-        total = req.num_tokens
-        n = max_fitting(self.cost_model, step.shape, step.background_limit, cap,
-                        lambda k: StepShape.chunk(start, k, start + k == total))
-        if step.background_gap and not step.has_prefill:
-            n = max(n, min(cap, self.config.min_prefill_chunk))
-        return n
-
-    def _background_decode_fits(self, req: Request, step: "_StepState") -> bool:
-        """Whether a background decode fits the room left; in a gap every one does (decode rows
-        cost least, and a model predicting more than the limit for any step must not stall them)."""
-        limit = step.background_limit
-        if limit is None or not self.is_background(req) or step.background_gap:
-            return True
-        assert self.cost_model is not None
-        return self.cost_model.predict(step.shape.plus(StepShape.chunk(req.num_computed_tokens, 1, True))) <= limit
-
-    def _queue_outnumbers_decodes(self, step: "_StepState") -> bool:
-        """Whether more requests wait for prompt work (running prompts, and waiting requests a
-        free sequence slot would admit) than the step decodes. A step's delay then costs fewer
-        streams than a faster prefill saves, so the latency target gives way to the budget: a
-        burst of 32 requests otherwise waited behind small chunks sized for the first few."""
-        if self.by_priority:  # only the prompt work of the best decoding class and above
-            top = step.top_decode_priority if step.top_decode_priority is not None else self.config.background_priority
-            prefilling = sum(1 for r in self.running if r.request_id not in step.ids and r.priority <= top
-                             and not self.is_background(r))
-            waiting = sum(1 for r in self.waiting if r.priority <= top and not self.is_background(r))
-        else:
-            prefilling = sum(1 for r in self.running if r.request_id not in step.ids)
-            waiting = len(self.waiting)
-        slots = max(0, self.config.max_num_seqs - len(self.running))
-        return _prompts_outnumber_decodes(prefilling, waiting, slots, step.num_decodes)
-
-    def _grant(self, req: Request, n: int, out: SchedulerOutput, step: "_StepState", num_spec: int = 0) -> None:
+    def _grant(self, req: Request, n: int, out: SchedulerOutput, step: StepState, num_spec: int = 0) -> None:
         chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec, with_history=not req.history_sent)
         req.history_sent = req.history_sent or chunk.sampling.history is not None
         out.scheduled.append(chunk)
-        step.ids.add(req.request_id)
-        step.budget -= n
-        shape = StepShape.chunk(chunk.start, n, chunk.samples)
-        if num_spec:  # every position of a verified run is sampled
-            shape = dataclasses.replace(shape, num_sampled=n)
-        step.shape = step.shape.plus(shape)
-        if chunk.is_decode:
-            step.has_decodes = True
-            step.num_decodes += 1
-            if step.top_decode_priority is None or req.priority < step.top_decode_priority:
-                step.top_decode_priority = req.priority
-        else:
-            step.has_prefill = True
+        step.add(chunk, n, req.priority)
 
     def _num_spec(self, req: Request, budget: int) -> int:
         """How many of the request's proposals this step can verify: budget, context and
@@ -397,7 +202,7 @@ class Scheduler:
                    req.max_tokens - req.num_output_tokens - 1)
         return max(0, min(len(req.spec_token_ids), room))
 
-    def _schedule_running(self, out: SchedulerOutput, step: "_StepState", decodes: bool,
+    def _schedule_running(self, out: SchedulerOutput, step: StepState, decodes: bool,
                           background: bool = False, max_priority: Optional[int] = None) -> None:
         """Grant running requests their next tokens; `decodes` selects the one-token rows,
         `background` the background requests (scheduled after the others), `max_priority` only
@@ -417,9 +222,9 @@ class Scheduler:
             # latency target, like any prompt chunk, even though it runs with the decodes.
             is_prompt_tail = not req.output_token_ids
             if decodes and not is_prompt_tail:
-                n = cap if self._background_decode_fits(req, step) else 0
+                n = cap if self.sizing.background_decode_fits(req, step) else 0
             else:
-                n = self._prompt_chunk(req, req.num_computed_tokens, cap, step)
+                n = self.sizing.prompt_chunk(req, req.num_computed_tokens, cap, step)
                 # A chunk takes blocks in every group, sliding ones included, until the window
                 # moves past it: shrink it to the free blocks rather than preempt a running
                 # request for it; only a prompt that cannot move at all preempts.
@@ -438,7 +243,7 @@ class Scheduler:
             else:
                 self._grant(req, n, out, step, num_spec)
 
-    def _admit_pooling(self, req: Request, step: "_StepState") -> int:
+    def _admit_pooling(self, req: Request, step: StepState) -> int:
         """Tokens to grant a waiting embedding request now: its whole prompt or nothing (0). A
         pooling prompt is never chunked, since an encoder's attention sees the whole input at once
         and pooling reads every hidden state; the input processor bounds it by the token budget.
@@ -447,9 +252,7 @@ class Scheduler:
         n = req.num_tokens
         if n > step.budget or not self._prompt_fits(req, NO_HIT) or self.kv.fitting_tokens(req, n) < n:
             return 0
-        limit = step.background_limit
-        if limit is not None and self.is_background(req) and (step.ids or limit == 0) and \
-                self.cost_model is not None and self.cost_model.predict(step.shape.plus(StepShape.chunk(0, n, False))) > limit:
+        if not self.sizing.background_pooling_fits(req, n, step):
             return 0  # background: only into the room left (or into a step of its own)
         return n if self.kv.allocate_slots(req, n) else 0
 
@@ -477,7 +280,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished=self._finished_ids)
         self._finished_ids = []
-        step = _StepState(budget=self.config.max_num_batched_tokens)
+        step = StepState(budget=self.config.max_num_batched_tokens)
         if self.by_priority:  # stable: admission order within a class; the last is the first victim
             self.running.sort(key=lambda r: r.priority)
         self._preempt_for_waiting(out)
@@ -485,7 +288,7 @@ class Scheduler:
 
         # 1. Running requests: decodes first (never starved), then prompts in progress.
         self._schedule_running(out, step, decodes=True)
-        if step.unbounded is None and self.target_s is not None and self._queue_outnumbers_decodes(step):
+        if step.unbounded is None and self.target_s is not None and self.sizing.queue_outnumbers_decodes(step, self.running, self.waiting):
             step.unbounded = "queue"
         # Under the priority policy, the prompts of classes below the first waiting request's go
         # after its admission: a newcomer of a higher class is not left the crumbs of the step.
@@ -501,9 +304,9 @@ class Scheduler:
             self._schedule_running(out, step, decodes=False)
         # 3. Background work, into the room left.
         if self.by_priority:
-            step.background_limit = self._background_limit(step)
+            step.background_limit = self.sizing.background_limit(step, self.waiting)
             self._schedule_running(out, step, decodes=True, background=True)
-            self._gap_limit(step)
+            self.sizing.gap_limit(step)
             self._schedule_running(out, step, decodes=False, background=True)
             if admit:
                 self._admit_waiting(out, step, background=True)
@@ -514,7 +317,7 @@ class Scheduler:
         out.grammar = self._grammar_bitmask(out)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, step: "_StepState", background: bool) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, step: StepState, background: bool) -> None:
         """Admit waiting requests from the head of the queue while blocks, budget, sequence slots
         and the latency target allow; `background`: the background ones (the others first).
         Static batching admits a whole batch at once (its prompts are then computed over the next
@@ -529,7 +332,7 @@ class Scheduler:
         finally:
             self.waiting.extendleft(reversed(passed))
 
-    def _admit_from_head(self, out: SchedulerOutput, step: "_StepState", background: bool, static: bool,
+    def _admit_from_head(self, out: SchedulerOutput, step: StepState, background: bool, static: bool,
                          adapters: set[str], passed: list[Request]) -> None:
         while self.waiting and (step.budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -550,7 +353,7 @@ class Scheduler:
                 if pairs is None:
                     break
                 out.swap_in.extend(pairs)
-                n = self._prompt_chunk(req, req.num_computed_tokens, self._chunk(req, step.budget), step)
+                n = self.sizing.prompt_chunk(req, req.num_computed_tokens, self._chunk(req, step.budget), step)
                 if n and not self.kv.allocate_slots(req, n):
                     # Could not grow after swap-in: run nothing new for it this step.
                     n = 0
@@ -559,7 +362,7 @@ class Scheduler:
                 loaded = self.kv.find_offloaded(req, cached.num_blocks) if req.num_computed_tokens == 0 else []
                 hit_tokens = (cached.num_blocks + len(loaded)) * self.kv.block_size
                 start = req.num_computed_tokens + hit_tokens
-                n = self._prompt_chunk(req, start, min(req.num_tokens - start, step.budget), step)
+                n = self.sizing.prompt_chunk(req, start, min(req.num_tokens - start, step.budget), step)
                 if n == 0 and not static:
                     break  # the step is full under the latency target; admit next step
                 if not static:
@@ -653,60 +456,3 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(req, reason)
         return appended
-
-
-@dataclass
-class _StepState:
-    """What one schedule() call has granted so far."""
-
-    budget: int
-    shape: StepShape = field(default_factory=StepShape)
-    ids: set[str] = field(default_factory=set)
-    has_decodes: bool = False
-    num_decodes: int = 0
-    has_prefill: bool = False
-    # The predicted step time background work may fill up to (Scheduler._background_limit); None
-    # until the other requests are granted, or without a latency target.
-    background_limit: Optional[float] = None
-    background_gap: bool = False  # nothing but background work in this step
-    top_decode_priority: Optional[int] = None  # the best (lowest) priority among the step's decodes
-    # Why prompt chunks take the whole budget, not the latency target's share (see _prefill_chunk).
-    unbounded: Optional[str] = None
-
-
-def _prompts_outnumber_decodes(num_prefilling: int, num_waiting: int, free_slots: int, num_decoding: int) -> bool:
-    """The queue rule of `_queue_outnumbers_decodes`, in plain counts (the forecast applies it too):
-    running prompts plus the waiting requests a free slot would admit, against the decoding rows."""
-    return num_prefilling + min(num_waiting, free_slots) > num_decoding
-
-
-def _count_adapters(requests) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in requests:
-        if r.lora_name is not None:
-            counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
-    return counts
-
-
-def make_chunk(req: Request, n: int, block_tables: list[list[int]], num_spec: int = 0,
-               with_history: bool = False) -> ScheduledChunk:
-    """The runner's view of `n` tokens of `req` from its computed ones (`num_spec` of them its
-    proposals): plain data copied off the request, so the runner never reads the request.
-    `with_history`: send the request's tokens for its penalties (if it has any), which the
-    runner then keeps."""
-    start = req.num_computed_tokens
-    if num_spec:
-        token_ids = req.all_token_ids[start:start + 1] + req.spec_token_ids[:num_spec]
-    else:
-        token_ids = req.all_token_ids[start:start + n]
-    params = req.params
-    history = TokenHistory(list(req.prompt_token_ids), list(req.output_token_ids)) \
-        if with_history and params.has_penalties else None
-    sampling = SamplingInputs(params, req.generator, history)
-    q = req.spec_draft_probs
-    return ScheduledChunk(
-        request_id=req.request_id, token_ids=token_ids, start=start, block_tables=block_tables,
-        sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
-        is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
-        num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        pooling=req.pooling, lora_name=req.lora_name)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from tessera.engine.core.cost_model import StepShape
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tessera.engine.core.request import Request
 
 
 @dataclass
@@ -130,3 +133,27 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def make_chunk(req: "Request", n: int, block_tables: list[list[int]], num_spec: int = 0,
+               with_history: bool = False) -> ScheduledChunk:
+    """The runner's view of `n` tokens of `req` from its computed ones (`num_spec` of them its
+    proposals): plain data copied off the request, so the runner never reads the request.
+    `with_history`: send the request's tokens for its penalties (if it has any), which the
+    runner then keeps."""
+    start = req.num_computed_tokens
+    if num_spec:
+        token_ids = req.all_token_ids[start:start + 1] + req.spec_token_ids[:num_spec]
+    else:
+        token_ids = req.all_token_ids[start:start + n]
+    params = req.params
+    history = TokenHistory(list(req.prompt_token_ids), list(req.output_token_ids)) \
+        if with_history and params.has_penalties else None
+    sampling = SamplingInputs(params, req.generator, history)
+    q = req.spec_draft_probs
+    return ScheduledChunk(
+        request_id=req.request_id, token_ids=token_ids, start=start, block_tables=block_tables,
+        sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
+        is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
+        num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
+        pooling=req.pooling, lora_name=req.lora_name)
