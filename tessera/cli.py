@@ -12,10 +12,11 @@ import sys
 import uuid
 from typing import Optional, Sequence
 
-from tessera.config import DEFAULT_MEMORY_MARGIN, DEFAULT_PROFILE
+from tessera.config import DEFAULT_MEMORY_MARGIN
 from tessera.engine.args import add_engine_args, config_from_args, parse_size
 from tessera.errors import TesseraError
 from tessera.models import registry
+from tessera.profiles import DEFAULT_PROFILE
 from tessera.sampling_params import InvalidRequestError
 from tessera.serve_flags import add_serve_args
 

@@ -7,14 +7,18 @@ are plain dataclasses so they can be logged, compared and copied freely.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from tessera.config_choices import (ATTENTION_BACKENDS, CPU_ISAS, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES,
+                                    PREEMPTION_MODES, QUANTIZATIONS, SCHEDULER_POLICIES, SCHEDULING_POLICIES)
 from tessera.errors import ConfigError
 from tessera.hostinfo import cuda_available
+from tessera.lora_config import LORA_MAX_RANKS, LoRAModule
 from tessera.pooling_params import POOLING_TYPES, PoolerConfig
+from tessera.profiles import DEFAULT_PROFILE, PROFILE_FIELDS, PROFILE_SETTINGS, PROFILES
+from tessera.speculative_config import SpeculativeConfig
 
 
 @dataclass
@@ -127,222 +131,16 @@ class ModelConfig:
                 for i in range(self.num_layers)]
 
 
-DTYPES = ("auto", "bfloat16", "float32")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
-DENSE_WEIGHT_COPIES = ("auto", "on", "off")
-PREEMPTION_MODES = ("recompute", "swap")
-SCHEDULER_POLICIES = ("continuous", "static")
-SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
-ATTENTION_BACKENDS = ("auto", "paged", "sdpa", "reference", "triton")
-# Where the model runs; auto: cuda when torch sees a GPU, else cpu.
-DEVICES = ("auto", "cpu", "cuda")
-CPU_ISAS = ("auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx", "neon")  # kernels/isa.py's levels
-# KV cache element format (vLLM's --kv-cache-dtype); auto = the compute dtype. int8: per-block scales.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
-PROFILES = ("auto", "chat-solo", "multi-agent", "bursty")
-
-
-@dataclass(frozen=True)
-class Profile:
-    """A deployment preset (the sizing and scheduling trade-offs of each kind of traffic): the settings one kind of traffic wants.
-
-    chat-solo: one person chatting; latency first, a batch of 1-2, room for long prompts.
-    multi-agent: many agents behind an API sharing long prefixes; throughput first, a large
-    batch, prefix caching, a looser latency target and a long queue.
-    bursty: a small team's uneven traffic; the middle ground, with swap so a burst's
-    preemptions do not throw work away, and a shorter queue so overload is refused early.
-    """
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    target_itl_ms: float  # 0 = no target: the token budget alone sizes prefill chunks
-    min_prefill_chunk: int  # least chunk worth the target; less room and prompts take the budget
-    enable_prefix_caching: bool
-    preemption_mode: str
-    max_num_queued_requests: int
-    description: str
-
-
-PROFILE_SETTINGS: dict[str, Profile] = {
-    "chat-solo": Profile(2, 2048, 30.0, 32, True, "swap", 8, "one user chatting: latency first"),
-    "multi-agent": Profile(64, 1024, 100.0, 64, True, "recompute", 512,
-                           "many clients sharing prefixes: throughput first"),
-    "bursty": Profile(32, 1024, 50.0, 64, True, "swap", 128, "uneven team traffic: the middle ground"),
-}
-DEFAULT_PROFILE = "bursty"  # what `auto` means for a server; `tessera chat` picks chat-solo
 # An encoder's step size where no flag sets it: its steps are whole inputs and nothing decodes, so
 # the profiles' decode-latency budgets do not apply, and larger steps amortise the per-step work
 # (all-MiniLM-L6-v2, 32 texts of 64 tokens: 1.49x sentence-transformers' texts/s in steps of 1,024
 # tokens, 2.1x in one step; docs/performance.md, "Embeddings").
 ENCODER_MAX_NUM_BATCHED_TOKENS = 8192
 ENCODER_MAX_NUM_SEQS = 256
-PROFILE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "target_itl_ms", "min_prefill_chunk",
-                  "enable_prefix_caching", "preemption_mode")
-
 
 # Memory kept free beyond what the sizing calculator predicts (leave room for length
 # variance; vLLM's default GPU memory utilization of 0.9 keeps the same tenth).
 DEFAULT_MEMORY_MARGIN = 0.10
-
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
-# vLLM's defaults for suffix decoding, but for the cache: this one is scanned in Python's memory
-# (about 4 bytes a cached token; each step scans it once with numpy), so it keeps fewer requests.
-SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 1000,
-                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
-
-
-@dataclass
-class SpeculativeConfig:
-    """vLLM's --speculative-config, as JSON.
-
-    - `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`: prompt lookup.
-    - `{"method": "suffix", "num_speculative_tokens": 8}`: suffix decoding, the longest match of
-      the context's end in the request's own tokens and in earlier requests' outputs (the last
-      `suffix_decoding_max_cached_requests`), its most frequent continuation, at most
-      `suffix_decoding_max_spec_factor` x the match length tokens, each seen after at least
-      `suffix_decoding_min_token_prob` of the matches; matches up to `suffix_decoding_max_tree_depth`.
-    - `{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`: a smaller model with the
-      same tokenizer drafts (method `draft_model`, implied by `model` as in vLLM).
-    - `{"method": "layer_skip", "draft_layers": [0, 1, ...]}`: self-speculation, the target's own
-      layers listed (default: the first half and every other one after) draft through its own
-      head; no second model.
-    `disable_by_batch_size`: no speculation above this many running requests (k also shrinks
-    toward 1 as the batch grows to it). `adaptive` (default on): each step each request verifies
-    the number of proposals that maximises expected tokens per second, from its acceptance so far
-    and the step-cost model, none when that does not pay (engine/core/spec_acceptance.py);
-    off, every proposal up to `num_speculative_tokens` is verified.
-    """
-
-    method: Optional[Literal["ngram", "suffix", "draft_model", "layer_skip"]] = None
-    model: Optional[str] = None  # the draft model (name, alias or path), for draft_model
-    # The draft's weight storage (vLLM's key); None = the target's --quantization. A draft is
-    # read k times a step, so int4 everywhere (LM head included) is worth its small loss of agreement.
-    quantization: Optional[Literal["auto", "none", "int8", "int4"]] = None
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    draft_layers: Optional[list[int]] = None  # layer_skip: target layers the draft runs
-    disable_by_batch_size: int = 1  # measured: at 4 running requests (k=1) random traffic ran at 0.83x
-    adaptive: bool = True
-    # suffix: None = SUFFIX_DEFAULTS
-    suffix_decoding_max_tree_depth: Optional[int] = None
-    suffix_decoding_max_cached_requests: Optional[int] = None
-    suffix_decoding_max_spec_factor: Optional[float] = None
-    suffix_decoding_min_token_prob: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        if self.method is None:
-            self.method = "draft_model" if self.model is not None else "ngram"
-        if self.method not in SPECULATIVE_METHODS:
-            raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                              f"not {self.method!r}")
-        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
-            raise ConfigError('--speculative-config: method "draft_model" needs "model": the draft model\'s '
-                              "name or path")
-        if self.quantization is not None and (self.method != "draft_model" or self.quantization not in QUANTIZATIONS):
-            raise ConfigError(f'--speculative-config: "quantization" applies to a draft model and is one of '
-                              f"{', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
-        if self.method != "draft_model" and self.model is not None:
-            raise ConfigError(f'--speculative-config: "model" only applies to method "draft_model", '
-                              f"not {self.method!r}")
-        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
-                          ("disable_by_batch_size", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"--speculative-config: {name} must be an integer >= {low}, not {value!r}")
-        if self.num_speculative_tokens > 16:
-            raise ConfigError("--speculative-config: num_speculative_tokens must be at most 16")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
-        if self.draft_layers is not None:
-            if self.method != "layer_skip":
-                raise ConfigError('--speculative-config: "draft_layers" only applies to method "layer_skip"')
-            layers = self.draft_layers
-            if (not isinstance(layers, list) or not layers
-                    or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers)
-                    or sorted(set(layers)) != layers):
-                raise ConfigError("--speculative-config: draft_layers must be a non-empty ascending list of "
-                                  f"distinct layer indices, not {layers!r}")
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"--speculative-config: adaptive must be true or false, not {self.adaptive!r}")
-        self._check_suffix()
-
-    def _check_suffix(self) -> None:
-        """Suffix decoding's fields: only with method suffix, unset ones take SUFFIX_DEFAULTS."""
-        given = [name for name in SUFFIX_DEFAULTS if getattr(self, name) is not None]
-        if self.method != "suffix":
-            if given:
-                raise ConfigError(f'--speculative-config: {", ".join(given)} only apply to method "suffix"')
-            return
-        for name, default in SUFFIX_DEFAULTS.items():
-            if getattr(self, name) is None:
-                setattr(self, name, default)
-        for name, low in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"--speculative-config: {name} must be an integer >= {low}, not {value!r}")
-        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor < math.inf:
-            raise ConfigError(f"--speculative-config: suffix_decoding_max_spec_factor must be a positive number, "
-                              f"not {factor!r}")
-        if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 <= prob <= 1:
-            raise ConfigError(f"--speculative-config: suffix_decoding_min_token_prob must be in [0, 1], "
-                              f"not {prob!r}")
-
-    @classmethod
-    def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":
-        if isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ConfigError(f"--speculative-config must be a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError("--speculative-config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        return cls(**value)
-
-
-LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
-
-
-@dataclass(frozen=True)
-class LoRAModule:
-    """One adapter served from start-up (vLLM's --lora-modules): `name=path`, or the JSON form
-    `{"name": ..., "path": ..., "base_model_name": ...}` (the base name is informational)."""
-
-    name: str
-    path: str
-    base_model_name: Optional[str] = None
-
-    @classmethod
-    def parse(cls, value: Any) -> "LoRAModule":
-        if isinstance(value, LoRAModule):
-            return value
-        if isinstance(value, dict):
-            fields_ = value
-        elif isinstance(value, str) and value.lstrip().startswith("{"):
-            try:
-                fields_ = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"--lora-modules: {value!r} is not JSON: {exc}") from None
-        elif isinstance(value, str) and "=" in value:
-            name, path = value.split("=", 1)
-            fields_ = {"name": name, "path": path}
-        else:
-            raise ConfigError(f"--lora-modules takes name=path or JSON with name and path, not {value!r}")
-        unknown = set(fields_) - {"name", "path", "base_model_name"}
-        if unknown or not isinstance(fields_, dict):
-            raise ConfigError(f"--lora-modules: unknown field(s) {', '.join(sorted(unknown))}")
-        name, path = fields_.get("name"), fields_.get("path")
-        if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
-            raise ConfigError(f"--lora-modules: {value!r} needs a non-empty name and path")
-        return cls(name.strip(), path.strip(), fields_.get("base_model_name"))
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from tessera.kernels import attention_ops, bindings, library
-from tessera.config import KV_CACHE_DTYPES
+from tessera.config_choices import KV_CACHE_DTYPES
 from tessera.hostinfo import lazy_zeros
 
 SCALE_BYTES = 4  # one float32 scale at the end of each quantized block row

@@ -38,12 +38,12 @@ from tessera.bench.datasets import build_workload, requests_per_session
 from tessera.bench.metrics import SLO, summarize
 from tessera.bench.runner import Target, run_open_loop
 from tessera.bench.serve import request_records, warm_up
-from tessera.config import PROFILE_SETTINGS
 from tessera.errors import TesseraError
+from tessera.profiles import PROFILE_SETTINGS
 from tessera.slo import SLOSpec
 
 SYNTHETIC = {"random": "random", "chat": "chat", "code-edit": "code-edit"}  # --workload -> bench dataset
-BASELINE_PROFILE = "bursty"  # what a server runs with no flags (config.DEFAULT_PROFILE)
+BASELINE_PROFILE = "bursty"  # what a server runs with no flags (profiles.DEFAULT_PROFILE)
 
 
 # ----------------------------------------------------------------------------- the search space

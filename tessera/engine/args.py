@@ -6,11 +6,11 @@ import re
 from dataclasses import fields
 from typing import Any, Mapping
 
-from tessera.config import (
-    ATTENTION_BACKENDS, CPU_ISAS, DEFAULT_PROFILE, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
-    PROFILE_SETTINGS, PROFILES, QUANTIZATIONS, SCHEDULER_POLICIES, SCHEDULING_POLICIES, EngineConfig,
-)
+from tessera.config import EngineConfig
+from tessera.config_choices import (ATTENTION_BACKENDS, CPU_ISAS, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES,
+                                    PREEMPTION_MODES, QUANTIZATIONS, SCHEDULER_POLICIES, SCHEDULING_POLICIES)
 from tessera.pooling_params import POOLING_TYPES
+from tessera.profiles import DEFAULT_PROFILE, PROFILE_SETTINGS, PROFILES
 
 
 def parse_size(text: str) -> int:

@@ -39,7 +39,6 @@ import torch
 
 from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
-from tessera.config import SpeculativeConfig
 from tessera.engine.core.cost_model import StepShape
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.request import Request
@@ -49,6 +48,7 @@ from tessera.engine.worker.model_executor import ModelExecutor
 from tessera.engine.worker.sampler import Sampler
 from tessera.models.base import CausalLM
 from tessera.sampling_params import SamplingParams
+from tessera.speculative_config import SpeculativeConfig
 
 @dataclass
 class DraftInput:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tessera.config import PROFILE_FIELDS
+from tessera.profiles import PROFILE_FIELDS
 from tessera.server.auth import request_key
 from tessera.server.endpoint import server_state
 from tessera.server.errors import APIError, model_not_found

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
-from tessera.config import LoRAModule
+from tessera.lora_config import LoRAModule
 from tessera.server.output_parsers import OutputParsing
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from tessera.config import PROFILE_SETTINGS
 from tessera.errors import TesseraError
+from tessera.profiles import PROFILE_SETTINGS
 from tessera.server.served_model import ServedModel
 
 if TYPE_CHECKING:

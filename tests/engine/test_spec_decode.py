@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_engine import GREEDY, alone, loaded, make_llm, prompts, texts  # noqa: F401 (fixtures)
 from tiny_model import make_tiny_model
 
-from tessera.config import EngineConfig, SpeculativeConfig
+from tessera.config import EngineConfig
 from tessera.engine.core.scheduler_output import Proposal
 from tessera.engine.core.spec_acceptance import PROBE_INTERVAL
 from tessera.engine.spec_decode import (
@@ -19,6 +19,7 @@ from tessera.engine.spec_decode import (
 from tessera.engine.worker.sampler import Sampler
 from tessera.errors import ConfigError
 from tessera.sampling_params import SamplingParams
+from tessera.speculative_config import SpeculativeConfig
 
 # On at any batch and at every proposal's full length here: the invariance tests want the
 # verification working (adaptive draft lengths would rightly stop it in a batch of 32).

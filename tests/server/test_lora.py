@@ -23,11 +23,11 @@ from fakes import MODEL, REPLY, FakeCore, fake_engine, serve_in_thread
 from safetensors.numpy import save_file
 from test_multi_model import serving_spec
 
-from tessera.config import LoRAModule
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.stats import SchedulerStats
 from tessera.errors import TesseraError
 from tessera.live_stats import LiveStats
+from tessera.lora_config import LoRAModule
 from tessera.metrics import MetricFamilies, PrometheusStatLogger
 from tessera.server.app import create_app
 from tessera.server.api_keys import ADMIN, INFERENCE, AccessSettings, ApiKey, digest_of
