@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import httpx
 import jsonschema
 import pytest
-from test_agent_apis import LIGHT, claude, oai, tiny_engine  # noqa: F401 - the clients are fixtures
+from agent_server import LIGHT, tiny_engine
 from fakes import serve_in_thread
 from tiny_model import make_tiny_model
 
