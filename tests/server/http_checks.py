@@ -1,12 +1,17 @@
-"""Requests and strict checks of the OpenAI-compatible HTTP server's answers: its SSE framing and
-its error shape."""
+"""The HTTP server over a scripted engine core (tests/fakes.py), which each module makes its `srv`
+fixture of, requests to it, and strict checks of its answers: the SSE framing and the error shape."""
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
-from fakes import Server
+from fakes import Server, live_server
+
+
+def scripted_server() -> Iterator[Server]:
+    with live_server() as s:
+        yield s
 
 
 def post(srv: Server, path: str, body, **kw) -> httpx.Response:

@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 from fakes import MODEL, REPLY
-from http_checks import post
+from http_checks import post, scripted_server
+
+srv = pytest.fixture(scope="module", name="srv")(scripted_server)  # one server per module
 
 
 def test_models_health_stats_metrics(srv):

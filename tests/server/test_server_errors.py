@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from http_checks import assert_error, post
+from http_checks import assert_error, post, scripted_server
+
+srv = pytest.fixture(scope="module", name="srv")(scripted_server)  # one server per module
 
 
 @pytest.mark.parametrize("content,needle", [(b"{not json", "not valid JSON"), (b"", "not valid JSON"),

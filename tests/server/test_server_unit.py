@@ -3,7 +3,7 @@
 The real AsyncLLMEngine (its thread, queue bound and abort path) runs over a
 small fake LLMEngine whose "model" writes a fixed reply byte by byte, so the
 expected text of every request is known exactly. A real uvicorn server runs
-in a background thread, so client disconnects are real socket closes (`srv`, conftest.py).
+in a background thread, so client disconnects are real socket closes (`srv`, http_checks.py).
 Error paths are in test_server_errors.py, the other endpoints in test_server_endpoints.py, load,
 deadlines and disconnects in test_server_overload.py.
 """
@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from fakes import MODEL, REPLY
-from http_checks import post, sse_events
+from http_checks import post, scripted_server, sse_events
+
+srv = pytest.fixture(scope="module", name="srv")(scripted_server)  # one server per module
+
 
 # ----------------------------------------------------------------------------- completions
 

@@ -1,14 +1,22 @@
-"""What the agent API tests share: the tiny model's engine, the tools they declare, and checks on
-the server's state. The server and its clients are fixtures (conftest.py)."""
+"""What the agent API tests share: the tiny model's engine and a server over it (uvicorn over an
+AsyncLLMEngine) with the official `openai` and `anthropic` clients pointed at it, which each
+module makes its fixtures of; the tools they declare, and checks on the server's state."""
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
+import anthropic
 import httpx
+import openai
+from fakes import serve_in_thread
+from tiny_model import make_tiny_model
 
 from tessera.config import EngineConfig
 from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
+from tessera.metrics import MetricFamilies
+from tessera.server.app import create_app
 
 NAME = "tiny"
 LIGHT = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
@@ -25,6 +33,24 @@ def tiny_engine(folder, max_model_len: int = 1024) -> AsyncLLMEngine:
     config = EngineConfig(model=str(folder), dtype="float32", max_model_len=max_model_len, max_num_seqs=8,
                           kv_cache_memory=max(4, max_model_len // 256) * 2**20)
     return AsyncLLMEngine(config, engine=LLMEngine(config, loaded=load_model(folder, "float32")))
+
+
+def serve_tiny(tmp_path_factory) -> Iterator[str]:
+    engine = tiny_engine(make_tiny_model(tmp_path_factory.mktemp("tiny-agents") / "llama", max_positions=1024))
+    try:
+        with serve_in_thread(create_app(engine, [NAME], metrics=MetricFamilies(),
+                                        max_stored_responses=STORE_SIZE)) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def anthropic_client(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=60)
 
 
 def wait_idle(url: str) -> None:

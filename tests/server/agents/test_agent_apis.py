@@ -6,7 +6,7 @@ A random model writes garbage, which is what these tests want: the shapes, the e
 stream against the whole response for the same seed, the tool constraint (a forced call must
 name a declared tool with arguments that validate), and the conversation store. Hostile bodies
 and failures are in test_agent_errors.py, reasoning in test_agent_reasoning.py; the server and
-its clients are fixtures (conftest.py).
+its clients come from agent_server.py.
 """
 from __future__ import annotations
 
@@ -17,10 +17,17 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from agent_server import ANTHROPIC_TOOLS, LIGHT, NAME, RESPONSES_TOOLS, wait_idle, without_ids
+from agent_server import (ANTHROPIC_TOOLS, LIGHT, NAME, RESPONSES_TOOLS, anthropic_client, openai_client, serve_tiny,
+                          wait_idle, without_ids)
 
 from tessera.server.responses.protocol import ResponseObject
 from tessera.server.responses.serving import ResponseStore, StoredResponse
+
+# The server over the tiny model and its clients, one of each per module.
+server = pytest.fixture(scope="module", name="server")(serve_tiny)
+oai = pytest.fixture(scope="module", name="oai")(openai_client)
+claude = pytest.fixture(scope="module", name="claude")(anthropic_client)
+
 
 # ----------------------------------------------------------------------------- Responses
 

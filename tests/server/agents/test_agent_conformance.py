@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import httpx
 import jsonschema
 import pytest
-from agent_server import LIGHT, tiny_engine
+from agent_server import LIGHT, anthropic_client, openai_client, tiny_engine
 from fakes import serve_in_thread
 from tiny_model import make_tiny_model
 
@@ -72,6 +72,10 @@ def server(folder) -> Iterator[str]:
             yield url
     finally:
         engine.shutdown()
+
+
+oai = pytest.fixture(scope="module", name="oai")(openai_client)  # the clients, on this module's server
+claude = pytest.fixture(scope="module", name="claude")(anthropic_client)
 
 
 def sse_events(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:

@@ -9,7 +9,8 @@ import time
 import anthropic
 import httpx
 import pytest
-from agent_server import ANTHROPIC_TOOLS, NAME, RESPONSES_TOOLS, USER, wait_idle
+from agent_server import (ANTHROPIC_TOOLS, NAME, RESPONSES_TOOLS, USER, anthropic_client, openai_client, serve_tiny,
+                          wait_idle)
 
 from tessera.server.anthropic.protocol import MessageResponse
 from tessera.server.anthropic.serving import MessageBuilder, MessagesStream
@@ -17,6 +18,12 @@ from tessera.server.errors import APIError
 from tessera.server.responses.protocol import ResponseObject
 from tessera.server.responses.serving import ResponseBuilder, ResponsesStream, ResponseStore
 from tessera.server.tools import OutputParsing, output_parser
+
+# The server over the tiny model and its clients, one of each per module.
+server = pytest.fixture(scope="module", name="server")(serve_tiny)
+oai = pytest.fixture(scope="module", name="oai")(openai_client)
+claude = pytest.fixture(scope="module", name="claude")(anthropic_client)
+
 
 # ----------------------------------------------------------------------------- errors
 
