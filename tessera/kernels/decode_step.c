@@ -39,7 +39,8 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
  * its rows widened to float32. */
 static int64_t linear_scratch(const linear_t *l, int64_t M) {
     if (l->kind == LINEAR_INT4) return M * (l->k / 32);
-    if (l->kind == LINEAR_INT4_I8) return (int4_i8_scratch_bytes(M, l->k) + 3) / 4;
+    if (l->kind == LINEAR_INT4_I8) /* int4_gemm_i8's (bfloat16) or int4_gemm_i8_f32's */
+        return (max64(int4_i8_scratch_bytes(M, l->k), int4_i8_f32_scratch_bytes(M, l->k)) + 3) / 4;
     if (l->kind == LINEAR_Q4K || l->kind == LINEAR_Q6K)
         return (kquant_scratch_bytes(M < KQ_ROWS_PER_CALL ? M : KQ_ROWS_PER_CALL, l->k) + 3) / 4;
     return (M < INT8_ROWS_PER_CALL ? M : INT8_ROWS_PER_CALL) * l->k;
@@ -108,7 +109,9 @@ static int linear(const linear_t *l, const void *x, int64_t M, void *out, float 
             if (rc != 0) return -1;
         }
     } else if (l->kind == LINEAR_INT4_I8) {
-        if (!bf || int4_gemm_i8(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch) != 0) return -1;
+        const int rc = bf ? int4_gemm_i8(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch)
+                          : int4_gemm_i8_f32(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch);
+        if (rc != 0) return -1;
     } else if (l->kind == LINEAR_INT4) {
         const int64_t step = bf ? INT4_ROWS_PER_CALL : INT4_F32_MAX_ROWS;
         for (int64_t i = 0; i < M; i += step) {

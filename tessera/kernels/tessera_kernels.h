@@ -129,6 +129,11 @@ int tessera_avx2_fma(void);
 int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
                   int64_t N_out, int64_t K);
 
+/* ---- int4_i8_f32.c ---- */
+int64_t int4_i8_f32_scratch_bytes(int64_t M, int64_t K);
+int int4_gemm_i8_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
+                     int64_t N_out, int64_t K, void *scratch);
+
 /* ---- kquant_gemm.c ---- */
 int64_t kquant_scratch_bytes(int64_t M, int64_t K);
 int q6k_gemm(const void *x, const uint8_t *codes, const int8_t *sc, const float *d, void *out, int64_t M,

@@ -229,6 +229,16 @@ static int run_int4_f32(const lib_t *L, const case_t *c, out_t *o) {
     return rc;
 }
 
+static int run_int4_i8_f32(const lib_t *L, const case_t *c, out_t *o) {
+    const int64_t M = c->p[0], N_pad = c->p[1], N_out = c->p[2], Kd = c->p[3];
+    float *x = f32s(M * Kd, 1.f), *out = new0(M * N_out * 4);
+    uint8_t *packed = bytes(N_pad / 32 * Kd * 16, 0, 255);
+    void *scratch = new0(K(int4_i8_f32_scratch_bytes)(M, Kd));
+    const int rc = K(int4_gemm_i8_f32)(x, packed, int4_scales(Kd, N_pad, 0), out, M, N_pad, N_out, Kd, scratch);
+    put(o, "out", F32, out, M * N_out, 1e-5); /* the same integer sums; float32 formula in another order */
+    return rc;
+}
+
 /* GGUF K-quants as kquant_gemm.c repacks them: Q6_K (int8 scales per 16, d per block), Q4_K (6-bit
  * scales and minimums per 32, d and dmin per block). */
 typedef struct {
@@ -519,6 +529,9 @@ static const case_t CASES[] = {
     {"int4_gemm_f32/M1", run_int4_f32, {1, 96, 90, 256}, "tessera_avx2_fma"},
     {"int4_gemm_f32/M2", run_int4_f32, {2, 96, 96, 256}, "tessera_avx2_fma"},
     {"int4_gemm_f32/M5", run_int4_f32, {5, 96, 90, 256}, "tessera_avx2_fma"},
+    {"int4_gemm_i8_f32/M1", run_int4_i8_f32, {1, 96, 90, 256}, "tessera_avx2_fma"},
+    {"int4_gemm_i8_f32/M2", run_int4_i8_f32, {2, 96, 96, 512}, "tessera_avx2_fma"},
+    {"int4_gemm_i8_f32/M5", run_int4_i8_f32, {5, 96, 70, 256}, "tessera_avx2_fma"},
     /* K-quants: M, N, K, bf16, q6k */
     {"q6k_gemm/f32/M1", run_kq_gemm, {1, 19, 512, 0, 1}},
     {"q6k_gemm/bf16/M8", run_kq_gemm, {8, 19, 512, 1, 1}},

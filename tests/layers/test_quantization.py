@@ -73,7 +73,8 @@ def test_q4_k_blocks_map_exactly_onto_int4_groups(model_path):
 def test_small_and_large_steps_compute_the_same_weight(method_cls, dense_copy, rows):
     torch.manual_seed(0)
     w = torch.randn(rows, 64) * 0.05
-    method, layer = layer_of(method_cls, w, dense_copy=dense_copy)
+    # unrounded activations: the float32 int4 kernel's int8 rows are tested below
+    method, layer = layer_of(method_cls, w, dense_copy=dense_copy, int8_activations=False)
     deq = method.dequantize(layer)
     assert deq.shape == (rows, 64)
     assert (deq - w).abs().max() < (0.02 if method_cls is Int4Method else 0.002)  # a quantization step
@@ -94,6 +95,31 @@ def test_float32_int4_takes_the_avx2_kernel_whatever_the_hosts_layout():
     assert layer.torch_layout == (int4pack_layout() is method.layout)
 
 
+@pytest.mark.skipif(not capabilities.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_float32_int4_with_int8_activations_is_the_rounded_rows_product(rows):
+    """int4_gemm_i8_f32: each row rounded to int8 per group of 32 (scale max|x| / 127) meets the
+    codes in exact integer sums; a group's zero-point term (z - 8 s) takes the unrounded sum of x.
+    So the product is that of the rounded rows plus (z - 8 s) times what rounding took from each
+    group's sum, within ~2 % of the unrounded product; the C step takes the same kernel."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    method, layer = layer_of(Int4Method, w)
+    assert layer.use_i8_f32_kernel and method.kernel_operand(layer).kind == bindings.LINEAR_INT4_I8
+    deq = method.dequantize(layer)
+    x = torch.randn(rows, 128)
+    groups = x.view(rows, -1, 32)
+    dx = groups.abs().amax(dim=-1, keepdim=True) / 127
+    rounded = (torch.round(groups / dx).clamp(-128, 127) * dx).view(rows, 128)
+    got = method.apply(layer, x)
+    s, z = layer.scales_zeros[:, :96, 0], layer.scales_zeros[:, :96, 1]  # [K/32, N]
+    lost = (x - rounded).view(rows, -1, 32).sum(dim=-1)  # [rows, K/32]
+    torch.testing.assert_close(got, rounded @ deq.T + lost @ (z - 8 * s), atol=1e-5, rtol=1e-5)
+    assert ((got - x @ deq.T).norm() / (x @ deq.T).norm()) < 0.02
+    _, exact = layer_of(Int4Method, w, int8_activations=False)
+    assert not exact.use_i8_f32_kernel
+
+
 def test_own_avx2_packing_is_the_layout_it_names():
     codes = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
     packed = pack_avx2_layout(codes)
@@ -109,7 +135,7 @@ def test_own_avx2_packing_is_the_layout_it_names():
 def test_int4_from_q4_1_keeps_the_codes_and_is_exact():
     rng = np.random.default_rng(1)
     src = gguf_weight(rng.standard_normal((64, 64)) * 0.05, Q.Q4_1)
-    method, layer = layer_of(Int4Method, None, source=src)
+    method, layer = layer_of(Int4Method, None, source=src, int8_activations=False)
     assert layer.int4_exact and method.describe(layer) == "int4"
     torch.testing.assert_close(method.dequantize(layer), src.dequantize(), atol=1e-6, rtol=1e-6)
 
@@ -182,14 +208,19 @@ def tiny_folder(tmp_path_factory):
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("dense_copy", ["on", "off"])
 def test_batching_invariance_with_each_method(tiny_folder, quantization, dense_copy):
-    opts = dict(dtype="float32", quantization=quantization, dense_weight_copy=dense_copy, max_model_len=128)
+    """Unrounded activations: the products then add nothing to the ~1e-6 differences a batch's shape
+    makes in attention, which these near-tied random logits survive; rounding the activations to
+    int8 (--int8-activations, on by default) can move a code on such a difference (a logprob by
+    ~0.02 here), so with it a token may depend on its batch where the logits nearly tie."""
+    opts = dict(dtype="float32", quantization=quantization, dense_weight_copy=dense_copy, max_model_len=128,
+                int8_activations=False)
     llm = LLM(str(tiny_folder), **opts)
     assert llm.engine.runner.model.model.layers[0].mlp.down_proj.quant_method.name == quantization
     ps = _prompts(24)
     alone = [o.outputs[0].token_ids for p in ps for o in llm.generate([p], GREEDY)]
     batched = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
     chunked = LLM(str(tiny_folder), loaded=llm.engine.loaded, max_num_batched_tokens=7, max_num_seqs=5,
-                  max_model_len=128, quantization=quantization)
+                  max_model_len=128, quantization=quantization, int8_activations=False)
     assert batched == alone
     assert [o.outputs[0].token_ids for o in chunked.generate(ps, GREEDY)] == alone
 
@@ -241,7 +272,7 @@ def test_loading_in_row_chunks_gives_the_same_weight(monkeypatch, method_cls):
     chunked = [m.dequantize(l) for m, l in (layer_of(method_cls, w), layer_of(method_cls, None, source=q41))]
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)
-    method, layer = layer_of(method_cls, w)
+    method, layer = layer_of(method_cls, w, int8_activations=False)
     x = torch.randn(2, 64)
     torch.testing.assert_close(method.apply(layer, x), x @ method.dequantize(layer).T, atol=2e-5, rtol=1e-5)
 
@@ -474,7 +505,7 @@ def test_int4_dequantize_follows_the_hosts_int4pack_layout(capability):
         "from tessera.layers.weights import FloatWeight\n"
         "torch.manual_seed(0)\n"
         "w = torch.randn(100, 96) * 0.05\n"
-        "m = Int4Method(QuantConfig(mode='int4', dtype=torch.float32))\n"
+        "m = Int4Method(QuantConfig(mode='int4', dtype=torch.float32, int8_activations=False))\n"
         "layer = torch.nn.Module()\n"
         "m.load(layer, [FloatWeight(w)])\n"
         "x = torch.randn(3, 96)\n"

@@ -82,6 +82,10 @@ class Int4Method(WeightOnlyMethod):
         layer.use_i8_kernel = native and getattr(layer, "int8_inputs", True) and self.int8_activation_kernel(self.config)
         layer.use_f32_kernel = self.config.dtype == torch.float32 and self.layout.avx2_layout \
             and capabilities.avx2_matmuls()
+        # float32 rows quantized to int8 per group of 32 (int4_gemm_i8_f32): a quarter of the float
+        # kernel's instructions a weight, which kept two AVX2 cores below the memory's rate
+        layer.use_i8_f32_kernel = layer.use_f32_kernel and getattr(layer, "int8_inputs", True) \
+            and self.config.int8_activations
         layer.torch_layout = self.layout is int4pack_layout()  # PyTorch's own int4pack product reads it
         self._finish(layer)
 
@@ -150,6 +154,11 @@ class Int4Method(WeightOnlyMethod):
 
     def apply(self, layer, x):
         rows = x.shape[0]
+        if rows > 0 and layer.use_i8_f32_kernel:  # every step, as the bfloat16 int8-activation kernel
+            try:
+                return matmul_ops.int4_gemm_i8_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+            except library.KernelUnavailable:  # built without AVX2 + FMA: PyTorch's kernels from now on
+                layer.use_f32_kernel = layer.use_i8_f32_kernel = False
         if rows <= bindings.INT4_F32_MAX_ROWS and layer.use_f32_kernel:
             try:
                 return matmul_ops.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
@@ -180,13 +189,14 @@ class Int4Method(WeightOnlyMethod):
         if not (layer.use_gemm_kernel or layer.use_f32_kernel):
             return None
         sz = layer.scales_zeros
-        kind = bindings.LINEAR_INT4_I8 if layer.use_i8_kernel else bindings.LINEAR_INT4
+        kind = bindings.LINEAR_INT4_I8 if layer.use_i8_kernel or layer.use_i8_f32_kernel else bindings.LINEAR_INT4
         return bindings.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=sz.data_ptr(),
                                      n_pad=sz.shape[1], n=layer.out_rows, k=sz.shape[0] * INT4_GROUP,
-                                     max_rows=bindings.INT4_F32_MAX_ROWS if layer.use_f32_kernel else 0)
+                                     max_rows=bindings.INT4_F32_MAX_ROWS
+                                     if layer.use_f32_kernel and not layer.use_i8_f32_kernel else 0)
 
     def describe(self, layer):
-        return "int4" + ("" if layer.int4_exact else " (requantized)") + (" (int8 activations)" if layer.use_i8_kernel else "")
+        return "int4" + ("" if layer.int4_exact else " (requantized)") + (" (int8 activations)" if layer.use_i8_kernel or layer.use_i8_f32_kernel else "")
 
 
 def quantize_int4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
