@@ -13,10 +13,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from tessera.kernels import bindings, capabilities, library, matmul_ops
+from tessera.kernels import capabilities, library, matmul_ops
 from tessera.layers import FloatWeight, GGUFWeight, Linear, QuantConfig
-from tessera.layers.quantization.base import int4pack_layout
-from tessera.layers.quantization.int4 import AVX2_LAYOUT, pack_avx2_layout
 from tessera.layers.quantization import (ROW_BUCKET_MIN, Int4Method, Int8Method, dense_linear, method_for,
                                         quantize_int4, row_bucket)
 from tessera.llm import LLM
@@ -83,53 +81,6 @@ def test_small_and_large_steps_compute_the_same_weight(method_cls, dense_copy, r
         torch.testing.assert_close(method.apply(layer, x), x @ deq.T, atol=2e-5, rtol=1e-5)
     ids = torch.tensor([[0, 5], [63, rows - 1]])
     torch.testing.assert_close(method.embedding(layer, ids), deq[ids])
-
-
-@pytest.mark.skipif(not capabilities.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
-def test_float32_int4_takes_the_avx2_kernel_whatever_the_hosts_layout():
-    """On an AVX-512 host without BF16 PyTorch packs its AVX-512 layout, which only its own
-    ~1 GFLOP/s float32 product reads: the method packs the AVX2 layout itself there."""
-    torch.manual_seed(0)
-    method, layer = layer_of(Int4Method, torch.randn(128, 64) * 0.05)
-    assert layer.use_f32_kernel and method.layout.avx2_layout
-    assert layer.torch_layout == (int4pack_layout() is method.layout)
-
-
-@pytest.mark.skipif(not capabilities.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_float32_int4_with_int8_activations_is_the_rounded_rows_product(rows):
-    """int4_gemm_i8_f32: each row rounded to int8 per group of 32 (scale max|x| / 127) meets the
-    codes in exact integer sums; a group's zero-point term (z - 8 s) takes the unrounded sum of x.
-    So the product is that of the rounded rows plus (z - 8 s) times what rounding took from each
-    group's sum, within ~2 % of the unrounded product; the C step takes the same kernel."""
-    torch.manual_seed(0)
-    w = torch.randn(96, 128) * 0.05
-    method, layer = layer_of(Int4Method, w)
-    assert layer.use_i8_f32_kernel and method.kernel_operand(layer).kind == bindings.LINEAR_INT4_I8
-    deq = method.dequantize(layer)
-    x = torch.randn(rows, 128)
-    groups = x.view(rows, -1, 32)
-    dx = groups.abs().amax(dim=-1, keepdim=True) / 127
-    rounded = (torch.round(groups / dx).clamp(-128, 127) * dx).view(rows, 128)
-    got = method.apply(layer, x)
-    s, z = layer.scales_zeros[:, :96, 0], layer.scales_zeros[:, :96, 1]  # [K/32, N]
-    lost = (x - rounded).view(rows, -1, 32).sum(dim=-1)  # [rows, K/32]
-    torch.testing.assert_close(got, rounded @ deq.T + lost @ (z - 8 * s), atol=1e-5, rtol=1e-5)
-    assert ((got - x @ deq.T).norm() / (x @ deq.T).norm()) < 0.02
-    _, exact = layer_of(Int4Method, w, int8_activations=False)
-    assert not exact.use_i8_f32_kernel
-
-
-def test_own_avx2_packing_is_the_layout_it_names():
-    codes = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
-    packed = pack_avx2_layout(codes)
-    tiles = packed.view(2, 96, 16)  # [tile, k, byte]
-    low, high = AVX2_LAYOUT.rows_in_nibble(0), AVX2_LAYOUT.rows_in_nibble(1)
-    unpacked = torch.empty(2, 32, 96, dtype=torch.uint8)
-    unpacked[:, low], unpacked[:, high] = (tiles & 15).transpose(1, 2), (tiles >> 4).transpose(1, 2)
-    assert torch.equal(unpacked.view(64, 96), codes)
-    if int4pack_layout().avx2_layout:  # where PyTorch packs this layout itself, the same bytes
-        assert torch.equal(packed, torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
 
 
 def test_int4_from_q4_1_keeps_the_codes_and_is_exact():
@@ -373,94 +324,6 @@ def test_int8_small_batches_run_in_slices_of_the_kernels_rows(dtype, atol):
         got = method.apply(layer, x)
         assert got.dtype == dtype and got.shape == (rows, 70)
         torch.testing.assert_close(got.float(), x.float() @ deq.T, atol=atol, rtol=0.02)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])  # 1, 3, 5, 17: row blocks of 4 left incomplete
-def test_int4_gemm_kernel_matches_pytorchs(rows):
-    from tessera.layers.quantization import INT4_GEMM_MAX_ROWS
-
-    if not capabilities.bf16_matmuls():
-        pytest.skip("no AVX512-BF16 matrix kernels here")
-    torch.manual_seed(rows)
-    w = torch.randn(200, 96) * 0.05  # 200 rows: the last 64-row tile is partly padding
-    method, layer = layer_of(Int4Method, w, dtype=torch.bfloat16, int8_activations=False)
-    assert layer.use_gemm_kernel and not layer.use_i8_kernel and rows <= INT4_GEMM_MAX_ROWS
-    x = torch.randn(rows, 96).bfloat16()
-    got = matmul_ops.int4_gemm_bf16(x, layer.qweight, layer.scales_zeros, layer.out_rows)
-    want = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_zeros)[:, :layer.out_rows]
-    assert got.shape == want.shape == (rows, 200)
-    torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
-    torch.testing.assert_close(method.apply(layer, x).float(), got.float(), atol=0, rtol=0)  # the route taken
-
-
-def _int4_i8_reference(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """What int4_gemm_i8 computes, in float64: x rounded to int8 per group of 32 (scale amax / 127),
-    the codes' integer dot products, then s * (dx * Q - 8 * sum x) + z * sum x per group."""
-    m, k = x.shape
-    xf = x.double().view(m, k // 32, 32)
-    amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 127).float() / amax.float()  # (127 / amax is 127 * (1 / amax) in torch)
-    xq = torch.where(amax > 0, torch.round(xf.float() * inv).double(), torch.zeros_like(xf))
-    q = torch.einsum("mgi,ngi->mng", xq, codes.view(codes.shape[0], k // 32, 32).double())
-    s, z = sz[..., 0].double().T, sz[..., 1].double().T  # [N, K/32]
-    dx, sx = (amax / 127).squeeze(-1), xf.sum(-1)
-    return (s * (dx[:, None] * q - 8 * sx[:, None]) + z * sx[:, None]).sum(-1)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 150])  # blocks of 6 rows, whole and not
-def test_int4_int8_activation_kernel_is_exact_to_its_rounding(rows):
-    """int4_gemm_i8 (VNNI) must compute the integer products of the codes and int8 activations
-    exactly, each output rounded once to bfloat16; and the layer takes it when int8 activations
-    are on (--int8-activations), the bfloat16 kernel when they are off."""
-
-    if not capabilities.int4_i8_matmuls():
-        pytest.skip("no AVX512-VNNI/VBMI int4 kernel here")
-    g = torch.Generator().manual_seed(rows)
-    n, k = 130, 96  # 130: the last 64-row tile mostly padding; 96: three groups
-    codes = torch.randint(0, 16, (192, k), dtype=torch.int32, generator=g)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    sz = torch.stack([torch.rand(192, k // 32, generator=g) * 0.02, torch.randn(192, k // 32, generator=g) * 0.02],
-                     -1).transpose(0, 1).contiguous().bfloat16()
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    x[0, 32:64] = 0  # a group of zeros: scale 0, no division by it
-    got = matmul_ops.int4_gemm_i8(x, packed, sz, n)
-    want = _int4_i8_reference(x, codes, sz)[:, :n]
-    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    # one bfloat16 rounding of each output (8 bits of mantissa), float32 sums of a few terms
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=2 ** -8)
-
-    w = torch.randn(200, 96) * 0.05
-    method, layer = layer_of(Int4Method, w, dtype=torch.bfloat16)
-    assert layer.use_i8_kernel
-    xs = torch.randn(rows, 96).bfloat16()
-    taken = method.apply(layer, xs)
-    torch.testing.assert_close(taken, matmul_ops.int4_gemm_i8(xs, layer.qweight, layer.scales_zeros, 200), atol=0, rtol=0)
-    # against the bfloat16 product: the activations' rounding, about 1 % of the output's scale
-    exact = xs.float() @ method.dequantize(layer).float().T
-    assert ((taken.float() - exact).norm() / exact.norm()).item() < 0.03
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64])  # 1-2: the factored path; odd counts: the last unpaired row
-def test_int4_f32_kernel_matches_the_dequantized_weight(rows):
-    """AVX2 hosts compute in float32, where PyTorch's int4pack kernel runs at ~1 GFLOP/s: our
-    kernel (int4_avx2.c) takes 1-64 rows there and must compute what the dense path computes."""
-    from tessera.layers.quantization import int4pack_layout
-
-    layout = int4pack_layout()
-    if layout is None or not layout.avx2_layout or not capabilities.avx2_matmuls():
-        pytest.skip("not an AVX2 int4pack layout with the AVX2 + FMA kernel")
-    torch.manual_seed(rows)
-    w = torch.randn(200, 96) * 0.05  # 200 rows: the last 32-row tile is partly padding
-    method, layer = layer_of(Int4Method, w, dtype=torch.float32)
-    assert layer.use_f32_kernel
-    x = torch.randn(rows, 96)
-    got = matmul_ops.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
-    assert got.shape == (rows, 200)
-    torch.testing.assert_close(got, x @ method.dequantize(layer).T, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(method.apply(layer, x), got, atol=0, rtol=0)  # the route taken
-    with pytest.raises(library.KernelUnavailable):
-        matmul_ops.int4_gemm_f32(torch.randn(bindings.INT4_F32_MAX_ROWS + 1, 96), layer.qweight, layer.scales_zeros,
-                              layer.out_rows)
 
 
 def test_row_buckets_bound_padding_and_shape_count():
