@@ -86,11 +86,13 @@ def test_c_decode_step_matches_the_modules(folder, quantization, lens, dtype):
     got, caches, ran = _prefill_then_decode(model, backend, lens, use_c=True)
     assert ran, "the C decode step did not take the step"
     assert got.dtype == model.dtype and got.shape == ref.shape
-    # Same roundings; only float32 sum order differs between the kernels (and bfloat16 rounds it).
-    tol = 0.05 if dtype == "bfloat16" else 1e-3
+    # Same roundings; only float32 sum order differs between the kernels, which bfloat16 rounds and an
+    # int8-rounded activation (int4 weights) may turn into a code's step; float32 int8 groups are exact.
+    exact = dtype == "float32" and quantization == "int8"
+    tol = 1e-3 if exact else 0.05
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
     cos = torch.nn.functional.cosine_similarity(got.float(), ref.float(), dim=-1)
-    assert cos.min() > (0.999 if dtype == "bfloat16" else 0.99999)
+    assert cos.min() > (0.99999 if exact else 0.999)
     for a, b in zip(caches, ref_caches):  # the new keys and values went to the same slots
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
