@@ -5,9 +5,14 @@ host's best, or the --cpu-isa cap, which caps oneDNN too): from avx512_bf16 up, 
 bfloat16 natively and it halves the bytes read per token, so bfloat16 is
 chosen without timing anything (a start-up timing of ~0.1 s once caught the
 machine in a cold or contended state, measured bfloat16 40x slower than it is
-and chose float32, which then served 1.6-2.8x slower). Without those
-instructions torch emulates bfloat16; then both dtypes are timed on the
-model's own linear shapes (one decoder layer at 1 and 32 rows), after a
+and chose float32, which then served 1.6-2.8x slower). Below that level, where
+the C kernels load, float32 is chosen by rule: the kernels that serve
+quantized weights there (the one-call decode step, the int8-activation int4
+and K-quant products) compute in float32, and a dense bfloat16 linear that
+times faster (half the bytes) said nothing of them (SmolLM2 at --cpu-isa
+avx512 on an AMD EPYC: bfloat16 by timing, 77 tok/s through the modules).
+Without the C kernels torch emulates bfloat16; then both dtypes are timed on
+the model's own linear shapes (one decoder layer at 1 and 32 rows), after a
 warm-up, alternately, and compared by their medians, and bfloat16 must be
 clearly (>10 %) faster to win, since float32 is the more accurate choice.
 The log says which rule decided and why.
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 
 from tessera.config import ModelConfig
 from tessera.errors import TesseraError
-from tessera.kernels import isa
+from tessera.kernels import isa, library
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,10 @@ def resolve_dtype(choice: Union[str, torch.dtype], config: ModelConfig) -> torch
     if isa.level_at_least(NATIVE_BF16_LEVEL):
         logger.info("dtype auto: bfloat16 (the CPU computes it natively at level %s)", isa.selected().name)
         return torch.bfloat16
+    if library.available() is None:
+        logger.info("dtype auto: float32 (no native bfloat16 at level %s: the C kernels compute in float32 here)",
+                    isa.selected().name)
+        return torch.float32
     timings = measure_linear_speed(config)
     f32 = timings[torch.float32][1] + timings[torch.float32][SERVING_BATCH]
     bf16 = timings[torch.bfloat16][1] + timings[torch.bfloat16][SERVING_BATCH]

@@ -161,8 +161,19 @@ def test_resolve_dtype_names_and_errors():
         resolve_dtype(torch.float16, _config())
 
 
-def test_auto_dtype_measures_both_without_native_bf16(caplog, monkeypatch):
-    monkeypatch.setattr("tessera.kernels.isa.level_at_least", lambda name: False)  # e.g. --cpu-isa avx2
+def test_auto_dtype_is_float32_by_rule_where_the_kernels_compute_it(caplog, monkeypatch):
+    monkeypatch.setattr("tessera.kernels.isa.level_at_least", lambda name: False)  # e.g. --cpu-isa avx512
+    monkeypatch.setattr("tessera.kernels.library.available", lambda: None)
+    monkeypatch.setattr("tessera.models.dtype.measure_linear_speed",
+                        lambda *a, **k: pytest.fail("the C kernels' float32 needs no timing"))
+    with caplog.at_level("INFO", logger="tessera.models.dtype"):
+        assert resolve_dtype("auto", _config()) == torch.float32
+    assert "the C kernels compute in float32 here" in caplog.text
+
+
+def test_auto_dtype_measures_both_without_native_bf16_or_kernels(caplog, monkeypatch):
+    monkeypatch.setattr("tessera.kernels.isa.level_at_least", lambda name: False)
+    monkeypatch.setattr("tessera.kernels.library.available", lambda: "no C compiler")
     timings = measure_linear_speed(_config(), budget_s=0.01)
     assert set(timings) == {torch.float32, torch.bfloat16}
     assert all(t > 0 for per_batch in timings.values() for t in per_batch.values())
