@@ -52,6 +52,15 @@ static inline float int4pack_group_dot(const float *x, const uint8_t *packed, in
     return dot;
 }
 
+/* One group of 32 codes k0 .. k0 + 31 of weight row n (int4pack_code's layout) against 32 int8
+ * activations: the exact sum q * xq of the int8-activation kernels' plain paths. */
+static inline int32_t int4pack_group_idot(const int8_t *xq, const uint8_t *packed, int64_t K, int64_t tile_rows,
+                                          int64_t n, int64_t k0) {
+    int32_t q = 0;
+    for (int i = 0; i < 32; i++) q += int4pack_code(packed, K, tile_rows, n, k0 + i) * (int32_t)xq[i];
+    return q;
+}
+
 #if TESSERA_AVX2
 /* The sum of an AVX register's 8 floats. */
 static inline float hsum_ps256(__m256 v) {

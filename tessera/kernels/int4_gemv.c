@@ -387,9 +387,7 @@ int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, u
         for (int64_t m = 0; m < M; m++) {
             float acc = 0.f;
             for (int64_t g = 0; g < G; g++) {
-                int32_t q = 0;
-                for (int64_t k = g * 32; k < g * 32 + 32; k++)
-                    q += int4pack_code(packed, K, 64, n, k) * (int32_t)xq[m * K + k];
+                const int32_t q = int4pack_group_idot(xq + m * K + g * 32, packed, K, 64, n, g * 32);
                 const uint16_t *pair = sz + (g * N_pad + n) * 2;
                 const int64_t at = m * G + g;
                 acc += bf16_to_f32(pair[0]) * (dx[at] * (float)q - sx8[at]);

@@ -168,9 +168,7 @@ int int4_gemm_i8_f32(const float *x, const uint8_t *packed, const float *sz, flo
         for (int64_t m = 0; m < M; m++) {
             float acc = 0.f;
             for (int64_t g = 0; g < G; g++) {
-                int32_t q = 0;
-                for (int i = 0; i < GROUP; i++)
-                    q += int4pack_code(packed, K, 32, n, g * GROUP + i) * (int32_t)xq[m * K + g * GROUP + i];
+                const int32_t q = int4pack_group_idot(xq + m * K + g * GROUP, packed, K, 32, n, g * GROUP);
                 const float *pair = sz + (g * N_pad + n) * 2;
                 const float s = pair[0], z = pair[1], sxg = sx[m * G + g];
                 acc += s * (dx[m * G + g] * (float)q - 8.f * sxg) + z * sxg;

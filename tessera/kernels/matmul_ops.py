@@ -62,14 +62,23 @@ def int4_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Te
 def int4_gemm_i8(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
     """bfloat16 rows [M, K] times an int4pack weight -> [M, out_rows] bfloat16, the rows quantized to
     int8 per group of 32 on the way in (see int4_gemv.c): exact integer products of the codes."""
+    return _int4_i8("int4_gemm_i8", x, packed, scales_zeros, out_rows, torch.bfloat16,
+                    "int4_gemm_i8 needs AVX512-VNNI and VBMI on the build machine")
+
+
+def _int4_i8(name: str, x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int,
+             dtype: torch.dtype, refusal: str) -> torch.Tensor:
+    """The int8-activation int4 kernel `name` for rows of `dtype` (bfloat16: int4_gemv.c's, float32:
+    int4_i8_f32.c's) -> [M, out_rows]; `refusal` formatted with m and k when it refuses the shape."""
     lib = load()
     m, k = x.shape
     x = x.contiguous()
-    out = torch.empty(m, out_rows, dtype=torch.bfloat16)
-    scratch = torch.empty(lib.int4_i8_scratch_bytes(m, k), dtype=torch.uint8)
-    if lib.int4_gemm_i8(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
-                        scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
-        raise KernelUnavailable("int4_gemm_i8 needs AVX512-VNNI and VBMI on the build machine")
+    out = torch.empty(m, out_rows, dtype=dtype)
+    scratch_bytes = lib.int4_i8_scratch_bytes if dtype == torch.bfloat16 else lib.int4_i8_f32_scratch_bytes
+    scratch = torch.empty(scratch_bytes(m, k), dtype=torch.uint8)
+    if getattr(lib, name)(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
+                          scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
+        raise KernelUnavailable(refusal.format(m=m, k=k))
     return out
 
 
@@ -91,12 +100,5 @@ def int4_gemm_i8_f32(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.
     """As `int4_gemm_f32` for any number of rows, each quantized to int8 per group of 32 on the way in
     (see int4_i8_f32.c): exact integer products of the codes, a quarter of the float32 kernel's
     instructions a weight."""
-    lib = load()
-    m, k = x.shape
-    x = x.contiguous()
-    out = torch.empty(m, out_rows, dtype=torch.float32)
-    scratch = torch.empty(lib.int4_i8_f32_scratch_bytes(m, k), dtype=torch.uint8)
-    if lib.int4_gemm_i8_f32(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
-                            scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
-        raise KernelUnavailable(f"int4_gemm_i8_f32 takes K a multiple of 32 (got {m} x {k})")
-    return out
+    return _int4_i8("int4_gemm_i8_f32", x, packed, scales_zeros, out_rows, torch.float32,
+                    "int4_gemm_i8_f32 takes K a multiple of 32 (got {m} x {k})")

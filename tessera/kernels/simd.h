@@ -17,15 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(TESSERA_SCALAR) /* the reference: plain C only, whatever the compiler could target */
-#define TESSERA_AVX2 0
-#define TESSERA_AVX512 0
-#define TESSERA_AVX512_VNNI 0
-#define TESSERA_AVX512_VBMI 0
-#define TESSERA_AVX512_BF16 0
-#define TESSERA_AMX 0
-
-#elif defined(TESSERA_EMULATE_AVX512)
+#if defined(TESSERA_EMULATE_AVX512) && !defined(TESSERA_SCALAR)
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #define TESSERA_AVX2 1
@@ -183,7 +175,7 @@ static inline __m512bh tessera_cvtne2ps_pbh(__m512 hi, __m512 lo) {
 #endif
 #define TESSERA_AMX 0
 
-#elif defined(__x86_64__) || defined(__i386__)
+#elif (defined(__x86_64__) || defined(__i386__)) && !defined(TESSERA_SCALAR)
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -218,7 +210,7 @@ static inline __m512bh tessera_cvtne2ps_pbh(__m512 hi, __m512 lo) {
 #define TESSERA_AMX 0
 #endif
 
-#else /* aarch64 and the rest: no x86 paths */
+#else /* the scalar reference (plain C only, whatever the compiler could target), and aarch64 */
 #define TESSERA_AVX2 0
 #define TESSERA_AVX512 0
 #define TESSERA_AVX512_VNNI 0
