@@ -1,15 +1,16 @@
 """Small C kernels for what PyTorch's CPU operators cannot do well, built for the host CPU.
 
-They are compiled once (by `scripts/install.sh`, or on first use) with the
-system C compiler into `$TESSERA_HOME/kernels` (default ~/.cache/tessera/kernels),
-named by a hash of the source and flags, and loaded with ctypes. They run on
+They are compiled once per instruction-set variant (`isa.py`, `simd.h`; by `scripts/install.sh` for
+the selected one, or on first use) with the system C compiler into `$TESSERA_HOME/kernels`
+(default ~/.cache/tessera/kernels), named by variant and a hash of sources, flags and CPU, and
+loaded with ctypes. They run on
 PyTorch's own OpenMP thread pool: the library asks for `libgomp.so.1`, which
 torch has already loaded, so both share one team of threads. Where no compiler
 is found, callers fall back to PyTorch operators (and say so in the log).
 
 The interface is declared once in C, in `tessera_kernels.h` (every exported function, the limits
 and kinds callers must respect, the decode step's structs), and mirrored once in Python, in
-`bindings.py`; tests/test_kernel_bindings.py holds the two together. `library.py` builds and
+`bindings.py`; tests/kernels/test_kernel_bindings.py holds the two together. `library.py` builds and
 loads the library (`available()`, `load()`, `calls()`, `KernelUnavailable`). The kernels are
 wrapped for tensors, by topic, in modules of their own (this package re-exports nothing):
 

@@ -4,7 +4,7 @@ tessera_kernels.h.
 
 ctypes cannot read a C header, so the interface is written twice, here and there; a mistake in
 either (an argument dropped, two swapped, a constant changed on one side) would pass a pointer
-where an integer belongs, silently. tests/test_kernel_bindings.py parses the header and every
+where an integer belongs, silently. tests/kernels/test_kernel_bindings.py parses the header and every
 source and fails where they and this module disagree. Nothing here needs the compiled library.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
  *
  * Including it in each .c file makes the compiler check every definition against its prototype;
  * Python mirrors this file in bindings.py (ctypes argument tables, constants, Structures), and
- * tests/test_kernel_bindings.py parses it and fails where the two disagree. Arguments are
+ * tests/kernels/test_kernel_bindings.py parses it and fails where the two disagree. Arguments are
  * documented at the definitions. Adding a kernel: its .c file, a prototype here, a row there.
  */
 #ifndef TESSERA_KERNELS_H

@@ -13,7 +13,7 @@ a logit per query head in the softmax's denominator, with no value) start that r
 running maximum at the sink, the sum at exp(sink - sink) = 1.
 
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors in Triton's interpreter, so CI (no
-GPU) tests the very code the GPU compiles, at small shapes (tests/kernels/test_triton_attention.py; the
+GPU) tests the very code the GPU compiles, at small shapes (tests/attention/test_triton_attention.py; the
 tests' conftest sets the variable where torch sees no GPU). The interpreter is far too slow to
 serve with.
 """
