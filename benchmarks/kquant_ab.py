@@ -24,8 +24,9 @@ import torch
 
 
 def build_revision(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """The kernel library compiled from `rev`'s sources (tessera/kernels), with this tree's flags."""
-    from tessera.kernels import library
+    """The kernel library compiled from `rev`'s sources (tessera/kernels) as the variant this process
+    runs (TESSERA_CPU_ISA's, else the host's best), with this tree's flags."""
+    from tessera.kernels import isa, library
 
     src = out_dir / "src"
     src.mkdir(parents=True, exist_ok=True)
@@ -35,10 +36,7 @@ def build_revision(rev: str, out_dir: Path) -> ctypes.CDLL:
                               text=True)
         if text.returncode == 0:
             (src / name).write_text(text.stdout)
-    sources = [str(src / n) for n in library.SOURCES if (src / n).is_file()]
-    lib_path = out_dir / "base.so"
-    subprocess.run(["cc", *library.CFLAGS, *sources, "-o", str(lib_path), "-lm"], check=True)
-    return _bind(ctypes.CDLL(str(lib_path)))
+    return _bind(ctypes.CDLL(str(library.build(isa.selected(), source_dir=src))))
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -63,11 +61,11 @@ def one_pass(lib: ctypes.CDLL, layers: list, xs: dict, outs: dict) -> float:
         if skey not in outs:
             outs[skey] = torch.empty(lib.kquant_scratch_bytes(m, k), dtype=torch.uint8)
         if okey not in outs:
-            outs[okey] = torch.empty(m, n, dtype=torch.bfloat16)
+            outs[okey] = torch.empty(m, n, dtype=x.dtype)
         scratch, out = outs[skey], outs[okey]
         fn = lib.q4k_gemm if kind == "q4_k" else lib.q6k_gemm
         if fn(x.data_ptr(), layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.d.data_ptr(), out.data_ptr(),
-              m, n, k, 1, scratch.data_ptr()) != 0:
+              m, n, k, int(x.dtype == torch.bfloat16), scratch.data_ptr()) != 0:
             raise RuntimeError(f"{name}: the kernel refused {m} x {k}")
     return time.perf_counter() - start
 
@@ -86,19 +84,22 @@ def main() -> None:
     from tessera.bench.machine import machine_info
     from tessera.layers import Linear
     from tessera.layers.quantization import KQuantMethod
+    from tessera.models.dtype import resolve_dtype
 
     llm = LLM(args.model, max_num_seqs=1, enable_prefix_caching=False)
     layers = [(name, m.quant_method.name, m) for name, m in llm.engine.runner.model.named_modules()
               if isinstance(m, Linear) and isinstance(m.quant_method, KQuantMethod)]
     if not layers:
         raise SystemExit(f"{args.model} has no Q4_K/Q6_K layers here (bfloat16 and --int8-activations needed)")
+    # the activations' dtype --dtype auto gives at this level (float32 below avx512_bf16)
+    dtype = resolve_dtype("auto", llm.engine.runner.model.config)
     libs = {"this tree": _bind(library.load())}
     with tempfile.TemporaryDirectory() as tmp:
         libs[args.base] = build_revision(args.base, Path(tmp))
         rows_out = []
         for m in args.rows:
             torch.manual_seed(m)
-            xs = {k: torch.randn(m, k).bfloat16() for k in {layer.scales.shape[1] * 16 for _, _, layer in layers}}
+            xs = {k: torch.randn(m, k).to(dtype) for k in {layer.scales.shape[1] * 16 for _, _, layer in layers}}
             outs: dict = {}
             times: dict[str, list[float]] = {name: [] for name in libs}
             order = list(libs)

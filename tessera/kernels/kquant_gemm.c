@@ -143,26 +143,135 @@ static void scale_picks(int group, __m512i pick[4]) {
         pick[c] = _mm512_loadu_si512((const void *)idx);
     }
 }
-#elif TESSERA_AVX2
-/* q6k_row on AVX2: 32 codes a register, the offset term added in scalar integers per block. */
-static inline __attribute__((always_inline)) void q6k_row_avx2(kq_row_t row, int64_t NB, const kq_acts_t *acts,
-                                                                float *sums) {
+
+/* q6k_row with AVX-512: a super-block's 256 codes in four registers, the scales picked into int16
+ * lanes, the -32 of every code as -32 * sc_g per bsum_g (one more pair product a row). */
+static inline __attribute__((always_inline)) void q6k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
     const int8_t *xq = acts->xq;
     const float *xd = acts->xd;
     const int16_t *bsum = acts->bsum;
-    const int64_t M = acts->M, K = acts->K;
+    const int64_t K = acts->K;
     const uint8_t *codes = row.codes;
     const int8_t *sc = (const int8_t *)row.scales;
     const float *d = row.d;
-    __m256 facc[KQUANT_MAX_ROWS];
-    for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+    __m512 facc[KQUANT_MAX_ROWS];
+    for (int m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+    __m512i pick[4];
+    scale_picks(16, pick);
     for (int64_t b = 0; b < NB; b++) {
         const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
-        const int8_t *sb = sc + b * 16;
-        int32_t isum[KQUANT_MAX_ROWS] = {0};
+        for (int line = 0; line < 3; line++) _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64 * line), _MM_HINT_T0);
+        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
+        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
+        const __m512i qh = _mm512_loadu_si512((const void *)(blk + 128));
+        __m512i q[4];
+        q[0] = _mm512_or_si512(_mm512_and_si512(ql0, low4), _mm512_slli_epi16(_mm512_and_si512(qh, low2), 4));
+        q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), low2), 4));
+        q[2] = _mm512_or_si512(_mm512_and_si512(ql1, low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), low2), 4));
+        q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), low2), 4));
+        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sc + b * 16))));
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
+        /* the -32 of every code as -32 * sc_g per bsum_g: one more pair product a row */
+        const __m512i offset = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(s16, 5));
+        const __m512 dv = _mm512_set1_ps(d[b]);
+        for (int m = 0; m < M; m++) {
+            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
+            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
+            const __m512i acc = block_dot(q, xb, s, madd_acc(_mm512_setzero_si512(), offset, bs));
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
+            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
+}
+
+/* q4k_row with AVX-512: codes as the header says, scales[b * 16 ..]: 8 scales then 8 minimums,
+ * d[2 b], d[2 b + 1]: the block's d and dmin; the minimums' term against xmin. */
+static inline __attribute__((always_inline)) void q4k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
+    const int8_t *xq = acts->xq;
+    const float *xd = acts->xd;
+    const int64_t K = acts->K;
+    const uint8_t *codes = row.codes;
+    const uint8_t *sm = (const uint8_t *)row.scales;
+    const float *d = row.d;
+    const float *xmin = acts->xmin;
+    __m512 facc[KQUANT_MAX_ROWS];
+    __m256 fmin[KQUANT_MAX_ROWS];
+    for (int m = 0; m < M; m++) facc[m] = _mm512_setzero_ps(), fmin[m] = _mm256_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i pick[4];
+    scale_picks(32, pick);
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
+        _mm_prefetch((const char *)(blk + KQ_PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64), _MM_HINT_T0);
+        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
+        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
+        __m512i q[4];
+        q[0] = _mm512_and_si512(ql0, low4);
+        q[1] = _mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4);
+        q[2] = _mm512_and_si512(ql1, low4);
+        q[3] = _mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4);
+        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sm + b * 16))));
+        __m512i s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
+        /* dmin * mn_g, the weight's side of the minimum term; xmin holds the activations' */
+        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + b * 16 + 8)))),
+                                          _mm256_set1_ps(d[2 * b + 1]));
+        const __m512 dv = _mm512_set1_ps(d[2 * b]);
+        for (int m = 0; m < M; m++) {
+            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
+            const __m512i acc = block_dot(q, xb, s, _mm512_setzero_si512());
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
+            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
+            fmin[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xmin + m * (K / 32) + b * 8), fmin[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
+}
+#elif TESSERA_AVX2
+/* Every path's rows take the number of activation rows as a constant (KQ_ROWS instantiates each):
+ * with M known the per-row accumulators stay in registers. With M a variable the AVX2 ones lived
+ * on the stack, and every product's add waited on the previous one's store: a one-row product
+ * over the 1.5B's K-quant matrices took 2.5x as long on the 2-vCPU AMD EPYC hosts
+ * (benchmarks/kquant_ab.py). */
+
+/* vpshufb controls that copy one int16 of a 128-bit lane (both lanes alike) to all its lanes:
+ * KQ_PICK(k) takes int16 k. */
+#define KQ_PICK(k) _mm256_set1_epi16((int16_t)((2 * (k)) | ((2 * (k) + 1) << 8)))
+/* ... int16 k in the low lane, k + 1 in the high lane (Q6_K: a register's two 16-code groups). */
+#define KQ_PICK2(k)                                                                    \
+    _mm256_set_m128i(_mm_set1_epi16((int16_t)((2 * (k) + 2) | ((2 * (k) + 3) << 8))), \
+                     _mm_set1_epi16((int16_t)((2 * (k)) | ((2 * (k) + 1) << 8))))
+
+/* q6k_row on AVX2 for M rows: 32 codes a register, each 16-code group's scale applied by pmaddwd;
+ * the -32 of every code as -32 * sc_g * bsum_g, one more pmaddwd a block and row. */
+static inline __attribute__((always_inline)) void q6k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
+    const int64_t K = acts->K;
+    const int8_t *sc = (const int8_t *)row.scales;
+    __m256 facc[KQUANT_MAX_ROWS];
+    for (int m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+    for (int64_t b = 0; b < NB; b++) {
+        const uint8_t *blk = row.codes + b * Q6K_CODE_BYTES;
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)(sc + b * 16));
+        const __m256i s16 = _mm256_cvtepi8_epi16(s8); /* all 16 scales, for the offset term */
+        const __m256i slo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(s16)); /* scales 0-7 */
+        const __m256i shi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(s16, 1)); /* 8-15 */
+        const __m256i offset = _mm256_slli_epi16(s16, 5);
         __m256i acc[KQUANT_MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
+        for (int m = 0; m < M; m++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(acts->bsum + m * (K / 16) + b * 16));
+            acc[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(offset, bs));
+        }
         for (int half = 0; half < 2; half++) { /* bytes 32 * half .. + 31 of each 64-byte row */
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * half));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * half));
@@ -176,43 +285,39 @@ static inline __attribute__((always_inline)) void q6k_row_avx2(kq_row_t row, int
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4));
             for (int c = 0; c < 4; c++) {
-                /* codes 64c + 32 * half .. + 31: groups 4c + 2 * half and the next */
+                /* codes 64c + 32 * half .. + 31: groups 4c + 2 * half (low lane) and the next */
                 const int g = 4 * c + 2 * half;
-                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sb[g + 1]), _mm_set1_epi16(sb[g]));
-                for (int64_t m = 0; m < M; m++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * KQ_BLOCK + 64 * c + 32 * half));
+                const __m256i s = _mm256_shuffle_epi8(g < 8 ? slo : shi, KQ_PICK2(g % 8));
+                for (int m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(acts->xq + m * K + b * KQ_BLOCK + 64 * c + 32 * half));
                     acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), s));
                 }
             }
         }
-        for (int64_t m = 0; m < M; m++) {
-            const int16_t *bs = bsum + m * (K / 16) + b * 16;
-            for (int g = 0; g < 16; g++) isum[m] -= 32 * sb[g] * bs[g];
-            const __m256 part = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[m], _mm256_setr_epi32(isum[m], 0, 0, 0, 0, 0, 0, 0)));
-            facc[m] = _mm256_fmadd_ps(part, _mm256_set1_ps(d[b] * xd[m * (K / KQ_BLOCK) + b]), facc[m]);
-        }
+        for (int m = 0; m < M; m++)
+            facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(row.d[b] * acts->xd[m * (K / KQ_BLOCK) + b]),
+                                      facc[m]);
     }
-    for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
+    for (int m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
 }
 
-/* q4k_row on AVX2: 32 codes a register, the minimum term in scalar integers per block. */
-static inline __attribute__((always_inline)) void q4k_row_avx2(kq_row_t row, int64_t NB, const kq_acts_t *acts,
-                                                                float *sums) {
-    const int8_t *xq = acts->xq;
-    const float *xd = acts->xd;
-    const int16_t *bsum = acts->bsum;
-    const int64_t M = acts->M, K = acts->K;
-    const uint8_t *codes = row.codes;
+/* q4k_row on AVX2 for M rows: 32 codes a register, each sub-block's scale by pmaddwd; the
+ * minimums' term one 8-wide float FMA a block and row against xmin, as the AVX-512 path. */
+static inline __attribute__((always_inline)) void q4k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
+    const int64_t K = acts->K;
     const uint8_t *sm = (const uint8_t *)row.scales;
-    const float *d = row.d;
-    __m256 facc[KQUANT_MAX_ROWS];
-    for (int64_t m = 0; m < M; m++) facc[m] = _mm256_setzero_ps();
+    __m256 facc[KQUANT_MAX_ROWS], fmin[KQUANT_MAX_ROWS];
+    for (int m = 0; m < M; m++) facc[m] = _mm256_setzero_ps(), fmin[m] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < NB; b++) {
-        const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
+        const uint8_t *blk = row.codes + b * Q4K_CODE_BYTES;
         const uint8_t *sb = sm + b * 16;
+        const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sb)));
+        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 8)))),
+                                          _mm256_set1_ps(row.d[2 * b + 1]));
         __m256i acc[KQUANT_MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * half));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * half));
@@ -223,25 +328,22 @@ static inline __attribute__((always_inline)) void q4k_row_avx2(kq_row_t row, int
             q[3] = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4);
             for (int c = 0; c < 4; c++) {
                 /* codes 64c + 32 * half .. + 31: sub-block 2c + half */
-                const __m256i sv = _mm256_set1_epi16((int16_t)sb[2 * c + half]);
-                for (int64_t m = 0; m < M; m++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * KQ_BLOCK + 64 * c + 32 * half));
+                const __m256i sv = _mm256_shuffle_epi8(s16, KQ_PICK(2 * c + half));
+                for (int m = 0; m < M; m++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(acts->xq + m * K + b * KQ_BLOCK + 64 * c + 32 * half));
                     acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), sv));
                 }
             }
         }
-        for (int64_t m = 0; m < M; m++) {
-            const int16_t *bs = bsum + m * (K / 16) + b * 16;
-            int32_t corr = 0;
-            for (int g = 0; g < 8; g++) corr += sb[8 + g] * (bs[2 * g] + bs[2 * g + 1]);
-            const float xs = xd[m * (K / KQ_BLOCK) + b];
-            facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(d[2 * b] * xs), facc[m]);
-            facc[m] = _mm256_fnmadd_ps(_mm256_setr_ps((float)corr, 0, 0, 0, 0, 0, 0, 0), _mm256_set1_ps(d[2 * b + 1] * xs),
-                                       facc[m]);
+        for (int m = 0; m < M; m++) {
+            const float xs = acts->xd[m * (K / KQ_BLOCK) + b];
+            facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(row.d[2 * b] * xs), facc[m]);
+            fmin[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(acts->xmin + m * (K / 32) + b * 8), fmin[m]);
         }
     }
-    for (int64_t m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]);
+    for (int m = 0; m < M; m++) sums[m] = hsum_ps256(facc[m]) - hsum_ps256(fmin[m]);
 }
+
 #else
 #if TESSERA_NEON_DOTPROD
 /* The sixteen 16-code vectors of a Q6_K super-block, as signed values (q - 32): vector g holds
@@ -264,9 +366,9 @@ static inline void q6k_unpack_neon(const uint8_t *blk, int8x16_t q[16]) {
 
 /* q6k_row with NEON dot products (ARMv8.2 dotprod): per sub-block one vdotq_s32 of 16 signed
  * codes by 16 activations, times its scale into int32 lanes; exact integers, as the plain loop. */
-static inline __attribute__((always_inline)) void q6k_row_neon(kq_row_t row, int64_t NB, const kq_acts_t *acts,
-                                                                float *sums) {
-    const int64_t M = acts->M, K = acts->K;
+static inline __attribute__((always_inline)) void q6k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
+    const int64_t K = acts->K;
     const int8_t *sc = (const int8_t *)row.scales;
     float total[KQUANT_MAX_ROWS] = {0};
     for (int64_t b = 0; b < NB; b++) {
@@ -285,9 +387,9 @@ static inline __attribute__((always_inline)) void q6k_row_neon(kq_row_t row, int
 
 /* q4k_row with NEON dot products: codes 0..15 by activations per 32-code sub-block (two vdotq_s32),
  * times its scale; the minimums' term from the activations' 16-sums (bsum), as the AVX2 path. */
-static inline __attribute__((always_inline)) void q4k_row_neon(kq_row_t row, int64_t NB, const kq_acts_t *acts,
-                                                                float *sums) {
-    const int64_t M = acts->M, K = acts->K;
+static inline __attribute__((always_inline)) void q4k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
+    const int64_t K = acts->K;
     const uint8x16_t low4 = vdupq_n_u8(0x0F);
     float total[KQUANT_MAX_ROWS] = {0};
     for (int64_t b = 0; b < NB; b++) {
@@ -317,15 +419,14 @@ static inline __attribute__((always_inline)) void q4k_row_neon(kq_row_t row, int
     }
     for (int64_t m = 0; m < M; m++) sums[m] = total[m];
 }
-#endif
-
+#else
 /* q6k_row in plain C, one code at a time. */
-static inline __attribute__((always_inline)) void q6k_row_plain(kq_row_t row, int64_t NB, const kq_acts_t *acts,
-                                                                 float *sums) {
+static inline __attribute__((always_inline)) void q6k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
     const int8_t *xq = acts->xq;
     const float *xd = acts->xd;
     const int16_t *bsum = acts->bsum;
-    const int64_t M = acts->M, K = acts->K;
+    const int64_t K = acts->K;
     const uint8_t *codes = row.codes;
     const int8_t *sc = (const int8_t *)row.scales;
     const float *d = row.d;
@@ -348,12 +449,12 @@ static inline __attribute__((always_inline)) void q6k_row_plain(kq_row_t row, in
 }
 
 /* q4k_row in plain C, one code at a time. */
-static inline __attribute__((always_inline)) void q4k_row_plain(kq_row_t row, int64_t NB, const kq_acts_t *acts,
-                                                                 float *sums) {
+static inline __attribute__((always_inline)) void q4k_rows(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums,
+                                                             const int M) {
     const int8_t *xq = acts->xq;
     const float *xd = acts->xd;
     const int16_t *bsum = acts->bsum;
-    const int64_t M = acts->M, K = acts->K;
+    const int64_t K = acts->K;
     const uint8_t *codes = row.codes;
     const uint8_t *sm = (const uint8_t *)row.scales;
     const float *d = row.d;
@@ -377,112 +478,32 @@ static inline __attribute__((always_inline)) void q4k_row_plain(kq_row_t row, in
     }
     (void)bsum;
 }
+#endif /* TESSERA_NEON_DOTPROD */
 #endif
+
+/* `rows_fn` instantiated for each M the caller may pass (1 .. KQUANT_MAX_ROWS): with M a constant
+ * the vector paths keep each row's accumulators in registers. */
+#define KQ_ROWS(rows_fn, row, NB, acts, sums)  \
+    switch ((acts)->M) {                           \
+    case 1: rows_fn(row, NB, acts, sums, 1); break; \
+    case 2: rows_fn(row, NB, acts, sums, 2); break; \
+    case 3: rows_fn(row, NB, acts, sums, 3); break; \
+    case 4: rows_fn(row, NB, acts, sums, 4); break; \
+    case 5: rows_fn(row, NB, acts, sums, 5); break; \
+    case 6: rows_fn(row, NB, acts, sums, 6); break; \
+    case 7: rows_fn(row, NB, acts, sums, 7); break; \
+    default: rows_fn(row, NB, acts, sums, 8); break; \
+    }
 
 /* One Q6_K weight row (NB super-blocks) against M quantized activation rows -> sums[m]. */
 static void q6k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
-#if TESSERA_AVX512
-    const int8_t *xq = acts->xq;
-    const float *xd = acts->xd;
-    const int16_t *bsum = acts->bsum;
-    const int64_t M = acts->M, K = acts->K;
-    const uint8_t *codes = row.codes;
-    const int8_t *sc = (const int8_t *)row.scales;
-    const float *d = row.d;
-    __m512 facc[KQUANT_MAX_ROWS];
-    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-    __m512i pick[4];
-    scale_picks(16, pick);
-    for (int64_t b = 0; b < NB; b++) {
-        const uint8_t *blk = codes + b * Q6K_CODE_BYTES;
-        for (int line = 0; line < 3; line++) _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64 * line), _MM_HINT_T0);
-        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
-        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
-        const __m512i qh = _mm512_loadu_si512((const void *)(blk + 128));
-        __m512i q[4];
-        q[0] = _mm512_or_si512(_mm512_and_si512(ql0, low4), _mm512_slli_epi16(_mm512_and_si512(qh, low2), 4));
-        q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4),
-                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), low2), 4));
-        q[2] = _mm512_or_si512(_mm512_and_si512(ql1, low4),
-                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), low2), 4));
-        q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4),
-                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), low2), 4));
-        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sc + b * 16))));
-        __m512i s[4];
-        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
-        /* the -32 of every code as -32 * sc_g per bsum_g: one more pair product a row */
-        const __m512i offset = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(s16, 5));
-        const __m512 dv = _mm512_set1_ps(d[b]);
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
-            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bsum + m * (K / 16) + b * 16)));
-            const __m512i acc = block_dot(q, xb, s, madd_acc(_mm512_setzero_si512(), offset, bs));
-            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
-            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
-        }
-    }
-    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]);
-#elif TESSERA_AVX2
-    q6k_row_avx2(row, NB, acts, sums);
-#elif TESSERA_NEON_DOTPROD
-    q6k_row_neon(row, NB, acts, sums);
-#else
-    q6k_row_plain(row, NB, acts, sums);
-#endif
+    KQ_ROWS(q6k_rows, row, NB, acts, sums);
 }
 
 /* One Q4_K weight row: codes as the header says, scales[b * 16 ..]: 8 scales then 8 minimums,
  * d[2 b], d[2 b + 1]: the block's d and dmin. */
 static void q4k_row(kq_row_t row, int64_t NB, const kq_acts_t *acts, float *sums) {
-#if TESSERA_AVX512
-    const int8_t *xq = acts->xq;
-    const float *xd = acts->xd;
-    const int64_t M = acts->M, K = acts->K;
-    const uint8_t *codes = row.codes;
-    const uint8_t *sm = (const uint8_t *)row.scales;
-    const float *d = row.d;
-    const float *xmin = acts->xmin;
-    __m512 facc[KQUANT_MAX_ROWS];
-    __m256 fmin[KQUANT_MAX_ROWS];
-    for (int64_t m = 0; m < M; m++) facc[m] = _mm512_setzero_ps(), fmin[m] = _mm256_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512i pick[4];
-    scale_picks(32, pick);
-    for (int64_t b = 0; b < NB; b++) {
-        const uint8_t *blk = codes + b * Q4K_CODE_BYTES;
-        _mm_prefetch((const char *)(blk + KQ_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + KQ_PREFETCH + 64), _MM_HINT_T0);
-        const __m512i ql0 = _mm512_loadu_si512((const void *)blk);
-        const __m512i ql1 = _mm512_loadu_si512((const void *)(blk + 64));
-        __m512i q[4];
-        q[0] = _mm512_and_si512(ql0, low4);
-        q[1] = _mm512_and_si512(_mm512_srli_epi16(ql0, 4), low4);
-        q[2] = _mm512_and_si512(ql1, low4);
-        q[3] = _mm512_and_si512(_mm512_srli_epi16(ql1, 4), low4);
-        const __m512i s16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(sm + b * 16))));
-        __m512i s[4];
-        for (int c = 0; c < 4; c++) s[c] = _mm512_permutexvar_epi16(pick[c], s16);
-        /* dmin * mn_g, the weight's side of the minimum term; xmin holds the activations' */
-        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + b * 16 + 8)))),
-                                          _mm256_set1_ps(d[2 * b + 1]));
-        const __m512 dv = _mm512_set1_ps(d[2 * b]);
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *xb = xq + m * K + b * KQ_BLOCK;
-            const __m512i acc = block_dot(q, xb, s, _mm512_setzero_si512());
-            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xd[m * (K / KQ_BLOCK) + b]));
-            facc[m] = _mm512_fmadd_ps(part, dv, facc[m]);
-            fmin[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xmin + m * (K / 32) + b * 8), fmin[m]);
-        }
-    }
-    for (int64_t m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(facc[m]) - hsum_ps256(fmin[m]);
-#elif TESSERA_AVX2
-    q4k_row_avx2(row, NB, acts, sums);
-#elif TESSERA_NEON_DOTPROD
-    q4k_row_neon(row, NB, acts, sums);
-#else
-    q4k_row_plain(row, NB, acts, sums);
-#endif
+    KQ_ROWS(q4k_rows, row, NB, acts, sums);
 }
 
 /* Bytes of scratch q6k_gemm and q4k_gemm need for M rows of K: xq, xd, bsum, xmin (kq_acts_t). */
