@@ -23,7 +23,7 @@ from tessera.sampling_params import SamplingParams
 from tessera.server.auth import check_model, enter_queue
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
-from tessera.server.openai.response_models import UsageInfo
+from tessera.server.openai.response_models import PromptTokensDetails, UsageInfo
 from tessera.server.model_router import NO_FALLBACK_HEADER, ModelRouter, Route
 from tessera.server.served_model import ServedModel
 
@@ -144,9 +144,14 @@ def clamp_logprob(value: float) -> float:
 
 
 def usage_of(finals: dict[int, RequestOutput]) -> UsageInfo:
+    """The request's usage: each prompt counted once (its `n` choices share it), and of those
+    tokens the ones the prefix cache served when the engine first scheduled it (a preempted and
+    recomputed prompt still reports that first hit, as vLLM's `num_cached_tokens` does)."""
     prompt = sum(len(out.prompt_token_ids) for out in finals.values())
     completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(out.num_cached_tokens for out in finals.values())
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def record_usage(request: Request, usage: UsageInfo) -> None:
