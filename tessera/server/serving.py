@@ -334,6 +334,7 @@ class Run:
         finals: dict[int, RequestOutput] = {}
         status, error = 200, None  # for --record-traffic
         try:
+            renderer.admitted([output for _, output in first])
             for event in renderer.start():
                 yield event
             while True:
@@ -409,6 +410,11 @@ class StreamRenderer(Protocol):
     and Messages streams fail with typed events of their own."""
 
     model: str  # the `model` of every chunk (changed if a fallback model takes the request over)
+
+    def admitted(self, first: list[RequestOutput]) -> None:
+        """Told, before `start`, the first output of each prompt that had one by then (none when
+        a long prefill started the stream early): what the opening events may say of a prompt
+        beyond its text, such as how much of it the prefix cache served."""
 
     def start(self) -> list[str]: ...
 

@@ -52,7 +52,8 @@ from tessera.server.ollama.protocol import (
     OllamaGenerationRequest,
 )
 from tessera.server.served_model import ServedModel
-from tessera.server.serving import Run, ServerState, StreamFraming, clamp_logprob, record_usage, usage_of
+from tessera.server.serving import (Run, ServerState, StreamFraming, StreamRenderer, clamp_logprob, record_usage,
+                                    usage_of)
 from tessera.server.tools import (
     OutputParser, OutputParsing, check_tools, output_parser, tool_choice_mode, tool_constraint,
 )
@@ -291,7 +292,7 @@ class Timing:
     load: int = 0
 
 
-class OllamaReply:
+class OllamaReply(StreamRenderer):
     """The lines of one /api/chat or /api/generate answer: the streamed pieces and the final
     object with the statistics; a whole (non-streamed) answer is the same final object with
     all the text in it, parsed by the same code."""
