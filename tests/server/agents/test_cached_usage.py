@@ -35,6 +35,7 @@ from tessera.server.openai.response_models import UsageInfo
 BLOCK = EngineConfig.block_size  # the tiny server's engine keeps the default
 TEXT = " prefix caching reuses the blocks of shared prompts." * 6
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
     """agent_server's tiny server, its engine's stats also going to /metrics."""
@@ -53,7 +54,7 @@ claude = pytest.fixture(scope="module", name="claude")(anthropic_client)
 
 
 def hit(prompt_tokens: int) -> int:
-    """What a repeated prompt finds: its full blocks, less the last token's."""
+    """What a repeated prompt finds: the full blocks before its last token."""
     return (prompt_tokens - 1) // BLOCK * BLOCK
 
 
