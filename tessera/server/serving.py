@@ -23,7 +23,7 @@ from tessera.sampling_params import SamplingParams
 from tessera.server.auth import check_model, enter_queue
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
-from tessera.server.openai.response_models import UsageInfo
+from tessera.server.openai.response_models import PromptTokensDetails, UsageInfo
 from tessera.server.model_router import NO_FALLBACK_HEADER, ModelRouter, Route
 from tessera.server.served_model import ServedModel
 
@@ -144,9 +144,14 @@ def clamp_logprob(value: float) -> float:
 
 
 def usage_of(finals: dict[int, RequestOutput]) -> UsageInfo:
+    """The request's usage: each prompt counted once (its `n` choices share it), and of those
+    tokens the ones the prefix cache served when the engine first scheduled it (a preempted and
+    recomputed prompt still reports that first hit, as vLLM's `num_cached_tokens` does)."""
     prompt = sum(len(out.prompt_token_ids) for out in finals.values())
     completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(out.num_cached_tokens for out in finals.values())
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def record_usage(request: Request, usage: UsageInfo) -> None:
@@ -329,6 +334,7 @@ class Run:
         finals: dict[int, RequestOutput] = {}
         status, error = 200, None  # for --record-traffic
         try:
+            renderer.admitted([output for _, output in first])
             for event in renderer.start():
                 yield event
             while True:
@@ -404,6 +410,11 @@ class StreamRenderer(Protocol):
     and Messages streams fail with typed events of their own."""
 
     model: str  # the `model` of every chunk (changed if a fallback model takes the request over)
+
+    def admitted(self, first: list[RequestOutput]) -> None:
+        """Told, before `start`, the first output of each prompt that had one by then (none when
+        a long prefill started the stream early): what the opening events may say of a prompt
+        beyond its text, such as how much of it the prefix cache served."""
 
     def start(self) -> list[str]: ...
 

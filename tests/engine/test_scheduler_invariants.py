@@ -387,3 +387,33 @@ def test_lru_eviction_of_cached_blocks() -> None:
     sched.schedule()
     # c needed 3 of 4 blocks: the least recently freed ones go first, the cache shrinks.
     assert len(kv.pool.cached) <= 1
+
+
+def test_cached_tokens_are_what_the_first_admission_found() -> None:
+    """A prompt preempted and recomputed finds its own blocks in the cache on resuming; its
+    num_cached_tokens (the usage's cached count) stays what its first admission found, and the
+    prefix counters count its lookup once, as vLLM's do."""
+    cfg = EngineConfig(max_num_batched_tokens=64, block_size=4, max_num_seqs=1, preemption_mode="recompute",
+                       scheduling_policy="priority")
+    sched = Scheduler(cfg, KVCacheManager(64, 4, True), 256)
+    low = Request("low", list(range(1, 11)), SamplingParams(max_tokens=50, priority=10), 50, [EOS])
+    high = Request("high", list(range(50, 56)), SamplingParams(max_tokens=2, priority=0), 2, [EOS])
+    lookups, granted = [], []
+
+    def step() -> None:
+        out = sched.schedule()
+        lookups.append((out.num_prefix_queries, out.num_prefix_hits))
+        granted.append({s.request_id: s.num_new_tokens for s in out.scheduled})
+        sched.update_after_step(out, {s.request_id: [7] for s in out.scheduled if s.samples})
+
+    sched.add_request(low)
+    step()
+    step()
+    sched.add_request(high)
+    step()
+    assert low.status == RequestStatus.PREEMPTED
+    while "low" not in granted[-1] or len(granted) == 3:
+        step()
+    assert granted[-1]["low"] == low.num_tokens - 1 - 8  # it resumed on two cached blocks of its own
+    assert low.num_cached_tokens == 0
+    assert [q for q in lookups if q != (0, 0)] == [(10, 0), (6, 0)]  # low's first admission, high's

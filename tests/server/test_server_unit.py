@@ -29,7 +29,8 @@ def test_completion_text_usage_and_ids(srv):
     assert body["model"] == MODEL and abs(body["created"] - time.time()) < 60
     assert body["choices"] == [{"index": 0, "text": REPLY[:5], "logprobs": None, "finish_reason": "length",
                                 "stop_reason": None}]
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # the fake engine caches nothing
 
 
 def test_completion_defaults_to_16_tokens_and_any_served_name(srv):
@@ -48,7 +49,8 @@ def test_completion_prompt_forms_and_n(srv):
         assert [c["index"] for c in body["choices"]] == list(range(2 * num_prompts))
         assert all(c["text"] == REPLY[:3] for c in body["choices"])
         assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6 * num_prompts,
-                                 "total_tokens": prompt_tokens + 6 * num_prompts}
+                                 "total_tokens": prompt_tokens + 6 * num_prompts,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_stop_ignore_eos_and_echo(srv):
@@ -90,8 +92,8 @@ def test_completion_stream_sse_format(srv):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
     assert all(c["object"] == "text_completion" and "usage" in c for c in chunks)
     usage_chunk = chunks[-1]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {"prompt_tokens": 1, "completion_tokens": 8,
-                                                                     "total_tokens": 9}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
+        "prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}
     for index in (0, 1):
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
         assert "".join(c["text"] for c in mine) == REPLY[:4]
@@ -124,7 +126,8 @@ def test_chat_completion(srv):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": REPLY[:5]}
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["logprobs"] is None
     prompt = len("<|system|>Be brief.\n<|user|>Hi\n<|assistant|>")
-    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_without_max_tokens_runs_to_eos(srv):

@@ -338,10 +338,22 @@ def _to_chat(message: InputMessage) -> list[dict[str, Any]]:
 
 
 class Usage(OpenAIModel):
+    """Anthropic's split of the prompt, whose length is the sum of the three input fields:
+    `cache_read_input_tokens` the prefix cache served, `input_tokens` the rest (computed for this
+    request). `cache_creation_input_tokens` stays 0: Anthropic counts there what a `cache_control`
+    breakpoint writes to its cache, billed above plain input; this server caches every full block
+    of every prompt as a side effect of computing it, at no extra cost and with no lifetime
+    promised, so nothing is written in that sense and computed tokens stay in `input_tokens`."""
+
     input_tokens: int = 0
     output_tokens: int = 0
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, cached_tokens: int, output_tokens: int = 0) -> "Usage":
+        return cls(input_tokens=prompt_tokens - cached_tokens, cache_read_input_tokens=cached_tokens,
+                   output_tokens=output_tokens)
 
 
 class MessageResponse(OpenAIModel):

@@ -124,10 +124,10 @@ class MessageBuilder:
     def end(self, reason: tuple[Optional[str], Optional[str]], usage: UsageInfo) -> list[str]:
         out = self._close()
         self.message.stop_reason, self.message.stop_sequence = reason
-        self.message.usage = Usage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
+        self.message.usage = Usage.of(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
         out.append(typed_sse("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]},
-            "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}}))
+            "usage": self.message.usage.model_dump(mode="json")}))
         out.append(typed_sse("message_stop", {"type": "message_stop"}))
         return out
 
@@ -137,6 +137,13 @@ class MessagesStream(StreamRenderer):
         self.builder, self.parser, self.stops = builder, parser, stops
         self.model = builder.message.model
         self.reason: tuple[Optional[str], Optional[str]] = (None, None)
+
+    def admitted(self, first: list[RequestOutput]) -> None:
+        """message_start's usage, as Anthropic's has it: the prompt split into cache reads and
+        the rest (without a first output yet, after a long prefill, it says the whole prompt
+        and message_delta the split)."""
+        if first:
+            self.builder.message.usage = Usage.of(len(first[0].prompt_token_ids), first[0].num_cached_tokens)
 
     def start(self) -> list[str]:
         self.builder.message.model = self.model  # a fallback model may have taken the request over

@@ -11,7 +11,8 @@ answers back into Ollama's shapes:
   statistics); `"stream": false` for one object;
 - durations in nanoseconds: `total_duration` (the whole request), `load_duration` (waiting for
   the model to load), `prompt_eval_duration` (first scheduled to first token), `eval_duration`
-  (first token to last); `prompt_eval_count` is the whole prompt, cached prefix included;
+  (first token to last); `prompt_eval_count` is the whole prompt, cached prefix included, and
+  `prompt_eval_cached_count` the prefix the cache served (Ollama's fields, its values alike);
 - `options` onto SamplingParams with Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9);
   `num_predict` past the context is cut to what the context leaves (Ollama generates until the
   context is full), `num_ctx` bounds prompt + output below the model's own length;
@@ -52,7 +53,8 @@ from tessera.server.ollama.protocol import (
     OllamaGenerationRequest,
 )
 from tessera.server.served_model import ServedModel
-from tessera.server.serving import Run, ServerState, StreamFraming, clamp_logprob, record_usage, usage_of
+from tessera.server.serving import (Run, ServerState, StreamFraming, StreamRenderer, clamp_logprob, record_usage,
+                                    usage_of)
 from tessera.server.tools import (
     OutputParser, OutputParsing, check_tools, output_parser, tool_choice_mode, tool_constraint,
 )
@@ -291,7 +293,7 @@ class Timing:
     load: int = 0
 
 
-class OllamaReply:
+class OllamaReply(StreamRenderer):
     """The lines of one /api/chat or /api/generate answer: the streamed pieces and the final
     object with the statistics; a whole (non-streamed) answer is the same final object with
     all the text in it, parsed by the same code."""
@@ -381,7 +383,8 @@ class OllamaReply:
         if self.kind == "generate":
             body["context"] = list(output.prompt_token_ids) + list(c.token_ids)
         body.update(total_duration=time.perf_counter_ns() - self.timing.start, load_duration=self.timing.load,
-                    prompt_eval_count=len(output.prompt_token_ids), prompt_eval_duration=_ns(prompt_s),
+                    prompt_eval_count=len(output.prompt_token_ids), prompt_eval_cached_count=output.num_cached_tokens,
+                    prompt_eval_duration=_ns(prompt_s),
                     eval_count=len(c.token_ids), eval_duration=_ns(eval_s))
         return body
 

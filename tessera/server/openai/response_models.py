@@ -11,10 +11,28 @@ from tessera.server.openai.schema_base import OpenAIModel, SparseModel
 from tessera.server.openai.tool_schemas import CustomCall, ToolCall
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (counted in prompt_tokens too)
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Set on a generation's usage, as OpenAI's chat and completions usage has it: agent clients
+    # read it to show how much of each turn was cached. An embedding's usage has none.
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prompt_tokens_details.cached_tokens if self.prompt_tokens_details is not None else 0
+
+    @model_serializer(mode="wrap")
+    def _drop_no_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class CompletionLogprobs(OpenAIModel):

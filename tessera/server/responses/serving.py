@@ -34,8 +34,9 @@ from tessera.server.openai.schema_base import OpenAIModel
 from tessera.server.openai.tool_schemas import FREEFORM_ARGUMENT, freeform_input
 from tessera.server.openai.response_models import UsageInfo
 from tessera.server.responses.protocol import (
-    CallNames, CustomToolCallOutput, FunctionCallOutput, IncompleteDetails, OutputItem, OutputMessage, OutputText,
-    ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, items_to_messages,
+    CallNames, CustomToolCallOutput, FunctionCallOutput, IncompleteDetails, InputTokensDetails, OutputItem,
+    OutputMessage, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponsesRequest,
+    ResponseUsage, items_to_messages,
 )
 from tessera.server.serving import Run, StreamRenderer, record_usage, usage_of
 from tessera.server.tools import OutputParser, ParserEvent
@@ -239,7 +240,8 @@ class ResponseBuilder:
         if incomplete:
             self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         self.response.usage = ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                                            total_tokens=usage.total_tokens)
+                                            total_tokens=usage.total_tokens,
+                                            input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens))
         out.append(self.event(f"response.{self.response.status}", response=self._snapshot()))
         return out
 

@@ -72,3 +72,19 @@ def without_ids(value):
     if isinstance(value, list):
         return [without_ids(v) for v in value]
     return value
+
+
+def prompt_tokens(usage) -> int:
+    """A Messages usage's whole prompt: Anthropic's `input_tokens` leaves out what the prefix cache served."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+
+
+def merged_cache(reply) -> dict:
+    """A message's or response's dump with its usage's cache split undone (the whole prompt in
+    `input_tokens`, no cached count): a request sent twice finds its prompt cached the second time."""
+    dump = reply.model_dump()
+    usage = dict(dump["usage"])
+    usage["input_tokens"] += (usage.pop("cache_read_input_tokens", 0) or 0) + \
+        (usage.pop("cache_creation_input_tokens", 0) or 0)
+    usage.pop("input_tokens_details", None)
+    return {**dump, "usage": usage}
