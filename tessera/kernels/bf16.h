@@ -18,6 +18,20 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(x.u >> 16);
 }
 
+/* IEEE half -> float32, exactly (the float32 int4 layout's scales and zeros; F16C's vcvtph2ps in
+ * the vector paths gives the same values). */
+static inline float f16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } x;
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0) {
+        x.f = (float)man * 0x1p-24f; /* zero or subnormal */
+        x.u |= sign;
+    } else {
+        x.u = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    }
+    return x.f;
+}
+
 /* Column n of a product's output [M][N] (bfloat16 if is_bf16, else float32) from its M sums. */
 static inline void store_column(void *out, int64_t N, int64_t n, const float *sums, int64_t M, int is_bf16) {
     for (int64_t m = 0; m < M; m++) {
@@ -50,6 +64,53 @@ static inline float int4pack_group_dot(const float *x, const uint8_t *packed, in
     }
     *xsum = sum;
     return dot;
+}
+
+/* The float32 int4 layout (int4_avx2.c, int4_i8_f32.c): output rows in tiles of 32, each tile's
+ * K/32 column groups one after another, INT4G_GROUP_BYTES each: 32 columns of 16 bytes (byte c of
+ * a column: row c in the low nibble, row 16 + c in the high one), then the 32 rows' scales and
+ * their 32 zeros as IEEE halves. One stream per tile: codes and the floats they need arrive
+ * together, 0.625 bytes a weight. */
+#define INT4G_CODE_BYTES 512
+#define INT4G_GROUP_BYTES 640
+
+static inline const uint8_t *int4g_group(const uint8_t *packed, int64_t K, int64_t t, int64_t g) {
+    return packed + (t * (K / 32) + g) * INT4G_GROUP_BYTES;
+}
+
+/* Row n's (scale, zero) of group g. */
+static inline void int4g_scale_zero(const uint8_t *packed, int64_t K, int64_t n, int64_t g, float *s, float *z) {
+    const uint16_t *h = (const uint16_t *)(int4g_group(packed, K, n / 32, g) + INT4G_CODE_BYTES);
+    *s = f16_to_f32(h[n % 32]);
+    *z = f16_to_f32(h[32 + n % 32]);
+}
+
+/* Row n's codes of group g against 32 activations: sum x (q - 8) (returned) and sum x (*xsum), in
+ * float32; w = (q - 8) * s + z makes the group's share s * (the return) + z * (*xsum). */
+static inline float int4g_group_dot(const float *x, const uint8_t *packed, int64_t K, int64_t n, int64_t g,
+                                    float *xsum) {
+    const uint8_t *col = int4g_group(packed, K, n / 32, g);
+    const int r = (int)(n % 32);
+    float dot = 0.f, sum = 0.f;
+    for (int i = 0; i < 32; i++) {
+        const uint8_t byte = col[i * 16 + r % 16];
+        dot += x[i] * (float)((r < 16 ? byte & 0x0F : byte >> 4) - 8);
+        sum += x[i];
+    }
+    *xsum = sum;
+    return dot;
+}
+
+/* Row n's codes of group g against 32 int8 activations: the exact sum q * xq. */
+static inline int32_t int4g_group_idot(const int8_t *xq, const uint8_t *packed, int64_t K, int64_t n, int64_t g) {
+    const uint8_t *col = int4g_group(packed, K, n / 32, g);
+    const int r = (int)(n % 32);
+    int32_t q = 0;
+    for (int i = 0; i < 32; i++) {
+        const uint8_t byte = col[i * 16 + r % 16];
+        q += (r < 16 ? byte & 0x0F : byte >> 4) * (int32_t)xq[i];
+    }
+    return q;
 }
 
 /* One group of 32 codes k0 .. k0 + 31 of weight row n (int4pack_code's layout) against 32 int8

@@ -140,10 +140,10 @@ SIGNATURES: dict[str, Signature] = {
                          ("scratch", P)),
     # int4_avx2.c
     "tessera_avx2_fma": _FEATURE,
-    "int4_gemm_f32": _sig(INT, *_names(P, "x", "packed", "sz", "out"), *_names(I64, "M", "N_pad", "N_out", "K")),
+    "int4_gemm_f32": _sig(INT, *_names(P, "x", "packed", "out"), *_names(I64, "M", "N_pad", "N_out", "K")),
     # int4_i8_f32.c
     "int4_i8_f32_scratch_bytes": _sig(I64, ("M", I64), ("K", I64)),
-    "int4_gemm_i8_f32": _sig(INT, *_names(P, "x", "packed", "sz", "out"), *_names(I64, "M", "N_pad", "N_out", "K"),
+    "int4_gemm_i8_f32": _sig(INT, *_names(P, "x", "packed", "out"), *_names(I64, "M", "N_pad", "N_out", "K"),
                              ("scratch", P)),
     # kquant_gemm.c
     "kquant_scratch_bytes": _sig(I64, ("M", I64), ("K", I64)),

@@ -12,7 +12,7 @@
  * sums inside the kernels.
  *
  * The caller (models/fused_decode.py) checks what this handles: int4pack (bfloat16: AVX-512 layout, or
- * int8 activations; float32: the AVX2 layout of int4_avx2.c), int8-group or Q4_K / Q6_K (kquant_gemm.c)
+ * int8 activations; float32: the float32 layout of int4_avx2.c, scales within), int8-group or Q4_K / Q6_K (kquant_gemm.c)
  * projections, a bias on the QKV projection only, a paged cache of the step's dtype
  * [2][Hkv][num_blocks][block_size][D], neox RoPE tables, no sliding window. Rows of LoRA adapters
  * get their updates beside every projection (lora.c), so a step with adapters stays one call.
@@ -110,7 +110,7 @@ static int linear(const linear_t *l, const void *x, int64_t M, void *out, float 
         }
     } else if (l->kind == LINEAR_INT4_I8) {
         const int rc = bf ? int4_gemm_i8(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch)
-                          : int4_gemm_i8_f32(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch);
+                          : int4_gemm_i8_f32(x, l->weight, out, M, l->n_pad, l->n, l->k, scratch);
         if (rc != 0) return -1;
     } else if (l->kind == LINEAR_INT4) {
         const int64_t step = bf ? INT4_ROWS_PER_CALL : INT4_F32_MAX_ROWS;
@@ -119,8 +119,8 @@ static int linear(const linear_t *l, const void *x, int64_t M, void *out, float 
             const int rc = bf
                 ? int4_gemm_bf16((const uint16_t *)(xc + i * l->k * es), l->weight, l->scales,
                                  (uint16_t *)(oc + i * l->n * es), m, l->n_pad, l->n, l->k, scratch)
-                : int4_gemm_f32((const float *)(xc + i * l->k * es), l->weight, l->scales,
-                                (float *)(oc + i * l->n * es), m, l->n_pad, l->n, l->k);
+                : int4_gemm_f32((const float *)(xc + i * l->k * es), l->weight, (float *)(oc + i * l->n * es), m,
+                                l->n_pad, l->n, l->k);
             if (rc != 0) return -1;
         }
     } else if (l->kind == LINEAR_INT8) {

@@ -1,5 +1,5 @@
 /* Weight-only int4 matrix product for float32 activations on AVX2 + FMA hosts (no AVX-512),
- * on the int4pack layout PyTorch writes there.
+ * on the float32 int4 layout (bf16.h: INT4G_*).
  *
  * Why: on those hosts the compute dtype is float32 (no native bfloat16) and PyTorch's
  * _weight_int4pack_mm_for_cpu runs at ~1 GFLOP/s there: one SmolLM2-135M decode step took
@@ -10,9 +10,12 @@
  * multiplies it by every activation row, two rows at a time so eight independent FMA chains
  * hide the FMA latency. Tiles are split across torch's OpenMP threads.
  *
- * Layout (torch._convert_weight_to_int4pack_for_cpu under AVX2, torch 2.13): output rows in tiles
- * of 32; tile t, input column k, byte c (0..15) holds row 32t + c in its low nibble and row
- * 32t + 16 + c in its high nibble. sz is [K/32][N_pad][2] float32 (scale, zero) pairs.
+ * Layout: output rows in tiles of 32; within a tile each group of 32 input columns is 512 code
+ * bytes (column k, byte c (0..15): row 32t + c in its low nibble, row 32t + 16 + c in its high
+ * nibble; PyTorch's int4pack tile on AVX2 hosts) followed by the 32 rows' scales and zeros as
+ * halves. The codes are PyTorch's; the scales moved beside them: kept apart as [K/32][N_pad][2]
+ * float32, a third of the bytes a step reads were scales, fetched from a second stream 8 N_pad
+ * bytes apart, and the int8-activation kernel at one row took 1.32x as long (AMD EPYC, one core).
  */
 #include <stdint.h>
 #include "simd.h"
@@ -43,9 +46,8 @@ int tessera_avx2_fma(void) {
  * took 2.2x one row's time through it). One row keeps eight FMA chains busy by splitting even
  * and odd columns; two rows have four chains each. `R` is a constant at each call, so the loops
  * over rows and chains unroll into registers. */
-static inline __attribute__((always_inline)) void few_rows_tile(const float *x, int64_t K, const uint8_t *packed,
-                                                                const float *sz, float *out, int64_t t,
-                                                                int64_t N_pad, int64_t N_out, int64_t G,
+static inline __attribute__((always_inline)) void few_rows_tile(const float *x, int64_t K, const uint8_t *tile,
+                                                                float *out, int64_t t, int64_t N_out, int64_t G,
                                                                 const int R) {
     const int J = R == 1 ? 2 : 1; /* column chains per row */
     const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -53,7 +55,7 @@ static inline __attribute__((always_inline)) void few_rows_tile(const float *x, 
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const uint8_t *col = packed + g * 32 * 16;
+        const uint8_t *col = tile + g * INT4G_GROUP_BYTES;
         __m256 d[2][8];
         for (int r = 0; r < R; r++)
             for (int v = 0; v < 4 * J; v++) d[r][v] = _mm256_setzero_ps();
@@ -72,14 +74,12 @@ static inline __attribute__((always_inline)) void few_rows_tile(const float *x, 
                 }
             }
         }
-        const float *pairs = sz + (g * N_pad + t * 32) * 2;
+        const uint16_t *halves = (const uint16_t *)(col + INT4G_CODE_BYTES);
         __m256 sc[4], bias[4];
-        for (int v = 0; v < 4; v++) {
-            /* (scale, zero) pairs of rows 8v..8v+7, deinterleaved */
-            const __m256 p0 = _mm256_loadu_ps(pairs + 16 * v), p1 = _mm256_loadu_ps(pairs + 16 * v + 8);
-            const __m256 lo = _mm256_permute2f128_ps(p0, p1, 0x20), hi = _mm256_permute2f128_ps(p0, p1, 0x31);
-            sc[v] = _mm256_shuffle_ps(lo, hi, 0x88);
-            bias[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc[v], _mm256_shuffle_ps(lo, hi, 0xDD)); /* z - 8 s */
+        for (int v = 0; v < 4; v++) { /* rows 8v..8v+7 */
+            sc[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 8 * v)));
+            const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 32 + 8 * v)));
+            bias[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc[v], z); /* z - 8 s */
         }
         for (int r = 0; r < R; r++) {
             const float *xg = x + r * K + g * 32;
@@ -102,18 +102,17 @@ static inline __attribute__((always_inline)) void few_rows_tile(const float *x, 
 }
 
 /* One group of 32 columns of a tile dequantized into wf[k][row] = (q - 8) * s + z. */
-static inline __attribute__((always_inline)) void dequant_group(const uint8_t *col, const float *pairs,
-                                                                float wf[32][32]) {
-    float s[32] __attribute__((aligned(32))), b[32] __attribute__((aligned(32)));
+static inline __attribute__((always_inline)) void dequant_group(const uint8_t *col, float wf[32][32]) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int r = 0; r < 32; r++) {
-        s[r] = pairs[2 * r];
-        b[r] = pairs[2 * r + 1] - 8.f * pairs[2 * r]; /* w = q * s + (z - 8 s) */
+    const uint16_t *halves = (const uint16_t *)(col + INT4G_CODE_BYTES);
+    __m256 sv[4], bv[4]; /* w = q * s + (z - 8 s) */
+    for (int v = 0; v < 4; v++) {
+        sv[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 8 * v)));
+        bv[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv[v],
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 32 + 8 * v))));
     }
-    const __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
-    const __m256 s2 = _mm256_load_ps(s + 16), s3 = _mm256_load_ps(s + 24);
-    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-    const __m256 b2 = _mm256_load_ps(b + 16), b3 = _mm256_load_ps(b + 24);
+    const __m256 s0 = sv[0], s1 = sv[1], s2 = sv[2], s3 = sv[3];
+    const __m256 b0 = bv[0], b1 = bv[1], b2 = bv[2], b3 = bv[3];
     for (int kk = 0; kk < 32; kk++) {
         const __m128i bytes = _mm_loadu_si128((const __m128i *)(col + kk * 16));
         const __m128i lo = _mm_and_si128(bytes, low4);                     /* rows 0..15 */
@@ -172,13 +171,13 @@ static inline __attribute__((always_inline)) void odd_row_group(const float *xa,
 }
 #endif
 
-/* x: [M][K] float32 (K a multiple of 32, M <= INT4_F32_MAX_ROWS); packed: [N_pad/32][K][16] uint8;
- * sz: [K/32][N_pad][2] float32; out: [M][N_out] float32. Returns 0, or -1 when the shape is out of
+/* x: [M][K] float32 (K a multiple of 32, M <= INT4_F32_MAX_ROWS); packed: N_pad/32 tiles of K/32
+ * groups of INT4G_GROUP_BYTES (the layout above); out: [M][N_out] float32. Returns 0, or -1 when the shape is out of
  * range (callers then use PyTorch's kernel). Builds without AVX2 + FMA take a plain C loop over the
  * same layout (the reference the vector paths are tested against; tessera_avx2_fma() says 0 there,
  * as callers prefer PyTorch's kernel to it). */
-int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
-                  int64_t N_out, int64_t K) {
+int int4_gemm_f32(const float *x, const uint8_t *packed, float *out, int64_t M, int64_t N_pad, int64_t N_out,
+                  int64_t K) {
 #ifdef HAVE_AVX2_FMA
     if (M < 1 || M > INT4_F32_MAX_ROWS || K % 32 != 0 || N_pad % 32 != 0) return -1;
     const int64_t G = K / 32;
@@ -186,22 +185,22 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float 
     if (M <= INT4_F32_FEW_ROWS) {
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *tile = packed + t * K * 16;
+            const uint8_t *tile = int4g_group(packed, K, t, 0);
             int64_t m = 0;
-            for (; m + 2 <= M; m += 2) few_rows_tile(x + m * K, K, tile, sz, out + m * N_out, t, N_pad, N_out, G, 2);
-            if (m < M) few_rows_tile(x + m * K, K, tile, sz, out + m * N_out, t, N_pad, N_out, G, 1);
+            for (; m + 2 <= M; m += 2) few_rows_tile(x + m * K, K, tile, out + m * N_out, t, N_out, G, 2);
+            if (m < M) few_rows_tile(x + m * K, K, tile, out + m * N_out, t, N_out, G, 1);
         }
         return 0;
     }
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *tile = packed + t * K * 16;
+        const uint8_t *tile = int4g_group(packed, K, t, 0);
         float acc[INT4_F32_MAX_ROWS][32] __attribute__((aligned(32)));
         float wf[32][32] __attribute__((aligned(32))); /* [k within the group][row of the tile] */
         for (int64_t m = 0; m < M; m++)
             for (int r = 0; r < 32; r++) acc[m][r] = 0.f;
         for (int64_t g = 0; g < G; g++) {
-            dequant_group(tile + g * 32 * 16, sz + (g * N_pad + t * 32) * 2, wf);
+            dequant_group(tile + g * INT4G_GROUP_BYTES, wf);
             int64_t m = 0;
             for (; m + 2 <= M; m += 2) two_rows_group(x + m * K + g * 32, K, wf, acc[m], acc[m + 1]);
             if (m < M) odd_row_group(x + m * K + g * 32, wf, acc[m]);
@@ -221,10 +220,10 @@ int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float 
         for (int64_t m = 0; m < M; m++) {
             float acc = 0.f;
             for (int64_t g = 0; g < G; g++) {
-                float sum;
-                const float dot = int4pack_group_dot(x + m * K + g * 32, packed, K, 32, n, g * 32, &sum);
-                const float *pair = sz + (g * N_pad + n) * 2;
-                acc += pair[0] * dot + pair[1] * sum;
+                float sum, s, z;
+                const float dot = int4g_group_dot(x + m * K + g * 32, packed, K, n, g, &sum);
+                int4g_scale_zero(packed, K, n, g, &s, &z);
+                acc += s * dot + z * sum;
             }
             out[m * N_out + n] = acc;
         }

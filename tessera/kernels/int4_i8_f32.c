@@ -1,6 +1,6 @@
 /* Weight-only int4 matrix product for a few float32 rows with int8 activations, on the AVX2 int4pack
  * layout (int4_avx2.c's: tiles of 32 output rows; tile t, column k, byte c holds row 32t + c in its
- * low nibble and row 32t + 16 + c in its high nibble; sz [K/32][N_pad][2] float32 (scale, zero)).
+ * low nibble and row 32t + 16 + c in its high nibble, each group's scales and zeros beside it).
  *
  * Why: int4_gemm_f32 widens every code to float32 and multiplies it by a float (about 0.4 vector
  * instructions a weight), which keeps two AVX2 cores compute-bound below the memory's rate at one
@@ -95,8 +95,8 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *col,
 }
 
 /* R rows (1 or 2) of one tile: out[r][row0 ..] for the tile's rows. */
-static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile, const float *sz, int64_t t,
-                                                            int64_t N_pad, int64_t K, const uint8_t *const *steps,
+static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile, int64_t t, int64_t K,
+                                                            const uint8_t *const *steps,
                                                             const float *const *dx, const float *const *sx,
                                                             float *const *out, int64_t n, const int R) {
     __m256 acc[2][4];
@@ -106,14 +106,13 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile,
         const uint8_t *gsteps[2];
         for (int r = 0; r < R; r++) gsteps[r] = steps[r] + g * GROUP_BYTES;
         __m256i q32[2][4];
-        group_sums(tile + g * GROUP * 16, gsteps, q32, R);
-        const float *pairs = sz + (g * N_pad + t * 32) * 2;
-        for (int v = 0; v < 4; v++) {
-            /* (scale, zero) pairs of rows 8v..8v+7, deinterleaved; bias = z - 8 s */
-            const __m256 p0 = _mm256_loadu_ps(pairs + 16 * v), p1 = _mm256_loadu_ps(pairs + 16 * v + 8);
-            const __m256 lo = _mm256_permute2f128_ps(p0, p1, 0x20), hi = _mm256_permute2f128_ps(p0, p1, 0x31);
-            const __m256 sc = _mm256_shuffle_ps(lo, hi, 0x88);
-            const __m256 bias = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc, _mm256_shuffle_ps(lo, hi, 0xDD));
+        const uint8_t *col = tile + g * INT4G_GROUP_BYTES;
+        group_sums(col, gsteps, q32, R);
+        const uint16_t *halves = (const uint16_t *)(col + INT4G_CODE_BYTES);
+        for (int v = 0; v < 4; v++) { /* rows 8v..8v+7; bias = z - 8 s */
+            const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 8 * v)));
+            const __m256 bias = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sc,
+                                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(halves + 32 + 8 * v))));
             for (int r = 0; r < R; r++) {
                 const __m256 sdx = _mm256_mul_ps(sc, _mm256_set1_ps(dx[r][g]));
                 acc[r][v] = _mm256_fmadd_ps(sdx, _mm256_cvtepi32_ps(q32[r][v]),
@@ -129,11 +128,11 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile,
 }
 #endif
 
-/* x: [M][K] float32 (K a multiple of 32, any M >= 1); packed, sz: int4_gemm_f32's;
+/* x: [M][K] float32 (K a multiple of 32, any M >= 1); packed: int4_gemm_f32's;
  * out: [M][N_out] float32; scratch: int4_i8_f32_scratch_bytes(M, K) bytes. Returns 0, or -1 when the
  * shape is out of range. */
-int int4_gemm_i8_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
-                     int64_t N_out, int64_t K, void *scratch) {
+int int4_gemm_i8_f32(const float *x, const uint8_t *packed, float *out, int64_t M, int64_t N_pad, int64_t N_out,
+                     int64_t K, void *scratch) {
     if (M < 1 || K % GROUP != 0 || N_pad % 32 != 0) return -1;
     const int64_t G = K / GROUP;
     int8_t *xq = (int8_t *)scratch;
@@ -145,7 +144,7 @@ int int4_gemm_i8_f32(const float *x, const uint8_t *packed, const float *sz, flo
     const int64_t tiles = N_pad / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *tile = packed + t * K * 16;
+        const uint8_t *tile = int4g_group(packed, K, t, 0);
         const int64_t n = N_out - t * 32 < 32 ? N_out - t * 32 : 32;
         if (n <= 0) continue;
         int64_t m = 0;
@@ -153,13 +152,13 @@ int int4_gemm_i8_f32(const float *x, const uint8_t *packed, const float *sz, flo
             const uint8_t *st[2] = {steps + m * G * GROUP_BYTES, steps + (m + 1) * G * GROUP_BYTES};
             const float *d[2] = {dx + m * G, dx + (m + 1) * G}, *s[2] = {sx + m * G, sx + (m + 1) * G};
             float *o[2] = {out + m * N_out, out + (m + 1) * N_out};
-            tile_rows(tile, sz, t, N_pad, K, st, d, s, o, n, 2);
+            tile_rows(tile, t, K, st, d, s, o, n, 2);
         }
         if (m < M) {
             const uint8_t *st[1] = {steps + m * G * GROUP_BYTES};
             const float *d[1] = {dx + m * G}, *s[1] = {sx + m * G};
             float *o[1] = {out + m * N_out};
-            tile_rows(tile, sz, t, N_pad, K, st, d, s, o, n, 1);
+            tile_rows(tile, t, K, st, d, s, o, n, 1);
         }
     }
 #else
@@ -168,9 +167,10 @@ int int4_gemm_i8_f32(const float *x, const uint8_t *packed, const float *sz, flo
         for (int64_t m = 0; m < M; m++) {
             float acc = 0.f;
             for (int64_t g = 0; g < G; g++) {
-                const int32_t q = int4pack_group_idot(xq + m * K + g * GROUP, packed, K, 32, n, g * GROUP);
-                const float *pair = sz + (g * N_pad + n) * 2;
-                const float s = pair[0], z = pair[1], sxg = sx[m * G + g];
+                const int32_t q = int4g_group_idot(xq + m * K + g * GROUP, packed, K, n, g);
+                float s, z;
+                int4g_scale_zero(packed, K, n, g, &s, &z);
+                const float sxg = sx[m * G + g];
                 acc += s * (dx[m * G + g] * (float)q - 8.f * sxg) + z * sxg;
             }
             out[m * N_out + n] = acc;

@@ -66,39 +66,41 @@ def int4_gemm_i8(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tens
                     "int4_gemm_i8 needs AVX512-VNNI and VBMI on the build machine")
 
 
-def _int4_i8(name: str, x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int,
+def _int4_i8(name: str, x: torch.Tensor, packed: torch.Tensor, scales_zeros: Optional[torch.Tensor], out_rows: int,
              dtype: torch.dtype, refusal: str) -> torch.Tensor:
-    """The int8-activation int4 kernel `name` for rows of `dtype` (bfloat16: int4_gemv.c's, float32:
-    int4_i8_f32.c's) -> [M, out_rows]; `refusal` formatted with m and k when it refuses the shape."""
+    """The int8-activation int4 kernel `name` for rows of `dtype` (bfloat16: int4_gemv.c's, with
+    `scales_zeros`; float32: int4_i8_f32.c's, whose `packed` holds them) -> [M, out_rows];
+    `refusal` formatted with m and k when it refuses the shape."""
     lib = load()
     m, k = x.shape
     x = x.contiguous()
     out = torch.empty(m, out_rows, dtype=dtype)
     scratch_bytes = lib.int4_i8_scratch_bytes if dtype == torch.bfloat16 else lib.int4_i8_f32_scratch_bytes
     scratch = torch.empty(scratch_bytes(m, k), dtype=torch.uint8)
-    if getattr(lib, name)(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
-                          scales_zeros.shape[1], out_rows, k, scratch.data_ptr()) != 0:
+    args = (x.data_ptr(), packed.data_ptr()) + (() if scales_zeros is None else (scales_zeros.data_ptr(),))
+    n_pad = packed.shape[0] * 32 if scales_zeros is None else scales_zeros.shape[1]
+    if getattr(lib, name)(*args, out.data_ptr(), m, n_pad, out_rows, k, scratch.data_ptr()) != 0:
         raise KernelUnavailable(refusal.format(m=m, k=k))
     return out
 
 
-def int4_gemm_f32(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
-    """float32 rows [M, K] (M <= INT4_F32_MAX_ROWS) times an int4pack weight in the AVX2 layout,
-    float32 scales and zeros (see int4_avx2.c) -> [M, out_rows] float32."""
+def int4_gemm_f32(x: torch.Tensor, packed: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """float32 rows [M, K] (M <= INT4_F32_MAX_ROWS) times an int4 weight in the float32 layout
+    (`packed` [N_pad/32, K/32, 640] uint8: codes with their half scales and zeros, see
+    int4_avx2.c) -> [M, out_rows] float32."""
     lib = load()
     m, k = x.shape
     x = x.contiguous()
     out = torch.empty(m, out_rows, dtype=torch.float32)
-    if lib.int4_gemm_f32(x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), m,
-                         scales_zeros.shape[1], out_rows, k) != 0:
+    if lib.int4_gemm_f32(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, packed.shape[0] * 32, out_rows, k) != 0:
         raise KernelUnavailable(f"int4_gemm_f32 needs AVX2 + FMA, at most {INT4_F32_MAX_ROWS} rows and K a "
                                 f"multiple of 32 (got {m} x {k})")
     return out
 
 
-def int4_gemm_i8_f32(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, out_rows: int) -> torch.Tensor:
+def int4_gemm_i8_f32(x: torch.Tensor, packed: torch.Tensor, out_rows: int) -> torch.Tensor:
     """As `int4_gemm_f32` for any number of rows, each quantized to int8 per group of 32 on the way in
     (see int4_i8_f32.c): exact integer products of the codes, a quarter of the float32 kernel's
     instructions a weight."""
-    return _int4_i8("int4_gemm_i8_f32", x, packed, scales_zeros, out_rows, torch.float32,
+    return _int4_i8("int4_gemm_i8_f32", x, packed, None, out_rows, torch.float32,
                     "int4_gemm_i8_f32 takes K a multiple of 32 (got {m} x {k})")

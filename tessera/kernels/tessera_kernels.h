@@ -35,8 +35,9 @@ enum { ROT_NONE = 0, ROT_MATRIX = 1, ROT_HADAMARD = 2 };
 /* One projection's weight as its QuantMethod stores it (all fields 8 bytes). */
 typedef struct {
     int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT8, LINEAR_Q4K, LINEAR_Q6K */
-    const void *weight;    /* int4: packed [N_pad/64][K][32] uint8; int8: [N][K] int8; K-quants: code blocks */
-    const void *scales;    /* int4: [K/32][N_pad][2] (scale, zero), bf16 (float32 for decode_step_f32); int8: [N][K/G] float32; K-quants:
+    const void *weight;    /* int4: packed [N_pad/64][K][32] uint8 (decode_step_f32: the float32 layout, bf16.h
+                              INT4G_*, scales within); int8: [N][K] int8; K-quants: code blocks */
+    const void *scales;    /* int4: [K/32][N_pad][2] (scale, zero) bf16 (decode_step_f32: unused); int8: [N][K/G] float32; K-quants:
                               the sub-blocks' integer scales (and Q4_K's minimums) */
     const float *zeros;    /* int8: [N][K/G] float32 or NULL; K-quants: the super-blocks' d (and dmin) */
     const void *bias;      /* [N] of the step's dtype (bf16 or float32) or NULL */
@@ -126,13 +127,13 @@ int int4_gemm_i8(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, u
 
 /* ---- int4_avx2.c ---- */
 int tessera_avx2_fma(void);
-int int4_gemm_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
-                  int64_t N_out, int64_t K);
+int int4_gemm_f32(const float *x, const uint8_t *packed, float *out, int64_t M, int64_t N_pad, int64_t N_out,
+                  int64_t K);
 
 /* ---- int4_i8_f32.c ---- */
 int64_t int4_i8_f32_scratch_bytes(int64_t M, int64_t K);
-int int4_gemm_i8_f32(const float *x, const uint8_t *packed, const float *sz, float *out, int64_t M, int64_t N_pad,
-                     int64_t N_out, int64_t K, void *scratch);
+int int4_gemm_i8_f32(const float *x, const uint8_t *packed, float *out, int64_t M, int64_t N_pad, int64_t N_out,
+                     int64_t K, void *scratch);
 
 /* ---- kquant_gemm.c ---- */
 int64_t kquant_scratch_bytes(int64_t M, int64_t K);

@@ -188,8 +188,7 @@ static int run_int8_gemm_bf16(const lib_t *L, const case_t *c, out_t *o) {
     return rc;
 }
 
-/* PyTorch's int4pack layouts: int4_gemm_bf16 / _i8 (tiles of 64, bf16 pairs), int4_gemm_f32 (tiles of
- * 32, float pairs). p: M, N_pad, N_out, K */
+/* PyTorch's int4pack layout of int4_gemm_bf16 / _i8 (tiles of 64, bf16 pairs). p: M, N_pad, N_out, K */
 static void *int4_scales(int64_t Kd, int64_t N_pad, int bf) {
     const int64_t n = Kd / 32 * N_pad;
     float *sz = new0(n * 2 * sizeof(float));
@@ -220,11 +219,29 @@ static int run_int4_i8(const lib_t *L, const case_t *c, out_t *o) {
     return rc;
 }
 
+/* A half with the value of f (f a normal float16 value's magnitude: truncated, not rounded). */
+static uint16_t to_half(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(((u >> 16) & 0x8000u) | ((((u >> 23) & 0xFFu) - 112u) << 10) | ((u >> 13) & 0x3FFu));
+}
+
+/* The float32 kernels' int4 layout (bf16.h, INT4G_*): random codes, each group's 32 scales and 32
+ * zeros as halves after them. */
+static uint8_t *int4g_packed(int64_t N_pad, int64_t Kd) {
+    const int64_t groups = N_pad / 32 * (Kd / 32);
+    uint8_t *packed = bytes(groups * 640, 0, 255);
+    for (int64_t i = 0; i < groups; i++) {
+        uint16_t *h = (uint16_t *)(packed + i * 640 + 512);
+        for (int r = 0; r < 32; r++) h[r] = to_half(unif(0.005f, 0.03f)), h[32 + r] = to_half(unif(-0.05f, 0.05f));
+    }
+    return packed;
+}
+
 static int run_int4_f32(const lib_t *L, const case_t *c, out_t *o) {
     const int64_t M = c->p[0], N_pad = c->p[1], N_out = c->p[2], Kd = c->p[3];
     float *x = f32s(M * Kd, 1.f), *out = new0(M * N_out * 4);
-    uint8_t *packed = bytes(N_pad / 32 * Kd * 16, 0, 255);
-    const int rc = K(int4_gemm_f32)(x, packed, int4_scales(Kd, N_pad, 0), out, M, N_pad, N_out, Kd);
+    const int rc = K(int4_gemm_f32)(x, int4g_packed(N_pad, Kd), out, M, N_pad, N_out, Kd);
     put(o, "out", F32, out, M * N_out, 1e-4);
     return rc;
 }
@@ -232,9 +249,8 @@ static int run_int4_f32(const lib_t *L, const case_t *c, out_t *o) {
 static int run_int4_i8_f32(const lib_t *L, const case_t *c, out_t *o) {
     const int64_t M = c->p[0], N_pad = c->p[1], N_out = c->p[2], Kd = c->p[3];
     float *x = f32s(M * Kd, 1.f), *out = new0(M * N_out * 4);
-    uint8_t *packed = bytes(N_pad / 32 * Kd * 16, 0, 255);
     void *scratch = new0(K(int4_i8_f32_scratch_bytes)(M, Kd));
-    const int rc = K(int4_gemm_i8_f32)(x, packed, int4_scales(Kd, N_pad, 0), out, M, N_pad, N_out, Kd, scratch);
+    const int rc = K(int4_gemm_i8_f32)(x, int4g_packed(N_pad, Kd), out, M, N_pad, N_out, Kd, scratch);
     put(o, "out", F32, out, M * N_out, 1e-5); /* the same integer sums; float32 formula in another order */
     return rc;
 }
@@ -444,10 +460,13 @@ static int run_lora(const lib_t *L, const case_t *c, out_t *o) {
 }
 
 /* A whole decode step of two layers over three rows (decode_step_bf16, or decode_step_f32 where p[0]): Q4_K QKV with a bias,
- * int8-group O and down projections, Q6_K gate/up, caches of the step's dtype holding the contexts before. */
+ * int8-group O and down projections (float32: int4 with int8 activations and int4), Q6_K gate/up, caches of
+ * the step's dtype holding the contexts before. */
 static linear_t linear_of(int kind, int64_t n, int64_t k) {
     linear_t l = {.kind = kind, .n = n, .n_pad = n, .k = k, .group = 32};
-    if (kind == LINEAR_INT8) {
+    if (kind == LINEAR_INT4 || kind == LINEAR_INT4_I8) { /* the float32 layout: n a multiple of 32 */
+        l.weight = int4g_packed(n, k);
+    } else if (kind == LINEAR_INT8) {
         l.weight = bytes(n * k, 0, 255);
         l.scales = pos_f32s(n * k / 32, 0.001f, 0.006f);
     } else {
@@ -468,9 +487,9 @@ static int run_decode_step(const lib_t *L, const case_t *c, out_t *o) {
         ly->input_norm = acts(H, bf, 1.f), ly->post_norm = acts(H, bf, 1.f);
         ly->qkv = linear_of(LINEAR_Q4K, (NQ + 2 * NKV) * D, H);
         ly->qkv.bias = acts((NQ + 2 * NKV) * D, bf, 0.5f);
-        ly->o = linear_of(LINEAR_INT8, H, NQ * D);
+        ly->o = linear_of(bf ? LINEAR_INT8 : LINEAR_INT4_I8, H, NQ * D);
         ly->gate_up = linear_of(LINEAR_Q6K, 2 * I, H);
-        ly->down = linear_of(LINEAR_INT8, H, I);
+        ly->down = linear_of(bf ? LINEAR_INT8 : LINEAR_INT4, H, I);
         ly->kv_cache = acts(cache_n, bf, 1.f);
     }
     const int64_t *tables = block_tables(M);

@@ -1,27 +1,26 @@
-"""int4 weights' kernels: the few-row products of both int4pack layouts (bfloat16, int8 activations,
-float32 and float32 with int8 activations) against PyTorch and the dequantized weight, and the AVX2
-layout Tessera packs itself where PyTorch packs another."""
+"""int4 weights' kernels: the few-row products of PyTorch's int4pack layout (bfloat16, int8
+activations) and of the float32 layout (float32 and float32 with int8 activations) against PyTorch
+and the dequantized weight, and the float32 layout Tessera packs itself."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tessera.kernels import bindings, capabilities, library, matmul_ops
-from tessera.layers.quantization.base import int4pack_layout
-from tessera.layers.quantization.int4 import AVX2_LAYOUT, pack_avx2_layout
-from tessera.layers.quantization import Int4Method
+from tessera.layers.quantization import Int4Method, int4_f32_layout
 
 from quant_common import layer_of
 
 
 @pytest.mark.skipif(not capabilities.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
-def test_float32_int4_takes_the_avx2_kernel_whatever_the_hosts_layout():
-    """On an AVX-512 host without BF16 PyTorch packs its AVX-512 layout, which only its own
-    ~1 GFLOP/s float32 product reads: the method packs the AVX2 layout itself there."""
+def test_float32_int4_takes_the_float32_kernels_whatever_the_hosts_layout():
+    """PyTorch's float32 int4pack product runs at ~1 GFLOP/s: float32 weights are packed in the
+    float32 kernels' own layout on every AVX2 or AVX-512 host, which PyTorch's product never reads."""
     torch.manual_seed(0)
     method, layer = layer_of(Int4Method, torch.randn(128, 64) * 0.05)
-    assert layer.use_f32_kernel and method.layout.avx2_layout
-    assert layer.torch_layout == (int4pack_layout() is method.layout)
+    assert layer.use_f32_kernel and method.f32_layout and not layer.torch_layout
+    assert layer.qweight.shape == (128 // 32, 64 // 32, int4_f32_layout.GROUP_BYTES)
+    assert not hasattr(layer, "scales_zeros")
 
 
 @pytest.mark.skipif(not capabilities.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
@@ -41,7 +40,8 @@ def test_float32_int4_with_int8_activations_is_the_rounded_rows_product(rows):
     dx = groups.abs().amax(dim=-1, keepdim=True) / 127
     rounded = (torch.round(groups / dx).clamp(-128, 127) * dx).view(rows, 128)
     got = method.apply(layer, x)
-    s, z = layer.scales_zeros[:, :96, 0], layer.scales_zeros[:, :96, 1]  # [K/32, N]
+    _, s, z = int4_f32_layout.unpack(layer.qweight)
+    s, z = s[:96].T, z[:96].T  # [K/32, N]
     lost = (x - rounded).view(rows, -1, 32).sum(dim=-1)  # [rows, K/32]
     torch.testing.assert_close(got, rounded @ deq.T + lost @ (z - 8 * s), atol=1e-5, rtol=1e-5)
     assert ((got - x @ deq.T).norm() / (x @ deq.T).norm()) < 0.02
@@ -49,16 +49,25 @@ def test_float32_int4_with_int8_activations_is_the_rounded_rows_product(rows):
     assert not exact.use_i8_f32_kernel
 
 
-def test_own_avx2_packing_is_the_layout_it_names():
-    codes = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
-    packed = pack_avx2_layout(codes)
-    tiles = packed.view(2, 96, 16)  # [tile, k, byte]
-    low, high = AVX2_LAYOUT.rows_in_nibble(0), AVX2_LAYOUT.rows_in_nibble(1)
-    unpacked = torch.empty(2, 32, 96, dtype=torch.uint8)
-    unpacked[:, low], unpacked[:, high] = (tiles & 15).transpose(1, 2), (tiles >> 4).transpose(1, 2)
-    assert torch.equal(unpacked.view(64, 96), codes)
-    if int4pack_layout().avx2_layout:  # where PyTorch packs this layout itself, the same bytes
-        assert torch.equal(packed, torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+def test_float32_layout_is_the_one_it_names():
+    """Tile t, group g: 512 code bytes (column k, byte c: row c low nibble, row 16 + c high), then 32
+    scales and 32 zeros as halves; unpack and rows_of give back codes, and scales rounded to halves."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 96), dtype=torch.uint8, generator=g)
+    scale, zero = torch.rand(64, 3, generator=g) * 0.02, torch.randn(64, 3, generator=g) * 0.02
+    packed = int4_f32_layout.pack(codes, scale, zero)
+    assert packed.shape == (2, 3, 640)
+    n, k = 37, 70  # row 37: tile 1, row 5 (a low nibble); column 70: group 2, column 6
+    byte = packed[1, 2, 6 * 16 + 5]
+    assert byte & 15 == codes[n, k] and byte >> 4 == codes[n + 16, k]
+    halves = packed[1, 2, 512:].contiguous().view(torch.float16)
+    assert halves[5] == scale[n, 2].half() and halves[32 + 5] == zero[n, 2].half()
+    back, s, z = int4_f32_layout.unpack(packed)
+    assert torch.equal(back, codes)
+    assert torch.equal(s, scale.half().float()) and torch.equal(z, zero.half().float())
+    rows = torch.tensor([63, 0, 37, 16, 5])
+    r_codes, r_s, r_z = int4_f32_layout.rows_of(packed, rows)
+    assert torch.equal(r_codes, codes[rows]) and torch.equal(r_s, s[rows]) and torch.equal(r_z, z[rows])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])  # 1, 3, 5, 17: row blocks of 4 left incomplete
@@ -129,7 +138,7 @@ def test_int4_int8_activation_kernel_is_exact_to_its_rounding(rows):
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64])  # 1-2: the factored path; odd counts: the last unpaired row
 def test_int4_f32_kernel_matches_the_dequantized_weight(rows):
     """Hosts below avx512_bf16 compute in float32, where PyTorch's int4pack kernel runs at ~1 GFLOP/s:
-    our kernel (int4_avx2.c, on the AVX2 layout the method packs itself where PyTorch packs another)
+    our kernel (int4_avx2.c, on the float32 layout the method packs itself)
     takes 1-64 rows there and must compute what the dense path computes; without int8 activations it
     is the route the method takes."""
     if not capabilities.avx2_matmuls():
@@ -137,12 +146,11 @@ def test_int4_f32_kernel_matches_the_dequantized_weight(rows):
     torch.manual_seed(rows)
     w = torch.randn(200, 96) * 0.05  # 200 rows: the last 32-row tile is partly padding
     method, layer = layer_of(Int4Method, w, dtype=torch.float32, int8_activations=False)
-    assert layer.use_f32_kernel and method.layout.avx2_layout
+    assert layer.use_f32_kernel and method.f32_layout
     x = torch.randn(rows, 96)
-    got = matmul_ops.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+    got = matmul_ops.int4_gemm_f32(x, layer.qweight, layer.out_rows)
     assert got.shape == (rows, 200)
     torch.testing.assert_close(got, x @ method.dequantize(layer).T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(method.apply(layer, x), got, atol=0, rtol=0)  # the route taken
     with pytest.raises(library.KernelUnavailable):
-        matmul_ops.int4_gemm_f32(torch.randn(bindings.INT4_F32_MAX_ROWS + 1, 96), layer.qweight, layer.scales_zeros,
-                              layer.out_rows)
+        matmul_ops.int4_gemm_f32(torch.randn(bindings.INT4_F32_MAX_ROWS + 1, 96), layer.qweight, layer.out_rows)

@@ -87,11 +87,6 @@ class Int4PackLayout:
         """The AVX-512 layout, the one the bfloat16 int4 kernels (int4_gemv.c) read."""
         return self.tile == 64 and self.slot == tuple(2 * r if r < 32 else 2 * (r - 32) + 1 for r in range(64))
 
-    @property
-    def avx2_layout(self) -> bool:
-        """The AVX2 layout, the one the float32 int4 kernel (int4_avx2.c) reads."""
-        return self.tile == 32 and self.slot == tuple(2 * r if r < 16 else 2 * (r - 16) + 1 for r in range(32))
-
 
 @functools.cache
 def int4pack_layout() -> Optional[Int4PackLayout]:

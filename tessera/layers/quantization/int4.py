@@ -1,12 +1,11 @@
 """Int4 weights in PyTorch's CPU int4pack layout (the host's tiles), multiplied by Tessera's
-int4 kernels for few rows (bfloat16, int8-activation and AVX2 float32 forms), PyTorch's
-weight-only kernel or a dense product.
+int4 kernels for few rows (bfloat16 and int8-activation forms), PyTorch's weight-only kernel or
+a dense product; in float32 where the AVX2 + FMA kernels run, in their own layout
+(int4_f32_layout.py: codes with their half scales beside them).
 
-A float32 server on an AVX-512 host without AVX512-BF16 packs the AVX2 layout itself instead
-of the host's: no kernel of ours reads the AVX-512 layout in float32, and PyTorch's float32
-int4pack product runs at ~1 GFLOP/s (a SmolLM2-135M decode step took 213 ms, 96 % of it there,
-on an Intel Xeon with AVX-512 VNNI and no BF16), while the AVX2 + FMA kernel runs on any
-AVX-512 host."""
+Float32 never takes PyTorch's int4pack product: it runs at ~1 GFLOP/s (a SmolLM2-135M decode
+step took 213 ms, 96 % of it there, on an Intel Xeon with AVX-512 VNNI and no BF16), while the
+AVX2 + FMA kernels run on any AVX2 or AVX-512 host."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera.kernels import bindings, capabilities, library, matmul_ops
+from tessera.layers.quantization import int4_f32_layout
 from tessera.layers.quantization.base import (
     INT4_GEMM_MAX_ROWS, INT4_GROUP, INT4_ROW_TILE, LOAD_CHUNK_ROWS, Int4PackLayout, QuantConfig, WeightOnlyMethod,
     dense_linear, int4pack_layout,
@@ -23,17 +23,10 @@ from tessera.layers.quantization.base import (
 from tessera.layers.weights import AnyWeight, GGUFWeight
 
 
-AVX2_LAYOUT = Int4PackLayout(32, tuple(2 * r if r < 16 else 2 * (r - 16) + 1 for r in range(32)))
-
-
-def pack_avx2_layout(codes: Tensor) -> Tensor:
-    """[N, K] codes (0..15, N a multiple of 32) packed as PyTorch packs them on AVX2 hosts:
-    tiles of 32 rows, each column k of a tile 16 bytes, byte c holding row c in its low nibble
-    and row 16 + c in its high one ([N, K/2] bytes, tile after tile)."""
-    n, k = codes.shape
-    tiles = codes.to(torch.uint8).view(n // 32, 32, k)
-    pairs = tiles[:, :16] | (tiles[:, 16:] << 4)  # [T, 16, K]
-    return pairs.transpose(1, 2).contiguous().view(n, k // 2)
+def f32_kernels(config: QuantConfig) -> bool:
+    """Whether int4 weights take the float32 kernels (and their layout): float32 compute where the
+    AVX2 + FMA kernels are built."""
+    return config.dtype == torch.float32 and capabilities.avx2_matmuls()
 
 
 class Int4Method(WeightOnlyMethod):
@@ -47,6 +40,8 @@ class Int4Method(WeightOnlyMethod):
         zero per group of 32 in the compute dtype, and the dense copy when one is kept."""
         padded = -(-rows // INT4_ROW_TILE) * INT4_ROW_TILE
         dense = rows * cols * config.dtype.itemsize if config.dense_copy else 0
+        if f32_kernels(config):
+            return int4_f32_layout.storage_bytes(padded, cols) + dense
         return padded * cols // 2 + (cols // INT4_GROUP) * padded * 2 * config.dtype.itemsize + dense
 
     def load(self, layer, sources):
@@ -64,29 +59,30 @@ class Int4Method(WeightOnlyMethod):
                 codes[r:r + len(c)], scale[r:r + len(c)], zero[r:r + len(c)] = c, sc, z
                 r += len(c)
             exact = exact and isinstance(src, GGUFWeight) and src.int4_exact
-        packed = torch.empty(n_pad, k // 2, dtype=torch.uint8)
         step = LOAD_CHUNK_ROWS  # a multiple of the 64-row tile: tiles pack independently
-        own = self.layout is not int4pack_layout()
-        for i in range(0, n_pad, step):
-            chunk = codes[i:i + step]
-            packed[i:i + step] = (pack_avx2_layout(chunk) if own
-                                  else torch._convert_weight_to_int4pack_for_cpu(chunk.to(torch.int32), 1))
+        if self.f32_layout:
+            packed = torch.cat([int4_f32_layout.pack(codes[i:i + step], scale[i:i + step], zero[i:i + step])
+                                for i in range(0, n_pad, step)])
+            layer.register_buffer("qweight", packed, persistent=False)  # [N_padded/32, K/32, 640]
+        else:
+            packed = torch.empty(n_pad, k // 2, dtype=torch.uint8)
+            for i in range(0, n_pad, step):
+                packed[i:i + step] = torch._convert_weight_to_int4pack_for_cpu(codes[i:i + step].to(torch.int32), 1)
+            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(self.config.dtype)
+            layer.register_buffer("qweight", packed, persistent=False)
+            layer.register_buffer("scales_zeros", sz, persistent=False)  # [K/32, N_padded, 2]
         del codes
-        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(self.config.dtype)
-        layer.register_buffer("qweight", packed, persistent=False)
-        layer.register_buffer("scales_zeros", sz, persistent=False)  # [K/32, N_padded, 2]
         layer.out_rows = n
         layer.int4_exact = exact
         native = self.config.dtype == torch.bfloat16 and self.layout.kernel_layout and capabilities.bf16_matmuls()
         layer.use_gemm_kernel = native
         layer.use_i8_kernel = native and getattr(layer, "int8_inputs", True) and self.int8_activation_kernel(self.config)
-        layer.use_f32_kernel = self.config.dtype == torch.float32 and self.layout.avx2_layout \
-            and capabilities.avx2_matmuls()
+        layer.use_f32_kernel = self.f32_layout
         # float32 rows quantized to int8 per group of 32 (int4_gemm_i8_f32): a quarter of the float
         # kernel's instructions a weight, which kept two AVX2 cores below the memory's rate
         layer.use_i8_f32_kernel = layer.use_f32_kernel and getattr(layer, "int8_inputs", True) \
             and self.config.int8_activations
-        layer.torch_layout = self.layout is int4pack_layout()  # PyTorch's own int4pack product reads it
+        layer.torch_layout = not self.f32_layout  # PyTorch's own int4pack product reads it
         self._finish(layer)
 
     @staticmethod
@@ -113,18 +109,24 @@ class Int4Method(WeightOnlyMethod):
                 yield quantize_int4(w)
 
     @functools.cached_property
+    def f32_layout(self) -> bool:
+        """Whether this config packs the float32 kernels' layout (int4_f32_layout.py), not the host's
+        int4pack. Cached: embedding lookups read it every step."""
+        return f32_kernels(self.config)
+
+    @functools.cached_property
     def layout(self) -> Int4PackLayout:
-        """The layout this config packs: the host's, or the AVX2 one for float32 where the host's
-        is another and the AVX2 + FMA kernel runs (see the module docstring). Cached: embedding
-        lookups read it every step."""
+        """The host's int4pack layout, which this config packs unless `f32_layout`."""
         layout = int4pack_layout()
         assert layout is not None, "storage_for never picks int4 without a known int4pack layout"
-        if self.config.dtype == torch.float32 and not layout.avx2_layout and capabilities.avx2_matmuls():
-            return AVX2_LAYOUT
         return layout
 
     def _rows(self, layer: nn.Module, rows: Tensor) -> Tensor:
         """Dequantize selected output rows (see Int4PackLayout for where each code is)."""
+        if self.f32_layout:
+            codes, s, z = int4_f32_layout.rows_of(layer.qweight, rows)
+            w = (codes.view(len(rows), -1, INT4_GROUP).float() - 8) * s.unsqueeze(-1) + z.unsqueeze(-1)
+            return w.view(len(rows), -1)
         layout = self.layout
         k = layer.scales_zeros.shape[0] * INT4_GROUP
         tiles = layer.qweight.view(-1, k, layout.tile // 2)
@@ -136,6 +138,10 @@ class Int4Method(WeightOnlyMethod):
         return w.view(len(rows), k)
 
     def dequantize(self, layer):
+        if self.f32_layout:
+            codes, s, z = int4_f32_layout.unpack(layer.qweight)
+            w = (codes.view(codes.shape[0], -1, INT4_GROUP).float() - 8) * s.unsqueeze(-1) + z.unsqueeze(-1)
+            return w.view(codes.shape[0], -1)[:layer.out_rows]
         layout = self.layout
         k = layer.scales_zeros.shape[0] * INT4_GROUP
         tiles = layer.qweight.view(-1, k, layout.tile // 2)
@@ -156,12 +162,12 @@ class Int4Method(WeightOnlyMethod):
         rows = x.shape[0]
         if rows > 0 and layer.use_i8_f32_kernel:  # every step, as the bfloat16 int8-activation kernel
             try:
-                return matmul_ops.int4_gemm_i8_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+                return matmul_ops.int4_gemm_i8_f32(x, layer.qweight, layer.out_rows)
             except library.KernelUnavailable:  # built without AVX2 + FMA: PyTorch's kernels from now on
                 layer.use_f32_kernel = layer.use_i8_f32_kernel = False
         if rows <= bindings.INT4_F32_MAX_ROWS and layer.use_f32_kernel:
             try:
-                return matmul_ops.int4_gemm_f32(x, layer.qweight, layer.scales_zeros, layer.out_rows)
+                return matmul_ops.int4_gemm_f32(x, layer.qweight, layer.out_rows)
             except library.KernelUnavailable:  # built without AVX2 + FMA: PyTorch's kernels from now on
                 layer.use_f32_kernel = False
         if rows > 0 and layer.use_i8_kernel:
@@ -185,13 +191,18 @@ class Int4Method(WeightOnlyMethod):
 
     def kernel_operand(self, layer):
         """bfloat16: the AVX-512 layout and bfloat16 scales int4_gemm_bf16 (or int4_gemm_i8) reads;
-        float32: the AVX2 layout and float32 scales of int4_gemm_f32, up to its row limit as `apply`."""
+        float32: the float32 layout of int4_gemm_f32 (scales within), up to its row limit as `apply`."""
         if not (layer.use_gemm_kernel or layer.use_f32_kernel):
             return None
-        sz = layer.scales_zeros
         kind = bindings.LINEAR_INT4_I8 if layer.use_i8_kernel or layer.use_i8_f32_kernel else bindings.LINEAR_INT4
-        return bindings.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=sz.data_ptr(),
-                                     n_pad=sz.shape[1], n=layer.out_rows, k=sz.shape[0] * INT4_GROUP,
+        if self.f32_layout:
+            t, g, _ = layer.qweight.shape
+            scales, n_pad, k = 0, t * int4_f32_layout.TILE, g * INT4_GROUP
+        else:
+            sz = layer.scales_zeros
+            scales, n_pad, k = sz.data_ptr(), sz.shape[1], sz.shape[0] * INT4_GROUP
+        return bindings.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(), scales=scales,
+                                     n_pad=n_pad, n=layer.out_rows, k=k,
                                      max_rows=bindings.INT4_F32_MAX_ROWS
                                      if layer.use_f32_kernel and not layer.use_i8_f32_kernel else 0)
 
