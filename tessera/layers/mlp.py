@@ -1,5 +1,6 @@
-"""The gated MLP of llama-family and Gemma decoders, down(act(gate(x)) * up(x)) with gate and up
-fused, which is also each expert of a mixture-of-experts block (layers/moe.py)."""
+"""The decoders' gated MLP, down(act(gate(x)) * up(x)) with gate and up fused (the activations are
+tessera/activations.py's table), which is also each expert of a mixture-of-experts block
+(layers/moe.py)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
