@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from tessera.activations import ActivationName, activation
 from tessera.config_choices import (ATTENTION_BACKENDS, CPU_ISAS, DENSE_WEIGHT_COPIES, DEVICES, DTYPES, KV_CACHE_DTYPES,
                                     PREEMPTION_MODES, QUANTIZATIONS, SCHEDULER_POLICIES, SCHEDULING_POLICIES)
 from tessera.errors import ConfigError
@@ -38,7 +39,7 @@ class MoEConfig:
     expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
     # The experts' activation: SwiGLU, or gpt-oss's clamped variant
     # (up.clamp(+-limit) + 1) * gate.clamp(max=limit) * sigmoid(alpha * gate).
-    activation: Literal["silu", "swiglu_clamped"] = "silu"
+    activation: ActivationName = "silu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     # Per layer, False = a dense MLP of the model's intermediate_size instead (Qwen3-MoE's
@@ -50,8 +51,10 @@ class MoEConfig:
             raise ConfigError(f"{self.top_k} experts per token out of {self.num_experts}")
         if self.expert_ffn < 1:
             raise ConfigError(f"expert intermediate size {self.expert_ffn}")
-        if self.activation not in ("silu", "swiglu_clamped"):
-            raise ConfigError(f"unknown expert activation {self.activation!r}")
+        try:
+            activation(self.activation)
+        except ValueError as e:
+            raise ConfigError(f"expert {e}") from None
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers is None or self.sparse_layers[layer]

@@ -10,7 +10,8 @@ tessera/kernels/prefill_attention.c the same way, first chunks and later ones
 alike (2.6-3.4x SDPA's causal kernel on SmolLM2-135M's and Qwen2.5's heads,
 which also left a chunk with cached context a gathered, padded, masked call);
 an int8 cache's prefills take `sdpa`'s path. Attention sinks (gpt-oss) are taken
-by all three kernels (the softmax's maximum starts at the sink, its sum at one).
+by all three kernels (the softmax's maximum starts at the sink, its sum at one); soft-capped
+scores (Gemma 2) by the decode kernel of a bfloat16 or float32 cache, prefills of them by `sdpa`.
 """
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ class PagedBackend(SdpaBackend):
                 and attention_ops.supports(num_heads, kv_cache))
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, key_bias=None, softcap=None, sinks=None):
-        if softcap is not None or not attention_ops.supports(q.shape[1], kv_cache):  # no C kernel soft-caps
+        quantized = is_quantized(kv_cache)
+        # Soft-capped scores (Gemma 2): the decode kernel of a bfloat16 or float32 cache caps them (so
+        # the one-call decode step and this path attend alike); the int8 one does not.
+        if not attention_ops.supports(q.shape[1], kv_cache) or (softcap is not None and quantized):
             return super().forward(q, k, v, kv_cache, meta, scale, sliding_window, key_bias, softcap, sinks)
         sinks = check_sinks(sinks, q.shape[1], softcap, q.device)
-        quantized = is_quantized(kv_cache)
         key_bias = key_bias if quantized else None
         if quantized:
             # Decode-sized steps transform keys (and below, queries) inside the kernels, saving two
@@ -79,12 +82,12 @@ class PagedBackend(SdpaBackend):
                                                         hadamard, sinks)
             else:
                 o = attention_ops.paged_decode_attention(q[:nd], kv_cache, tables, seq_lens, max_len, scale,
-                                                   sliding_window, scratch, sinks)
+                                                         sliding_window, scratch, sinks, softcap)
             if nd == meta.num_reqs:  # a decode-only step: no prefill rows to place beside it
                 return o.to(q.dtype).view(nd, hq * d)
             out[:nd] = o
         if nd < meta.num_reqs:
-            if not quantized and self._prefill_in_c(q, kv_cache):
+            if not quantized and softcap is None and self._prefill_in_c(q, kv_cache):
                 start = meta.query_start_loc[nd]
                 key = ("paged_prefill", sliding_window)
                 if key not in meta._cache:  # per step, shared by all layers
@@ -97,7 +100,7 @@ class PagedBackend(SdpaBackend):
                 except library.KernelUnavailable:  # built without AVX512-BF16: SDPA from now on
                     self._prefill_c = False
             self._prefill(transform_for_cache(q) if quantized else q, k, v, kv_cache, meta, scale,
-                          sliding_window, out, key_bias, sinks=sinks)
+                          sliding_window, out, key_bias, softcap, sinks)
         return out.view(q.shape[0], hq * d)
 
     def _prefill_in_c(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

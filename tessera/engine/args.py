@@ -60,7 +60,7 @@ def _weight_args(g: Any, d: EngineConfig) -> None:
                         "--no-int8-activations stores them int8/int4 times unrounded activations (default: on)")
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run every step through the model's modules, without the one-call C decode step of "
-                        "llama-family models (slower; for comparison or to rule it out)")
+                        "dense decoders (slower; for comparison or to rule it out)")
     g.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=d.weight_cache,
                    help="keep the weights as the kernels use them in $TESSERA_HOME/packed and map that file on "
                         "later starts: seconds instead of tens of seconds, pages shared by every server of the "

@@ -154,7 +154,7 @@ def paged_decode_attention_int8(q: torch.Tensor, kv_cache: torch.Tensor, block_t
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, max_len: int, scale: float, window: Optional[int],
                            scratch: Optional[torch.Tensor] = None,
-                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """q [B, Hq, D] against each request's cached context -> [B, Hq, D] in the cache's dtype.
 
     q may be a row-strided view (e.g. the Q part of a fused QKV output) as long as each row's heads
@@ -162,6 +162,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     [B, max_blocks] int64, seq_lens [B] int64 (context including the new token); `scratch`, if given,
     holds at least B * Hq * max_len float32 (callers reuse one across the layers of a step). `sinks`
     [Hq] (gpt-oss): a logit per query head that joins its softmax's denominator and adds no value.
+    `softcap` (Gemma 2): scores become softcap * tanh(score / softcap) before the softmax.
     """
     lib = calls()
     b, hq, d = q.shape
@@ -180,7 +181,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q=q.data_ptr(), q_stride=q.stride(0), cache=kv_cache.data_ptr(), is_bf16=int(kv_cache.dtype == torch.bfloat16),
         block_tables=tables.data_ptr(), seq_lens=seq_lens.data_ptr(), out=out.data_ptr(), B=b, Hq=hq, Hkv=hkv, D=d,
         num_blocks=kv_cache.shape[2], block_size=kv_cache.shape[3], max_blocks=tables.shape[1], scale=scale,
-        window=window or 0, sinks=_ptr(sinks), scratch=scratch.data_ptr(), max_len=max_len)
+        softcap=softcap or 0.0, window=window or 0, sinks=_ptr(sinks), scratch=scratch.data_ptr(), max_len=max_len)
     return out
 
 

@@ -17,6 +17,9 @@ from typing import Callable, NamedTuple, Optional
 
 LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8, LINEAR_Q4K, LINEAR_Q6K = 1, 2, 3, 4, 5  # linear_t.kind
 ROT_NONE, ROT_MATRIX, ROT_HADAMARD = 0, 1, 2  # the int8 cache's rot_kind
+ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL = 0, 1, 2  # layer_t.rope
+QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2  # dims_t.qk_norm
+ACT_SILU, ACT_GELU_TANH = 1, 2  # dims_t.activation (tessera/activations.py names them)
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
 MAX_BLOCK_SIZE = 64
@@ -47,9 +50,11 @@ class LinearOperand(ctypes.Structure):
 class DecodeLayer(ctypes.Structure):
     """One decoder layer for decode_step_bf16 (layer_t)."""
 
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearOperand),
-                ("o", LinearOperand), ("gate_up", LinearOperand), ("down", LinearOperand),
-                ("kv_cache", ctypes.c_void_p)]
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+                ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("qkv", LinearOperand), ("o", LinearOperand), ("gate_up", LinearOperand), ("down", LinearOperand),
+                ("kv_cache", ctypes.c_void_p), ("rope", ctypes.c_int64), ("window", ctypes.c_int64),
+                ("group", ctypes.c_int64)]
 
 
 class DecodeDims(ctypes.Structure):
@@ -58,7 +63,8 @@ class DecodeDims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_double),
-                ("scale", ctypes.c_double)]
+                ("scale", ctypes.c_double), ("rotary_dim", ctypes.c_int64), ("qk_norm", ctypes.c_int64),
+                ("activation", ctypes.c_int64), ("residual_multiplier", ctypes.c_double), ("softcap", ctypes.c_double)]
 
 
 class LoRAStep(ctypes.Structure):
@@ -95,8 +101,8 @@ _KQ_DEQUANT_BF16 = (("out", P), ("N", I64), ("K", I64))
 _KQ_DEQUANT_INT8 = (("col", P), ("out", P), ("rs", P), ("N", I64), ("K", I64))
 _FEATURE = _sig(INT)  # 1 when this build has a vector path, else 0
 _DECODE_STEP = _sig(
-    INT, ("layers", P), ("L", I64), ("d", P), ("final_norm", P), ("M", I64), *_names(P, "x", "cos", "sin"),
-    ("half", I64), *_names(P, "slots", "block_tables", "seq_lens"), ("max_len", I64), ("workspace", P), ("lora", P))
+    INT, ("layers", P), ("L", I64), ("d", P), ("final_norm", P), ("M", I64),
+    *_names(P, "x", "cos", "sin", "cos_local", "sin_local"), ("half", I64), *_names(P, "slots", "block_tables", "seq_lens"), ("max_len", I64), ("workspace", P), ("lora", P))
 
 SIGNATURES: dict[str, Signature] = {
     # variant.c
@@ -104,8 +110,8 @@ SIGNATURES: dict[str, Signature] = {
     # paged_attention.c
     "paged_decode_attention": _sig(
         None, ("q", P), ("q_stride", I64), ("cache", P), ("is_bf16", INT), ("block_tables", P), ("seq_lens", P),
-        ("out", P), *_ATTENTION_SHAPE, ("scale", F32), ("window", I64), ("sinks", P), ("scratch", P),
-        ("max_len", I64)),
+        ("out", P), *_ATTENTION_SHAPE, ("scale", F32), ("softcap", F32), ("window", I64), ("sinks", P),
+        ("scratch", P), ("max_len", I64)),
     # prefill_attention.c
     "paged_prefill_attention_bf16": _sig(
         INT, ("q", P), ("q_stride", I64), ("cache", P), ("block_tables", P), ("max_blocks", I64), ("q_start", P),

@@ -1,21 +1,25 @@
-/* A llama-family decoder's whole decode step in one call: every layer's norms, projections, RoPE,
+/* A decoder's whole decode step in one call: every layer's norms, projections, q/k norms, RoPE,
  * KV-cache writes, paged attention and gated MLP for a few decode rows, in bfloat16
  * (decode_step_bf16) or float32 (decode_step_f32: hosts without native bfloat16).
  *
  * At one decode row SmolLM2-135M's 30 layers are ~600 PyTorch operators and ctypes calls; their
  * dispatch (a few microseconds each) cost more than the arithmetic, which needs ~3 ms of weight
  * reads. Here the step is the same kernels (int4_gemv.c, int8_gemv.c, rms_norm.c,
- * paged_attention.c) called from C, with the small element-wise work (bias, RoPE, KV writes,
- * SiLU x up) done in loops between them. The arithmetic and its roundings follow the module
- * path (models/llama.py): each tensor the module path stores in bfloat16 is rounded to
- * bfloat16 here at the same point, so both give the same tokens up to the order of float32
- * sums inside the kernels.
+ * paged_attention.c) called from C, with the small element-wise work (bias, q/k norms, RoPE, KV
+ * writes, the activation times up, residual adds) done in loops between them. The arithmetic and its
+ * roundings follow the module path (models/decoder.py): each tensor the module path stores in
+ * bfloat16 is rounded to bfloat16 here at the same point, so both give the same tokens up to the
+ * order of float32 sums inside the kernels.
  *
- * The caller (models/fused_decode.py) checks what this handles: int4pack (bfloat16: AVX-512 layout, or
- * int8 activations; float32: the float32 layout of int4_avx2.c, scales within), int8-group or Q4_K / Q6_K (kquant_gemm.c)
- * projections, a bias on the QKV projection only, a paged cache of the step's dtype
- * [2][Hkv][num_blocks][block_size][D], neox RoPE tables, no sliding window. Rows of LoRA adapters
- * get their updates beside every projection (lora.c), so a step with adapters stays one call.
+ * What differs between the dense families is data here, as it is in models/families: norms before
+ * and/or after each sublayer (layer_t), q/k norms per head or per projection, SiLU or GELU (tanh),
+ * a residual multiplier, soft-capped scores (dims_t), and per layer its RoPE table (global, local or
+ * none), sliding window and KV-cache group (layer_t). The caller (models/fused_decode.py) checks
+ * what this handles: int4pack (bfloat16: AVX-512 layout, or int8 activations; float32: the float32
+ * layout of int4_avx2.c, scales within), int8-group or Q4_K / Q6_K (kquant_gemm.c) projections, a bias on the QKV
+ * projection only, a paged cache of the step's dtype [2][Hkv][num_blocks][block_size][D], neox RoPE
+ * tables. Rows of LoRA adapters get their updates beside every projection (lora.c), so a step with
+ * adapters stays one call.
  */
 #include <math.h>
 #include <stdint.h>
@@ -149,15 +153,35 @@ static int linear(const linear_t *l, const void *x, int64_t M, void *out, float 
     return 0;
 }
 
-/* x*cos + roll(x, half)*sin over one head (layers/rotary.py's apply_rope): x*cos rounded to the
- * step's dtype first, then the multiply-add rounded once, as addcmul does. */
-static void rope_head(void *x, const void *cos, const void *sin, int64_t D, int64_t half, int bf) {
+/* x*cos + roll(x, half)*sin over the first R dimensions of one head (layers/rotary.py's apply_rope;
+ * the rest pass through): x*cos rounded to the step's dtype first, then the multiply-add rounded
+ * once, as addcmul does. */
+static void rope_head(void *x, const void *cos, const void *sin, int64_t R, int64_t half, int bf) {
     float v[1024];
-    for (int64_t i = 0; i < D; i++) v[i] = ld(x, i, bf);
-    for (int64_t i = 0; i < D; i++) {
+    for (int64_t i = 0; i < R; i++) v[i] = ld(x, i, bf);
+    for (int64_t i = 0; i < R; i++) {
         const float a = rnd(v[i] * ld(cos, i, bf), bf);
-        st(x, i, a + v[(i + half) % D] * ld(sin, i, bf), bf);
+        st(x, i, a + v[(i + half) % R] * ld(sin, i, bf), bf);
     }
+}
+
+/* RMSNorm over one head, then its scales (models/decoder.py's per-head q/k norm: F.rms_norm without
+ * a weight, rounded to the step's dtype, times the scales, rounded again). */
+static void head_norm(void *x, const void *w, int64_t D, float eps, int bf) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; i++) {
+        const float v = ld(x, i, bf);
+        ss += v * v;
+    }
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) st(x, i, rnd(ld(x, i, bf) * inv, bf) * ld(w, i, bf), bf);
+}
+
+/* GELU with the tanh approximation, as PyTorch computes F.gelu(approximate="tanh") in float32. */
+static inline float gelu_tanh(float x) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    const float inner = beta * (x + kappa * (x * x * x));
+    return 0.5f * x * (1.f + tanhf(inner));
 }
 
 /* a = bf16(bf16(silu(g)) * u) for one row of [gate | up] (F.silu, then a multiply, as the modules
@@ -191,6 +215,30 @@ static void silu_mul_f32(const float *g, float *a, int64_t I) {
     for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
+/* a = gelu_tanh(g) * u for one row of [gate | up], the activation rounded to the step's dtype
+ * before the product (F.gelu, then a multiply, as the modules do). */
+static void gelu_mul(const void *gu, void *a, int64_t I, int bf) {
+    for (int64_t i = 0; i < I; i++) st(a, i, rnd(gelu_tanh(ld(gu, i, bf)), bf) * ld(gu, I + i, bf), bf);
+}
+
+/* The MLP's activation times up for M rows of [gate | up] [M][2I] into [M][I]. */
+static int activate(int64_t kind, const void *gu, void *act, int64_t M, int64_t I, int bf) {
+    const int64_t es = bf ? 2 : 4;
+    for (int64_t r = 0; r < M; r++) {
+        const char *g = (const char *)gu + r * 2 * I * es;
+        char *a = (char *)act + r * I * es;
+        if (kind == ACT_SILU && bf)
+            silu_mul((const uint16_t *)g, (uint16_t *)a, I);
+        else if (kind == ACT_SILU)
+            silu_mul_f32((const float *)g, (float *)a, I);
+        else if (kind == ACT_GELU_TANH)
+            gelu_mul(g, a, I, bf);
+        else
+            return -1;
+    }
+    return 0;
+}
+
 /* silu_mul over M rows of [gate | up] [M][2I] into [M][I]: the MLP activation of the modules'
  * path (prefill-sized steps), where F.silu and the multiply are two passes over the rows and
  * two dispatches, with the C step's roundings (bfloat16 after the SiLU and after the product). */
@@ -199,17 +247,93 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
     for (int64_t r = 0; r < M; r++) silu_mul(gu + r * 2 * I, out + r * I, I);
 }
 
+/* One RMSNorm call over M rows of H of the step's dtype (rms_norm.c), the residual add folded in
+ * where `res` is not NULL. */
+static void norm_rows(const void *in, void *res, const void *w, void *out, int64_t M, int64_t H, float eps, int bf) {
+    if (bf)
+        rms_norm_bf16((const uint16_t *)in, (uint16_t *)res, (const uint16_t *)w, (uint16_t *)out, M, H, eps);
+    else
+        rms_norm_f32((const float *)in, (float *)res, (const float *)w, (float *)out, M, H, eps);
+}
+
+/* The residual stream between sublayers, as models/decoder.py's DecoderLayer.sublayer keeps it: the
+ * stream is x, or x + residual with the add still pending (folded into the next norm's call). */
+typedef struct {
+    void *x, *residual, *h;
+    int64_t M, H;
+    float eps;
+    int bf, pending;
+} stream_t;
+
+/* A sublayer's input. Without an output norm (llama) the pending add is folded into the input norm's
+ * call and stays pending after the sublayer; with one (Gemma, OLMo 2) the stream is added up into
+ * `residual` first, normed into h where there is an input norm, and read from `residual` where not. */
+static const void *sublayer_in(stream_t *s, const void *norm, const void *out_norm) {
+    const int64_t n = s->M * s->H, es = s->bf ? 2 : 4;
+    if (!out_norm) {
+        if (s->pending) {
+            norm_rows(s->x, s->residual, norm, s->h, s->M, s->H, s->eps, s->bf);
+        } else {
+            memcpy(s->residual, s->x, es * n);
+            norm_rows(s->x, NULL, norm, s->h, s->M, s->H, s->eps, s->bf);
+        }
+        s->pending = 1;
+        return s->h;
+    }
+    if (s->pending) /* x + residual as PyTorch adds two tensors: in float32, rounded once */
+        for (int64_t i = 0; i < n; i++) st(s->residual, i, ld(s->x, i, s->bf) + ld(s->residual, i, s->bf), s->bf);
+    else
+        memcpy(s->residual, s->x, es * n);
+    s->pending = 0;
+    if (!norm) return s->residual;
+    norm_rows(s->residual, NULL, norm, s->h, s->M, s->H, s->eps, s->bf);
+    return s->h;
+}
+
+/* After the sublayer wrote its output y into x: y times the residual multiplier m (rounded, as
+ * `y * m` is), and with an output norm the stream becomes residual + norm(y) (* m). */
+static void sublayer_out(stream_t *s, const void *out_norm, float m) {
+    const int64_t n = s->M * s->H;
+    const int bf = s->bf;
+    if (!out_norm) {
+        if (m != 1.f)
+            for (int64_t i = 0; i < n; i++) st(s->x, i, ld(s->x, i, bf) * m, bf);
+        return;
+    }
+    norm_rows(s->x, NULL, out_norm, s->x, s->M, s->H, s->eps, bf);
+    for (int64_t i = 0; i < n; i++) {
+        const float y = m != 1.f ? rnd(ld(s->x, i, bf) * m, bf) : ld(s->x, i, bf);
+        st(s->x, i, ld(s->residual, i, bf) + y, bf);
+    }
+}
+
+/* Queries and keys of one row [Hq + Hkv][D] normed as dims_t.qk_norm says (models/decoder.py's
+ * DecoderAttention._qk): each head with its scales, or the query and key projections each as one
+ * RMSNorm row (the module's RMSNorm, through rms_norm.c). */
+static void qk_norm(const dims_t *d, const layer_t *ly, char *row, int bf) {
+    const int64_t D = d->head_dim, nq = d->num_heads, nkv = d->num_kv_heads, es = bf ? 2 : 4;
+    const float eps = (float)d->eps;
+    if (d->qk_norm == QK_NORM_HEAD) {
+        for (int64_t j = 0; j < nq + nkv; j++) head_norm(row + j * D * es, j < nq ? ly->q_norm : ly->k_norm, D, eps, bf);
+    } else if (d->qk_norm == QK_NORM_PROJ) {
+        norm_rows(row, NULL, ly->q_norm, row, 1, nq * D, eps, bf);
+        norm_rows(row + nq * D * es, NULL, ly->k_norm, row + nq * D * es, 1, nkv * D, eps, bf);
+    }
+}
+
 /* One decode step of either dtype (see decode_step_bf16 for the arguments); bf: bfloat16 rows. */
 static int decode_step(const layer_t *layers, int64_t L, const dims_t *d, const void *final_norm, int64_t M,
-                       void *x, const void *cos, const void *sin, int64_t half, const int64_t *slots,
-                       const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
-                       const lora_step_t *lora, int bf) {
+                       void *x, const void *cos, const void *sin, const void *cos_local, const void *sin_local,
+                       int64_t half, const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens,
+                       int64_t max_len, void *workspace, const lora_step_t *lora, int bf) {
     const int64_t H = d->hidden, D = d->head_dim, nq = d->num_heads, nkv = d->num_kv_heads, I = d->intermediate;
     const int64_t qkv_n = (nq + 2 * nkv) * D;
+    const int64_t R = d->rotary_dim ? d->rotary_dim : D;
     const int64_t plane = d->num_blocks * d->block_size;
     const int64_t es = bf ? 2 : 4;
-    const float eps = (float)d->eps;
-    if (D > 1024) return -1;
+    const float m = (float)d->residual_multiplier;
+    if (D > 1024 || R > D || R % 2) return -1;
+    if (d->qk_norm == QK_NORM_PROJ && (nq * D > MAX_NORM_HIDDEN || nkv * D > MAX_NORM_HIDDEN)) return -1;
     char *p = (char *)workspace;
     char *residual = p; p += align64(4 * M * H);
     char *h = p; p += align64(4 * M * H);
@@ -220,71 +344,74 @@ static int decode_step(const layer_t *layers, int64_t L, const dims_t *d, const 
     const int64_t lin = step_linear_scratch(layers, L, M);
     float *scratch = (float *)p; p += align64(4 * lin);
     float *scores = (float *)p;
-#define NORM(in, res, w, out) \
-    (bf ? rms_norm_bf16((const uint16_t *)(in), (uint16_t *)(res), (const uint16_t *)(w), (uint16_t *)(out), M, H, eps) \
-        : rms_norm_f32((const float *)(in), (float *)(res), (const float *)(w), (float *)(out), M, H, eps))
+    stream_t s = {x, residual, h, M, H, (float)d->eps, bf, 0};
 
     for (int64_t li = 0; li < L; li++) {
         const layer_t *ly = &layers[li];
         char *cache = (char *)ly->kv_cache;
-        if (li == 0) { /* the embeddings are the first residual */
-            memcpy(residual, x, es * M * H);
-            NORM(x, 0, ly->input_norm, h);
-        } else {
-            NORM(x, residual, ly->input_norm, h);
-        }
-        if (linear(&ly->qkv, h, M, qkv, scratch, lora, bf) != 0) return -1;
+        const int64_t *g_slots = slots + ly->group * M;
+        const int64_t *g_tables = block_tables + ly->group * M * d->max_blocks;
+        const char *lc = (const char *)(ly->rope == ROPE_LOCAL ? cos_local : cos);
+        const char *ls = (const char *)(ly->rope == ROPE_LOCAL ? sin_local : sin);
+        if (ly->rope != ROPE_NONE && (!lc || !ls)) return -1;
+        if (d->qk_norm != QK_NORM_NONE && (!ly->q_norm || !ly->k_norm)) return -1;
+        if (!ly->attn_norm && !ly->attn_out_norm) return -1;
+        if (!ly->mlp_norm && !ly->mlp_out_norm) return -1;
+
+        const void *in = sublayer_in(&s, ly->attn_norm, ly->attn_out_norm);
+        if (linear(&ly->qkv, in, M, qkv, scratch, lora, bf) != 0) return -1;
         for (int64_t r = 0; r < M; r++) {
             char *row = qkv + r * qkv_n * es;
-            for (int64_t j = 0; j < nq + nkv; j++)
-                rope_head(row + j * D * es, (const char *)cos + r * D * es, (const char *)sin + r * D * es, D, half, bf);
+            qk_norm(d, ly, row, bf);
+            if (ly->rope != ROPE_NONE)
+                for (int64_t j = 0; j < nq + nkv; j++)
+                    rope_head(row + j * D * es, lc + r * R * es, ls + r * R * es, R, half, bf);
             for (int64_t j = 0; j < nkv; j++) { /* keys, then values, at the row's slot of each head */
-                memcpy(cache + ((j * plane) + slots[r]) * D * es, row + (nq + j) * D * es, es * D);
-                memcpy(cache + ((nkv + j) * plane + slots[r]) * D * es, row + (nq + nkv + j) * D * es, es * D);
+                memcpy(cache + ((j * plane) + g_slots[r]) * D * es, row + (nq + j) * D * es, es * D);
+                memcpy(cache + ((nkv + j) * plane + g_slots[r]) * D * es, row + (nq + nkv + j) * D * es, es * D);
             }
         }
-        paged_decode_attention(qkv, qkv_n, cache, bf, block_tables, seq_lens, attn, M, nq, nkv, D,
-                               d->num_blocks, d->block_size, d->max_blocks, (float)d->scale, 0, NULL, scores, max_len);
+        paged_decode_attention(qkv, qkv_n, cache, bf, g_tables, seq_lens, attn, M, nq, nkv, D, d->num_blocks,
+                               d->block_size, d->max_blocks, (float)d->scale, (float)d->softcap, ly->window, NULL,
+                               scores, max_len);
         if (linear(&ly->o, attn, M, x, scratch, lora, bf) != 0) return -1;
-        NORM(x, residual, ly->post_norm, h);
-        if (linear(&ly->gate_up, h, M, gu, scratch, lora, bf) != 0) return -1;
-        for (int64_t r = 0; r < M; r++) {
-            if (bf)
-                silu_mul((const uint16_t *)gu + r * 2 * I, (uint16_t *)act + r * I, I);
-            else
-                silu_mul_f32((const float *)gu + r * 2 * I, (float *)act + r * I, I);
-        }
+        sublayer_out(&s, ly->attn_out_norm, m);
+
+        in = sublayer_in(&s, ly->mlp_norm, ly->mlp_out_norm);
+        if (linear(&ly->gate_up, in, M, gu, scratch, lora, bf) != 0) return -1;
+        if (activate(d->activation, gu, act, M, I, bf) != 0) return -1;
         if (linear(&ly->down, act, M, x, scratch, lora, bf) != 0) return -1;
+        sublayer_out(&s, ly->mlp_out_norm, m);
     }
-    NORM(x, residual, final_norm, x);
-#undef NORM
+    norm_rows(x, s.pending ? residual : NULL, final_norm, x, M, H, s.eps, bf);
     return 0;
 }
 
 /*
- * x:            [M, H] bf16: the rows' embeddings in, the final norm's output out
- * cos, sin:     [M, D] bf16 RoPE rows of the rows' positions (RotaryEmbedding's tables)
- * slots:        [M] int64 cache slot of each row's new token
- * block_tables: [M, max_blocks] int64; seq_lens: [M] int64 (context including the new token)
+ * x:            [M, H] bf16: the rows' (scaled) embeddings in, the final norm's output out
+ * cos, sin:     [M, R] bf16 RoPE rows of the rows' positions (RotaryEmbedding's tables; R = dims_t.rotary_dim)
+ * cos_local, sin_local: the same from the sliding layers' own table (ROPE_LOCAL layers), or NULL
+ * slots:        [G, M] int64 cache slot of each row's new token, per KV-cache group (layer_t.group)
+ * block_tables: [G, M, max_blocks] int64 per group; seq_lens: [M] int64 (context including the new token)
  * workspace:    decode_step_workspace_bytes(...) bytes
  * lora:         the rows' adapters (lora.c adds them beside each projection), or NULL: none
  * Returns 0, or -1 when a kernel refused its arguments (nothing is then left half-written that
  * the module path would not overwrite: the caller reruns the step there).
  */
 int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const uint16_t *final_norm, int64_t M,
-                     uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
-                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
-                     const lora_step_t *lora) {
-    return decode_step(layers, L, d, final_norm, M, x, cos, sin, half, slots, block_tables, seq_lens, max_len,
-                       workspace, lora, 1);
+                     uint16_t *x, const uint16_t *cos, const uint16_t *sin, const uint16_t *cos_local,
+                     const uint16_t *sin_local, int64_t half, const int64_t *slots, const int64_t *block_tables,
+                     const int64_t *seq_lens, int64_t max_len, void *workspace, const lora_step_t *lora) {
+    return decode_step(layers, L, d, final_norm, M, x, cos, sin, cos_local, sin_local, half, slots, block_tables,
+                       seq_lens, max_len, workspace, lora, 1);
 }
 
 /* decode_step_bf16 for float32 rows, norms, RoPE tables and cache: every tensor the module path
  * keeps in float32 is float32 here, and the int4 operands are int4_gemm_f32's. */
 int decode_step_f32(const layer_t *layers, int64_t L, const dims_t *d, const float *final_norm, int64_t M, float *x,
-                    const float *cos, const float *sin, int64_t half, const int64_t *slots,
-                    const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
-                    const lora_step_t *lora) {
-    return decode_step(layers, L, d, final_norm, M, x, cos, sin, half, slots, block_tables, seq_lens, max_len,
-                       workspace, lora, 0);
+                    const float *cos, const float *sin, const float *cos_local, const float *sin_local, int64_t half,
+                    const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len,
+                    void *workspace, const lora_step_t *lora) {
+    return decode_step(layers, L, d, final_norm, M, x, cos, sin, cos_local, sin_local, half, slots, block_tables,
+                       seq_lens, max_len, workspace, lora, 0);
 }

@@ -37,6 +37,10 @@ static inline void load_row(const void *base, int64_t index, int d, int is_bf16,
     }
 }
 
+/* A score soft-capped as the modules' attention does (attention/sdpa.py: tanh(s / c) * c), or as is
+ * where cap is 0. */
+static inline float capped(float s, float cap) { return cap > 0.f ? tanhf(s / cap) * cap : s; }
+
 #ifdef HAVE_AVX2_FMA
 /* float32 values (hosts without native bfloat16): out[0 .. 8 nv) = sum_t p_t * v_t[c .. c + 8 nv)
  * for one query head, the sums kept in registers over all tokens (the generic loop loads and
@@ -62,6 +66,7 @@ static inline __attribute__((always_inline)) void values_f32(const float *vb, co
  * block_tables: [B][max_blocks] int64
  * seq_lens:     [B] int64 (context length including the new token)
  * out:          [B][Hq][D] in the cache's dtype
+ * softcap:      scores (after the scale) become softcap * tanh(score / softcap) (Gemma 2); 0 for none
  * window:       sliding window in tokens, 0 for none
  * sinks:        [Hq] float32 or NULL: per query head, a logit that joins the softmax's denominator
  *               and adds no value (gpt-oss's attention sinks): the maximum starts at it and the sum
@@ -73,7 +78,8 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                             const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
                             int64_t Hkv,
                             int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, const float *sinks, float *scratch, int64_t max_len) {
+                            float scale, float softcap, int64_t window, const float *sinks, float *scratch,
+                            int64_t max_len) {
     const int64_t G = Hq / Hkv;
     const int64_t plane = num_blocks * block_size; /* rows per (K or V, head) */
 #pragma omp parallel for schedule(dynamic, 1)
@@ -114,7 +120,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                 for (int64_t g = 0; g < G; g++) {
                     __m512 a = _mm512_setzero_ps();
                     for (int64_t j = 0; j < nv; j++) a = _mm512_dpbf16_ps(a, kv[j], qv[g][j]);
-                    const float v = _mm512_reduce_add_ps(a) * scale;
+                    const float v = capped(_mm512_reduce_add_ps(a) * scale, softcap);
                     scores[g * max_len + t] = v;
                     if (v > maxs[g]) maxs[g] = v;
                 }
@@ -136,7 +142,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kr + i), _mm256_loadu_ps(qg + i), a0);
                         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kr + i + 8), _mm256_loadu_ps(qg + i + 8), a1);
                     }
-                    const float v = hsum_ps256(_mm256_add_ps(a0, a1)) * scale;
+                    const float v = capped(hsum_ps256(_mm256_add_ps(a0, a1)) * scale, softcap);
                     scores[g * max_len + t] = v;
                     if (v > maxs[g]) maxs[g] = v;
                 }
@@ -167,7 +173,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, 
                 float *sg = scores + g * max_len + t0;
                 for (int64_t t = 0; t < n; t++) {
                     if (t0 + t < start) continue;
-                    const float v = s[t] * scale;
+                    const float v = capped(s[t] * scale, softcap);
                     sg[t] = v;
                     if (v > maxs[g]) maxs[g] = v;
                 }

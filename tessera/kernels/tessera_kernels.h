@@ -16,6 +16,13 @@
 enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3, LINEAR_Q4K = 4, LINEAR_Q6K = 5 };
 /* rot_kind of the int8 cache: the keys' (and queries') transform (kv_int8.c's transform_row). */
 enum { ROT_NONE = 0, ROT_MATRIX = 1, ROT_HADAMARD = 2 };
+/* layer_t.rope: which RoPE tables rotate a layer's queries and keys (none: a NoPE layer, SmolLM3). */
+enum { ROPE_NONE = 0, ROPE_GLOBAL = 1, ROPE_LOCAL = 2 };
+/* dims_t.qk_norm: RMSNorm on queries and keys before RoPE, over each head (Qwen3, Gemma 3) or over the
+ * whole query and key projections (OLMo 2). */
+enum { QK_NORM_NONE = 0, QK_NORM_HEAD = 1, QK_NORM_PROJ = 2 };
+/* dims_t.activation: the gated MLP's activation (tessera/activations.py names them). */
+enum { ACT_SILU = 1, ACT_GELU_TANH = 2 };
 
 #define MAX_HEAD_DIM 512         /* paged decode attention (bfloat16/float32 and int8 caches) */
 #define MAX_GROUP 16             /* query heads per KV head, every attention kernel */
@@ -61,18 +68,31 @@ typedef struct {
     int64_t w_bf16;           /* the adapters' weights are bfloat16 (else float32) */
 } lora_step_t;
 
-/* One decoder layer of decode_step_bf16 / decode_step_f32 (tensors of the step's dtype). */
+/* One decoder layer of decode_step_bf16 / decode_step_f32 (tensors of the step's dtype). Each sublayer
+ * (attention, then the MLP) has an input norm, an output norm, or both (models/decoder.py's
+ * DecoderLayer.sublayer): without an output norm (llama) the residual add is folded into the next
+ * norm's call; with one (Gemma, OLMo 2) the normed output is added to the stream. */
 typedef struct {
-    const void *input_norm, *post_norm; /* [H] */
+    const void *attn_norm, *attn_out_norm; /* [H] RMSNorm weights around attention, NULL where none */
+    const void *mlp_norm, *mlp_out_norm;   /* [H] around the MLP, NULL where none */
+    const void *q_norm, *k_norm;           /* QK_NORM_HEAD: [D] each; QK_NORM_PROJ: [Hq D] and [Hkv D]; else NULL */
     linear_t qkv, o, gate_up, down;
     void *kv_cache; /* [2][Hkv][num_blocks][block_size][D] */
+    int64_t rope;   /* ROPE_NONE, ROPE_GLOBAL or ROPE_LOCAL */
+    int64_t window; /* sliding window in tokens, 0 for none */
+    int64_t group;  /* its KV-cache group: which of the step's slot rows and block tables it reads */
 } layer_t;
 
-/* The decoder's shapes and the cache's. */
+/* The decoder's shapes and the cache's, and what its layers share. */
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size, max_blocks;
     double eps, scale;
+    int64_t rotary_dim;         /* the leading dimensions of each head RoPE turns (partial rotary: < head_dim) */
+    int64_t qk_norm;            /* QK_NORM_NONE, QK_NORM_HEAD or QK_NORM_PROJ */
+    int64_t activation;         /* ACT_SILU or ACT_GELU_TANH */
+    double residual_multiplier; /* each sublayer's output times this before the residual add (Granite) */
+    double softcap;             /* attention scores become softcap * tanh(score / softcap) (Gemma 2); 0: none */
 } dims_t;
 
 /* ---- variant.c ---- */
@@ -82,7 +102,8 @@ const char *tessera_variant(void);
 void paged_decode_attention(const void *q, int64_t q_stride, const void *cache, int is_bf16,
                             const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, const float *sinks, float *scratch, int64_t max_len);
+                            float scale, float softcap, int64_t window, const float *sinks, float *scratch,
+                            int64_t max_len);
 
 /* ---- prefill_attention.c ---- */
 int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache,
@@ -165,13 +186,13 @@ void mxfp4_dequant(const uint8_t *blocks, void *out, int64_t N, int64_t K, int i
 int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims_t *d, int64_t M, int64_t max_len);
 void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I);
 int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const uint16_t *final_norm, int64_t M,
-                     uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half, const int64_t *slots,
-                     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
-                     const lora_step_t *lora);
+                     uint16_t *x, const uint16_t *cos, const uint16_t *sin, const uint16_t *cos_local,
+                     const uint16_t *sin_local, int64_t half, const int64_t *slots, const int64_t *block_tables,
+                     const int64_t *seq_lens, int64_t max_len, void *workspace, const lora_step_t *lora);
 int decode_step_f32(const layer_t *layers, int64_t L, const dims_t *d, const float *final_norm, int64_t M, float *x,
-                    const float *cos, const float *sin, int64_t half, const int64_t *slots,
-                    const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len, void *workspace,
-                    const lora_step_t *lora);
+                    const float *cos, const float *sin, const float *cos_local, const float *sin_local, int64_t half,
+                    const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int64_t max_len,
+                    void *workspace, const lora_step_t *lora);
 
 /* ---- lora.c ---- */
 int lora_add(const void *x, int64_t x_stride, void *y, int64_t y_stride, int x_bf16, int w_bf16, int64_t M,

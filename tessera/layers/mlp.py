@@ -1,19 +1,35 @@
-"""The gated MLP of llama-family and Gemma decoders, down(act(gate(x)) * up(x)) with gate and up
-fused, which is also each expert of a mixture-of-experts block (layers/moe.py)."""
+"""The decoders' gated MLP, down(act(gate(x)) * up(x)) with gate and up fused (the activations are
+tessera/activations.py's table), which is also each expert of a mixture-of-experts block
+(layers/moe.py)."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tessera.activations import ACTIVATIONS, ActivationName, activation as lookup_activation
 from tessera.kernels import capabilities, rowwise_ops
 from tessera.layers.linear import Linear
 from tessera.layers.quantization import QuantConfig
 
+Activation = ActivationName
 
-Activation = Literal["silu", "gelu_tanh", "swiglu_clamped"]
+
+def _swiglu_clamped(mlp: "GatedMLP", gate: Tensor, up: Tensor) -> Tensor:
+    gate = gate.clamp(max=mlp.limit)
+    return gate * torch.sigmoid(gate * mlp.alpha) * (up.clamp(-mlp.limit, mlp.limit) + 1)
+
+
+# act(gate) * up for each name of tessera/activations.py's table, in PyTorch's operators (the C decode
+# step has its own body per code there).
+GATED: dict[str, Callable[["GatedMLP", Tensor, Tensor], Tensor]] = {
+    "silu": lambda mlp, gate, up: F.silu(gate) * up,
+    "gelu_tanh": lambda mlp, gate, up: F.gelu(gate, approximate="tanh") * up,
+    "swiglu_clamped": _swiglu_clamped,
+}
+assert set(GATED) == set(ACTIVATIONS), "every activation of the table has a module body"
 
 
 class GatedMLP(nn.Module):
@@ -23,8 +39,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, quant: QuantConfig, activation: Activation,
                  prefix: str, bias: bool = False, swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702):
         super().__init__()
-        if activation not in ("silu", "gelu_tanh", "swiglu_clamped"):
-            raise ValueError(f"unknown activation {activation!r}")
+        lookup_activation(activation)  # ValueError for a name not in the table
         self.activation = activation
         self.limit, self.alpha = swiglu_limit, swiglu_alpha
         self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, quant, bias=bias, shard_names=["gate", "up"],
@@ -46,8 +61,4 @@ class GatedMLP(nn.Module):
             if self._c_silu:
                 return self.down_proj(rowwise_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        if self.activation == "swiglu_clamped":
-            gate = gate.clamp(max=self.limit)
-            return self.down_proj(gate * torch.sigmoid(gate * self.alpha) * (up.clamp(-self.limit, self.limit) + 1))
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(act * up)
+        return self.down_proj(GATED[self.activation](self, gate, up))

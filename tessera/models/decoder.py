@@ -4,9 +4,9 @@ Module names follow Hugging Face (model.layers.N.self_attn.qkv_proj, ...), with 
 fused into one Linear each: on CPU a small model pays per-op overhead as much as FLOPs, so fewer,
 larger matrix products win. RoPE rotates Q and K together from a table gathered once per step.
 What differs between families (tessera/models/families) is data: where the norms sit, q/k norms,
-the activation, RoPE's form per layer, multipliers and soft-caps. A llama-shaped block (norms
-before the sublayers only, nothing else) keeps the residual add inside the next norm's kernel and
-may take the one-call C decode step (models/fused_decode.py).
+the activation, RoPE's form per layer, multipliers and soft-caps. A block with norms before the
+sublayers only keeps the residual add inside the next norm's kernel. Every dense family may take
+the one-call C decode step (models/fused_decode.py), which reads the same modules.
 """
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ from torch import Tensor, nn
 from tessera.attention.base import AttentionMetadata, KeyBias
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
+from tessera.kernels import bindings
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from tessera.layers.moe import SparseMoE
 from tessera.layers.weights import AnyWeight, GGUFWeight
 from tessera.models.base import ExecutionPath, ModelBase
 from tessera.models.families import Block, Family, family
-from tessera.models.families.base import block_decode_limits
+from tessera.models.families.base import decode_step_limits
 from tessera.models.fused_decode import DecoderLayerParts, DecoderParts, FusedDecode
 from tessera.models.weights import as_float_tensor, load_named_weights
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Which RoPE table a layer reads: the global one, the sliding layers' own base (Gemma 3), or none.
 GLOBAL, LOCAL, NOPE = "global", "local", "nope"
+_ROPE_CODES = {GLOBAL: bindings.ROPE_GLOBAL, LOCAL: bindings.ROPE_LOCAL, NOPE: bindings.ROPE_NONE}  # decode_step.c's
 
 
 class DecoderAttention(nn.Module):
@@ -164,8 +166,8 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module, ModelBase):
     """A decoder of any family (tessera/models/families). Besides its modules' forward it offers
-    decode steps as one C call (models/fused_decode.py) where the family's block is llama's, which
-    the runner takes where the plan applies."""
+    decode steps as one C call (models/fused_decode.py) where families/base.py's decode_step_limits
+    finds nothing against it, which the runner takes where the plan applies."""
 
     def __init__(self, config: ModelConfig, quant: QuantConfig):
         super().__init__()
@@ -255,19 +257,7 @@ class DecoderForCausalLM(nn.Module, ModelBase):
 
     def decode_step_limits(self) -> list[str]:
         """What keeps this model's decode steps off the one-call C step (empty: nothing)."""
-        c = self.config
-        checks = [
-            (c.embedding_multiplier is not None, "an embedding multiplier"),
-            (c.residual_multiplier != 1.0, "a residual multiplier"),
-            (bool(c.nope_layers), "layers without RoPE"),
-            (c.rotary_dim is not None and c.rotary_dim != c.head_dim, "partial rotary"),
-            (any(w is not None for w in c.layer_windows()), "sliding-window layers"),
-            (bool(c.attn_logit_softcapping), "attention soft-capping"),
-            (c.moe is not None, "mixture-of-experts layers"),
-            (c.attention_sinks, "attention sinks"),
-            (c.attention_output_bias, "an attention output bias"),
-        ]
-        return block_decode_limits(self.family.block) + [why for blocked, why in checks if blocked]
+        return decode_step_limits(self.family.block, self.config)
 
     def execution_paths(self) -> frozenset[ExecutionPath]:
         if self.decode_step_limits():
@@ -277,11 +267,18 @@ class DecoderForCausalLM(nn.Module, ModelBase):
     def plan_fused_decode(self) -> Optional[FusedDecode]:
         """The C decode step over these weights (see ModelBase), or None where some part has no
         C kernel here."""
-        layers = [DecoderLayerParts(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.attn,
-                                    layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp)
-                  for layer in self.model.layers]
-        return FusedDecode.build(DecoderParts(self.config, self.dtype, self.model.embed_tokens, self.rotary_emb,
-                                              layers, self.model.norm))
+        layers = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            (attn_norm, attn_out_norm), (mlp_norm, mlp_out_norm) = layer.attn_norms, layer.mlp_norms
+            qk_norm = attn.qk_norm_kind is not None
+            layers.append(DecoderLayerParts(
+                attn_norm, attn_out_norm, attn.qkv_proj, attn.q_norm if qk_norm else None,
+                attn.k_norm if qk_norm else None, attn.attn, attn.o_proj, mlp_norm, mlp_out_norm, layer.mlp,
+                _ROPE_CODES[layer.rope]))
+        return FusedDecode.build(DecoderParts(
+            self.config, self.dtype, self.model.embed_tokens, self.embed_scale, self.rotary_emb, self.rotary_local,
+            self.family.block.qk_norm, layers, self.model.norm))
 
 
 def _split_rows(w: Union[Tensor, AnyWeight], sizes: Sequence[int]) -> list[Union[Tensor, AnyWeight]]:

@@ -1,4 +1,4 @@
-"""A llama-family decode step in one C call (tessera/kernels/decode_step.c).
+"""A decoder's decode step in one C call (tessera/kernels/decode_step.c).
 
 Why: at one to a few decode rows, the module path's ~20 operators and kernel calls per layer
 cost more in dispatch than their arithmetic (SmolLM2-135M: ~600 calls a token, of a few
@@ -8,50 +8,109 @@ where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host or float
 and levels without native bfloat16: int4 through the AVX2 kernel), int4, int8-group or Q4_K/Q6_K
 projections, the paged backend's cache of the compute dtype, decode-only steps, rows of
 LoRA adapters among them (lora.c beside each projection, as layers/linear.py adds them). Everything
-else (prefill, mixed steps, other weight formats, int8 caches) runs the modules.
+else (prefill, mixed steps, other weight formats, int8 caches) runs the modules. Which families'
+blocks it expresses is decided in one place (families/base.py's decode_step_limits); what is
+checked here is what depends on the loaded weights and the host.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from tessera.activations import ACTIVATIONS
 from tessera.kernels import bindings, capabilities, decode_ops, library
 from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from tessera.layers.lora import LoRASlots
 
+logger = logging.getLogger(__name__)
+
 # Rows per step taken in C: int4_gemm_bf16's limit, past which the module path's dense matmuls win.
 MAX_ROWS = 64
+_QK_NORMS = {None: bindings.QK_NORM_NONE, "head": bindings.QK_NORM_HEAD, "proj": bindings.QK_NORM_PROJ}
 
 
 @dataclass(frozen=True)
 class DecoderLayerParts:
-    """One pre-norm decoder layer's modules in the order decode_step.c runs them. A model names
-    its own modules here, so this plan needs no knowledge of any model class."""
+    """One decoder layer's modules in the order decode_step.c runs them. A model names its own
+    modules here, so this plan needs no knowledge of any model class. Each sublayer has an input
+    norm, an output norm (before the residual add), or both (models/decoder.py's DecoderLayer)."""
 
-    input_norm: RMSNorm
+    attn_norm: Optional[RMSNorm]
+    attn_out_norm: Optional[RMSNorm]
     qkv_proj: Linear  # fused Q, K, V rows; the only projection that may carry a bias
+    q_norm: Optional[RMSNorm]  # q/k norms (per head or over the projection), before RoPE
+    k_norm: Optional[RMSNorm]
     attn: Attention
     o_proj: Linear
-    post_norm: RMSNorm
+    mlp_norm: Optional[RMSNorm]
+    mlp_out_norm: Optional[RMSNorm]
     mlp: GatedMLP  # fused gate and up rows, then down
+    rope: int  # bindings.ROPE_GLOBAL, ROPE_LOCAL or ROPE_NONE
 
 
 @dataclass(frozen=True)
 class DecoderParts:
-    """A llama-shaped decoder's modules, as the C step reads them."""
+    """A decoder's modules, as the C step reads them."""
 
     config: ModelConfig
     dtype: torch.dtype  # the compute dtype the model was built for
     embed: VocabEmbedding
+    embed_scale: Optional[Union[Tensor, float]]  # the embeddings' factor, as the modules multiply by it
     rotary: RotaryEmbedding
+    rotary_local: Optional[RotaryEmbedding]  # the sliding layers' own base (Gemma 3)
+    qk_norm: Optional[str]  # "head", "proj" or None (families/base.py's Block.qk_norm)
     layers: Sequence[DecoderLayerParts]
     final_norm: RMSNorm
+
+
+def _norm_ptr(norm: Optional[RMSNorm]) -> Optional[int]:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+def _plan_limits(parts: DecoderParts) -> list[str]:
+    """What of these loaded weights, on this host, has no C kernel in the step (empty: none)."""
+    c, dtype = parts.config, parts.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        return [f"{dtype} compute"]
+    if dtype == torch.bfloat16 and not capabilities.bf16_matmuls():
+        return ["bfloat16 compute without AVX512-BF16"]
+    if library.available() is not None:
+        return ["no kernel library"]
+    why = []
+    if c.hidden_size > bindings.MAX_NORM_HIDDEN or c.head_dim > bindings.MAX_HEAD_DIM or c.head_dim % 32:
+        why.append(f"hidden size {c.hidden_size} or head size {c.head_dim}")
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    if parts.qk_norm == "proj" and max(q_size, kv_size) > bindings.MAX_NORM_HIDDEN:
+        why.append("q/k norms wider than the norm kernel's rows")
+    if len({layer.attn.scale for layer in parts.layers}) != 1 or len({layer.attn.softcap for layer in parts.layers}) != 1:
+        why.append("attention scales or soft-caps that differ between layers")
+    norms = [parts.final_norm]
+    for layer in parts.layers:
+        mlp = layer.mlp
+        if not isinstance(mlp, GatedMLP) or ACTIVATIONS[mlp.activation].c_code is None:
+            why.append(f"an MLP of {type(mlp).__name__} ({getattr(mlp, 'activation', '')})")
+            continue
+        if any(lin.bias is not None for lin in (layer.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            why.append("biases past the QKV projection")
+        if layer.qkv_proj.bias is not None and layer.qkv_proj.bias.dtype != dtype:
+            why.append("a QKV bias of another dtype")
+        if layer.rope == bindings.ROPE_LOCAL and parts.rotary_local is None:
+            why.append("a local RoPE layer without its table")
+        lins = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.kernel_operand() is None for lin in lins):
+            why.append("a projection's weight format")
+        norms += [n for n in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm, layer.mlp_out_norm,
+                              layer.q_norm, layer.k_norm) if n is not None]
+    if any(n.weight.dtype != dtype for n in norms):
+        why.append("norm weights of another dtype")
+    return sorted(set(why))
 
 
 class FusedDecode:
@@ -65,46 +124,41 @@ class FusedDecode:
         self.dims = dims
         self.max_rows = max_rows  # past it some projection's module path multiplies another way
         self._caches: Optional[tuple[int, ...]] = None  # the cache addresses `layers` holds
+        self._groups: Optional[tuple[int, ...]] = None  # each layer's KV-cache group `layers` holds
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._lora_step = bindings.LoRAStep()
         self._lora_bound: Optional[tuple[LoRASlots, list]] = None  # the slots and tables `layers` points at
 
     @classmethod
     def build(cls, parts: DecoderParts) -> Optional["FusedDecode"]:
-        """The plan for a decoder's loaded weights, or None where some part has no C kernel here."""
-        c, dtype = parts.config, parts.dtype
-        if dtype == torch.bfloat16 and not capabilities.bf16_matmuls():
+        """The plan for a decoder's loaded weights, or None (said in the log) where some part has no
+        C kernel here."""
+        why = _plan_limits(parts)
+        if why:
+            logger.info("the one-call C decode step has no kernel here for %s", ", ".join(why))
             return None
-        if dtype not in (torch.bfloat16, torch.float32) or library.available() is not None:
-            return None
-        if c.hidden_size > bindings.MAX_NORM_HIDDEN or c.head_dim > bindings.MAX_HEAD_DIM or c.head_dim % 32:
-            return None
+        c, first = parts.config, parts.layers[0]
         rows, max_rows = [], MAX_ROWS
         for layer in parts.layers:
             mlp = layer.mlp
-            if layer.attn.sliding_window is not None or mlp.activation != "silu":
-                return None
-            if any(lin.bias is not None for lin in (layer.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                return None
-            if layer.qkv_proj.bias is not None and layer.qkv_proj.bias.dtype != dtype:
-                return None
             ops = [lin.kernel_operand() for lin in (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_norm.weight, layer.post_norm.weight)
-            if any(op is None for op in ops) or any(w.dtype != dtype for w in norms):
-                return None
             max_rows = min([max_rows] + [op.max_rows for op in ops if op.max_rows])
-            rows.append(bindings.DecodeLayer(norms[0].data_ptr(), norms[1].data_ptr(), *ops, None))
-        if parts.final_norm.weight.dtype != dtype:
-            return None
+            norms = (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm, layer.mlp_out_norm, layer.q_norm,
+                     layer.k_norm)
+            rows.append(bindings.DecodeLayer(*map(_norm_ptr, norms), *ops, None, layer.rope,
+                                             layer.attn.sliding_window or 0, 0))
         dims = bindings.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                  head_dim=c.head_dim, intermediate=c.intermediate_size,
-                                  eps=c.rms_norm_eps, scale=parts.layers[0].attn.scale)
+                                   head_dim=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps,
+                                   scale=first.attn.scale, rotary_dim=c.rotary_dim or c.head_dim,
+                                   qk_norm=_QK_NORMS[parts.qk_norm],
+                                   activation=ACTIVATIONS[first.mlp.activation].c_code,
+                                   residual_multiplier=c.residual_multiplier, softcap=first.attn.softcap or 0.0)
         return cls(parts, (bindings.DecodeLayer * len(rows))(*rows), dims, max_rows)
 
     def applies(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
-        """Whether this step is one the C step takes: decode rows only, few enough, every layer
-        reading the same tables, a cache the backend lets C write and read."""
-        return (meta.num_decodes == meta.num_reqs and 0 < meta.num_reqs <= self.max_rows and meta.layers is None
+        """Whether this step is one the C step takes: decode rows only, few enough, a cache the
+        backend lets C write and read (each layer with its KV-cache group's tables)."""
+        return (meta.num_decodes == meta.num_reqs and 0 < meta.num_reqs <= self.max_rows
                 and input_ids.is_cpu and kv_caches[0].dtype == self.parts.dtype
                 and meta.backend.decode_in_c(self.dims.num_heads, kv_caches[0]))
 
@@ -147,6 +201,34 @@ class FusedDecode:
         step.w_bf16 = int(lora.dtype == torch.bfloat16)
         return step
 
+    def _step_tables(self, meta: AttentionMetadata, m: int) -> tuple:
+        """(seq_lens [M], block tables [G, M, W], slots [G, M], max_len, each layer's group) of a step,
+        made once and shared with later calls on the same metadata. G: the step's KV-cache groups
+        (kv_groups.py; one without sliding layers or hybrid groups), in order of first use."""
+        cached = meta._cache.get("paged_decode_c")
+        if cached is not None:
+            return cached
+        groups: list[AttentionMetadata] = []
+        index: dict[int, int] = {}
+        layer_groups = []
+        for i in range(len(self.layers)):
+            g = meta.for_layer(i)
+            if id(g) not in index:
+                index[id(g)] = len(groups)
+                groups.append(g)
+            layer_groups.append(index[id(g)])
+        if len(groups) == 1:
+            tables = groups[0].block_tables[:m].contiguous().unsqueeze(0)
+        else:  # each group's tables, padded to the widest
+            tables = torch.zeros(len(groups), m, max(g.block_tables.shape[1] for g in groups), dtype=torch.long)
+            for j, g in enumerate(groups):
+                tables[j, :, :g.block_tables.shape[1]] = g.block_tables[:m]
+        slots = torch.stack([g.slot_mapping[:m] for g in groups]).contiguous()
+        cached = (torch.tensor(meta.seq_lens, dtype=torch.long), tables, slots, max(meta.seq_lens),
+                  tuple(layer_groups))
+        meta._cache["paged_decode_c"] = cached
+        return cached
+
     def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
             meta: AttentionMetadata, lora: Optional[LoRASlots] = None) -> Optional[Tensor]:
         """The final hidden states [M, H] of a decode step, or None if a kernel refused (the caller
@@ -156,20 +238,24 @@ class FusedDecode:
         self._bind_caches(kv_caches)
         lora_args = self._lora_args(lora) if lora is not None and lora.active else None
         m = input_ids.shape[0]
-        x = parts.embed.embed(input_ids).contiguous()
-        cos, sin = parts.rotary(positions)
-        cos, sin = cos.view(m, -1).contiguous(), sin.view(m, -1).contiguous()
-        cached = meta._cache.get("paged_decode_c")
-        if cached is None:
-            tables = meta.block_tables[:m].contiguous()
-            cached = (torch.tensor(meta.seq_lens, dtype=torch.long), tables, max(meta.seq_lens))
-            meta._cache["paged_decode_c"] = cached
-        seq_lens, tables, max_len = cached
-        self.dims.max_blocks = tables.shape[1]
+        x = parts.embed.embed(input_ids)
+        x = (x if parts.embed_scale is None else x * parts.embed_scale).contiguous()
+
+        def table(rotary: RotaryEmbedding) -> tuple[Tensor, Tensor]:
+            cos, sin = rotary(positions)
+            return cos.view(m, -1).contiguous(), sin.view(m, -1).contiguous()
+
+        rope = table(parts.rotary)
+        local = None if parts.rotary_local is None else table(parts.rotary_local)
+        seq_lens, tables, slots, max_len, layer_groups = self._step_tables(meta, m)
+        if layer_groups != self._groups:
+            for layer, g in zip(self.layers, layer_groups):
+                layer.group = g
+            self._groups = layer_groups
+        self.dims.max_blocks = tables.shape[2]
         need = decode_ops.decode_step_workspace_bytes(self.layers, self.dims, m, max_len)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(max(need, 2 * self._workspace.numel()), dtype=torch.uint8)
-        ok = decode_ops.decode_step(self.layers, self.dims, parts.final_norm.weight, x, cos, sin,
-                                      parts.rotary.half, meta.slot_mapping.contiguous(), tables, seq_lens,
-                                      max_len, self._workspace, lora_args)
+        ok = decode_ops.decode_step(self.layers, self.dims, parts.final_norm.weight, x, rope, local,
+                                    parts.rotary.half, slots, tables, seq_lens, max_len, self._workspace, lora_args)
         return x if ok else None

@@ -224,8 +224,9 @@ def test_the_parser_sees_the_whole_interface():
     exported = {n for text in _sources().values() for n in parse_definitions(text)}
     assert exported == set(prototypes)
     assert parse_constants(_header())["LINEAR_Q6K"] == 5
-    assert [f for _, f in parse_structs(_header())["layer_t"]] == ["input_norm", "post_norm", "qkv", "o", "gate_up",
-                                                                  "down", "kv_cache"]
+    assert [f for _, f in parse_structs(_header())["layer_t"]] == [
+        "attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
+        "kv_cache", "rope", "window", "group"]
 
 
 def test_the_built_library_exports_the_header():
@@ -302,8 +303,8 @@ def test_a_mismatched_constant_or_struct_is_reported():
     narrowed = header.replace("double eps, scale;", "double eps;\n    float scale;")
     assert check_interface(narrowed, sources) == [
         "struct dims_t: field 9 is float scale in C, scale: c_double in DecodeDims"]
-    grown = header.replace("void *kv_cache; /*", "void *kv_cache;\n    int64_t window; /*")
-    assert check_interface(grown, sources) == ["struct layer_t: 8 fields in C, 7 in DecodeLayer"]
+    grown = header.replace("int64_t group;  /*", "int64_t group, extra; /*")
+    assert check_interface(grown, sources) == ["struct layer_t: 15 fields in C, 14 in DecodeLayer"]
 
 
 def test_struct_layouts_match_the_compiler(tmp_path):

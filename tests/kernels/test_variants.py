@@ -99,7 +99,7 @@ BROKEN = {
     "x86_64": ("avx2", "int8_gemv.c", "_mm256_add_ps(d0, d1), acc);", "_mm256_sub_ps(d0, d1), acc);",
                r"int8_gemv/.*/M1/"),
     "aarch64": ("neon", "kquant_gemm.c", "vld1q_s8(xb + 32 * g + 16));", "vld1q_s8(xb + 32 * g + 15));",
-                r"q4k_gemm/|decode_step_(bf16|f32)$"),  # the steps' QKV projection is Q4_K
+                r"q4k_gemm/|decode_step_(bf16|f32)(/\w+)?$"),  # the steps' QKV projection is Q4_K
 }
 
 

@@ -44,7 +44,7 @@ static float from_bf16(uint16_t v) {
 }
 
 /* Arrays of a case: zeroed, freed together when the case ends. */
-#define MAX_ALLOCS 64
+#define MAX_ALLOCS 96
 static void *allocs[MAX_ALLOCS];
 static int nallocs;
 static void *new0(size_t bytes) {
@@ -377,16 +377,17 @@ static int64_t *block_tables(int64_t B) { /* distinct blocks for every request *
     return t;
 }
 
-/* p: Hq, Hkv, D, bf16, window, sinks */
+/* p: Hq, Hkv, D, bf16, window, sinks | softcap << 1 (scores capped at 3) */
 static int run_decode_attn(const lib_t *L, const case_t *c, out_t *o) {
     const int64_t B = 3, Hq = c->p[0], Hkv = c->p[1], D = c->p[2], stride = (Hq + 2 * Hkv) * D, max_len = 100;
     const int bf = c->p[3];
     const int64_t *tables = block_tables(B);
     void *q = acts(B * stride, bf, 1.f), *cache = acts(2 * Hkv * NUM_BLOCKS * BLOCK * D, bf, 2.f);
-    const float *sinks = c->p[5] ? f32s(Hq, 2.f) : NULL;
+    const float *sinks = c->p[5] & 1 ? f32s(Hq, 2.f) : NULL;
     void *out = new0(B * Hq * D * 4);
     K(paged_decode_attention)(q, stride, cache, bf, tables, seq_lens3, out, B, Hq, Hkv, D, NUM_BLOCKS, BLOCK,
-                              MAX_BLOCKS, 1.f / sqrtf((float)D), c->p[4], sinks, new0(B * Hq * max_len * 4), max_len);
+                              MAX_BLOCKS, 1.f / sqrtf((float)D), c->p[5] & 2 ? 3.f : 0.f, c->p[4], sinks,
+                              new0(B * Hq * max_len * 4), max_len);
     put_act(o, "out", out, B * Hq * D, bf, 2, 1e-4);
     return 0;
 }
@@ -461,7 +462,10 @@ static int run_lora(const lib_t *L, const case_t *c, out_t *o) {
 
 /* A whole decode step of two layers over three rows (decode_step_bf16, or decode_step_f32 where p[0]): Q4_K QKV with a bias,
  * int8-group O and down projections (float32: int4 with int8 activations and int4), Q6_K gate/up, caches of
- * the step's dtype holding the contexts before. */
+ * the step's dtype holding the contexts before. p[1], the block: 0 llama's (norms before the sublayers, SiLU); 1 Gemma's (norms before and after, q/k norms per
+ * head, GELU, soft-capped scores, layer 0 sliding with its own RoPE table); 2 OLMo 2's and more (norms after only,
+ * q/k norms over the projections, a residual multiplier, half the head rotating, layer 1 without RoPE, the layers
+ * in two KV-cache groups). */
 static linear_t linear_of(int kind, int64_t n, int64_t k) {
     linear_t l = {.kind = kind, .n = n, .n_pad = n, .k = k, .group = 32};
     if (kind == LINEAR_INT4 || kind == LINEAR_INT4_I8) { /* the float32 layout: n a multiple of 32 */
@@ -476,42 +480,62 @@ static linear_t linear_of(int kind, int64_t n, int64_t k) {
     return l;
 }
 
+/* [M][R] cos and sin rows of the rows' positions at RoPE base `base`, in the step's dtype. */
+static void rope_rows(void *cos, void *sin, const int64_t *pos, int64_t M, int64_t R, float base, int bf) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t i = 0; i < R; i++) {
+            const float angle = (float)pos[r] * powf(base, -(float)(2 * (i % (R / 2))) / R);
+            if (bf)
+                ((uint16_t *)cos)[r * R + i] = to_bf16(cosf(angle)), ((uint16_t *)sin)[r * R + i] = to_bf16(sinf(angle));
+            else
+                ((float *)cos)[r * R + i] = cosf(angle), ((float *)sin)[r * R + i] = sinf(angle);
+        }
+}
+
 static int run_decode_step(const lib_t *L, const case_t *c, out_t *o) {
     enum { LAYERS = 2, M = 3, H = 256, NQ = 4, NKV = 2, D = 64, I = 256, MAX_LEN = 100 };
-    const int bf = !c->p[0]; /* p[0]: float32 (decode_step_f32) */
-    const dims_t d = {H, NQ, NKV, D, I, NUM_BLOCKS, BLOCK, MAX_BLOCKS, 1e-6, 0.125};
+    const int bf = !c->p[0], block = c->p[1]; /* p[0]: float32 (decode_step_f32) */
+    const int64_t R = block == 2 ? D / 2 : D, G = block == 2 ? 2 : 1;
+    dims_t d = {H, NQ, NKV, D, I, NUM_BLOCKS, BLOCK, MAX_BLOCKS, 1e-6, 0.125, R, QK_NORM_NONE, ACT_SILU, 1., 0.};
+    if (block == 1) d.qk_norm = QK_NORM_HEAD, d.activation = ACT_GELU_TANH, d.softcap = 4.;
+    if (block == 2) d.qk_norm = QK_NORM_PROJ, d.residual_multiplier = 0.5;
     const int64_t cache_n = 2 * NKV * NUM_BLOCKS * BLOCK * D;
     layer_t layers[LAYERS];
     for (int i = 0; i < LAYERS; i++) {
         layer_t *ly = &layers[i];
-        ly->input_norm = acts(H, bf, 1.f), ly->post_norm = acts(H, bf, 1.f);
+        *ly = (layer_t){0};
+        if (block != 2) ly->attn_norm = acts(H, bf, 1.f), ly->mlp_norm = acts(H, bf, 1.f);
+        if (block != 0) ly->attn_out_norm = acts(H, bf, 1.f), ly->mlp_out_norm = acts(H, bf, 1.f);
+        if (block == 1) ly->q_norm = acts(D, bf, 1.f), ly->k_norm = acts(D, bf, 1.f);
+        if (block == 2) ly->q_norm = acts(NQ * D, bf, 1.f), ly->k_norm = acts(NKV * D, bf, 1.f);
         ly->qkv = linear_of(LINEAR_Q4K, (NQ + 2 * NKV) * D, H);
         ly->qkv.bias = acts((NQ + 2 * NKV) * D, bf, 0.5f);
         ly->o = linear_of(bf ? LINEAR_INT8 : LINEAR_INT4_I8, H, NQ * D);
         ly->gate_up = linear_of(LINEAR_Q6K, 2 * I, H);
         ly->down = linear_of(bf ? LINEAR_INT8 : LINEAR_INT4, H, I);
         ly->kv_cache = acts(cache_n, bf, 1.f);
+        ly->rope = block == 1 && i == 0 ? ROPE_LOCAL : block == 2 && i == 1 ? ROPE_NONE : ROPE_GLOBAL;
+        ly->window = block == 1 && i == 0 ? 20 : 0;
+        ly->group = G == 2 ? i : 0;
     }
-    const int64_t *tables = block_tables(M);
-    int64_t slots[M];
-    void *cos = new0(M * D * 4), *sin = new0(M * D * 4);
-    for (int r = 0; r < M; r++) {
-        const int64_t pos = seq_lens3[r] - 1;
-        slots[r] = tables[r * MAX_BLOCKS + pos / BLOCK] * BLOCK + pos % BLOCK;
-        for (int i = 0; i < D; i++) {
-            const float angle = (float)pos * powf(10000.f, -(float)(2 * (i % (D / 2))) / D);
-            if (bf)
-                ((uint16_t *)cos)[r * D + i] = to_bf16(cosf(angle)), ((uint16_t *)sin)[r * D + i] = to_bf16(sinf(angle));
-            else
-                ((float *)cos)[r * D + i] = cosf(angle), ((float *)sin)[r * D + i] = sinf(angle);
+    int64_t *tables = new0(G * M * MAX_BLOCKS * 8), *slots = new0(G * M * 8), pos[M];
+    for (int g = 0; g < G; g++) {
+        const int64_t *t = block_tables(M);
+        memcpy(tables + g * M * MAX_BLOCKS, t, M * MAX_BLOCKS * 8);
+        for (int r = 0; r < M; r++) {
+            pos[r] = seq_lens3[r] - 1;
+            slots[g * M + r] = t[r * MAX_BLOCKS + pos[r] / BLOCK] * BLOCK + pos[r] % BLOCK;
         }
     }
+    void *cos = new0(M * R * 4), *sin = new0(M * R * 4), *cos_l = new0(M * R * 4), *sin_l = new0(M * R * 4);
+    rope_rows(cos, sin, pos, M, R, 10000.f, bf);
+    rope_rows(cos_l, sin_l, pos, M, R, 100.f, bf);
     void *x = acts(M * H, bf, 1.f), *final_norm = acts(H, bf, 1.f);
     void *ws = new0(K(decode_step_workspace_bytes)(layers, LAYERS, &d, M, MAX_LEN));
-    const int rc = bf ? K(decode_step_bf16)(layers, LAYERS, &d, final_norm, M, x, cos, sin, D / 2, slots, tables,
-                                            seq_lens3, MAX_LEN, ws, NULL)
-                      : K(decode_step_f32)(layers, LAYERS, &d, final_norm, M, x, cos, sin, D / 2, slots, tables,
-                                           seq_lens3, MAX_LEN, ws, NULL);
+    const int rc = bf ? K(decode_step_bf16)(layers, LAYERS, &d, final_norm, M, x, cos, sin, cos_l, sin_l, R / 2, slots,
+                                            tables, seq_lens3, MAX_LEN, ws, NULL)
+                      : K(decode_step_f32)(layers, LAYERS, &d, final_norm, M, x, cos, sin, cos_l, sin_l, R / 2, slots,
+                                           tables, seq_lens3, MAX_LEN, ws, NULL);
     /* two layers of roundings after sums in another order; the activations' int8 rounding in the
      * K-quant products may move a code by one step */
     put_act(o, "x", x, M * H, bf, 8, 5e-4);
@@ -583,11 +607,13 @@ static const case_t CASES[] = {
     {"mxfp4_gemm/bf16/M11", run_mxfp4_gemm, {11, 21, 256, 1}},
     {"mxfp4_dequant/f32", run_mxfp4_dequant, {5, 256, 0}},
     {"mxfp4_dequant/bf16", run_mxfp4_dequant, {5, 256, 1}},
-    /* decode attention: Hq, Hkv, D, bf16, window, sinks */
+    /* decode attention: Hq, Hkv, D, bf16, window, sinks | softcap << 1 */
     {"paged_decode_attention/bf16", run_decode_attn, {8, 2, 64, 1, 0, 0}},
     {"paged_decode_attention/bf16/window+sinks", run_decode_attn, {8, 2, 128, 1, 30, 1}},
+    {"paged_decode_attention/bf16/window+softcap", run_decode_attn, {8, 2, 64, 1, 30, 2}},
     {"paged_decode_attention/f32", run_decode_attn, {6, 2, 64, 0, 0, 0}},
     {"paged_decode_attention/f32/window+sinks", run_decode_attn, {8, 1, 48, 0, 30, 1}},
+    {"paged_decode_attention/f32/softcap", run_decode_attn, {6, 2, 64, 0, 0, 2}},
     /* int8 cache: Hq, Hkv, D, bf16 | rot_kind << 1, window, sinks */
     {"int8_attention/bf16/rot_none", run_int8_attn, {8, 2, 64, 1 | ROT_NONE << 1, 0, 0}},
     {"int8_attention/f32/rot_hadamard", run_int8_attn, {8, 2, 64, 0 | ROT_HADAMARD << 1, 0, 0}},
@@ -600,8 +626,13 @@ static const case_t CASES[] = {
     {"lora_add/f32", run_lora, {0, 0}},
     {"lora_add/f32+bf16_weights", run_lora, {0, 1}},
     {"lora_add/bf16", run_lora, {1, 1}},
+    /* decode step: float32, block (0 llama, 1 Gemma, 2 OLMo 2 and more) */
     {"decode_step_bf16", run_decode_step},
+    {"decode_step_bf16/gemma", run_decode_step, {0, 1}},
+    {"decode_step_bf16/olmo2", run_decode_step, {0, 2}},
     {"decode_step_f32", run_decode_step, {1}},
+    {"decode_step_f32/gemma", run_decode_step, {1, 1}},
+    {"decode_step_f32/olmo2", run_decode_step, {1, 2}},
 };
 
 /* ---- Comparison and the driver ---- */

@@ -5,7 +5,7 @@ each family's features switched on (conftest.TINY_FAMILIES).
 - float32: 32 greedy tokens identical to transformers' `generate`, for three prompts sent together
   through the engine with prefill chunks of 8 tokens (batched decodes beside chunked prefills).
 - bfloat16: float32's top-1 token wherever bfloat16 can resolve it (see the test).
-- a family the one-call C decode step cannot express says why, and offers the modules only.
+- every dense family is offered the one-call C decode step; a mixture of experts says why not.
 """
 from __future__ import annotations
 
@@ -208,20 +208,20 @@ def test_q4_k_gguf_matches_its_dequantized_weights(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_c_decode_step_is_offered_to_llama_shaped_blocks_only(family_model, kind):
+def test_the_c_decode_step_is_offered_to_every_dense_family(family_model, kind):
+    """One function decides (families/base.py's decode_step_limits): `tessera models` asks it of the
+    family, the decoder of its loaded config; only the mixture-of-experts families are refused."""
     folder, *_ = family_model(kind)
     model = load_model(folder, "float32").model
     limits = model.decode_step_limits()
-    llama_shaped = kind in ("llama", "qwen2")
-    assert (ExecutionPath.C_DECODE in model.execution_paths()) == llama_shaped
-    assert bool(limits) != llama_shaped
-    expected = {"qwen3": "q/k norms", "gemma2": "attention soft-capping", "phi3": "partial rotary",
-                "olmo2": "norms after the sublayers", "granite": "a residual multiplier",
-                "smollm3": "layers without RoPE", "gemma3": "sliding-window layers",
-                "qwen3_moe": "mixture-of-experts layers", "mixtral": "mixture-of-experts layers",
-                "gpt_oss": "attention sinks"}
-    if kind in expected:
-        assert expected[kind] in limits
+    dense = kind not in TINY_MOE_FAMILIES
+    assert (ExecutionPath.C_DECODE in model.execution_paths()) == dense
+    assert bool(limits) != dense
+    assert model.family.decode_step() == ("yes" if dense else "no: mixture-of-experts layers")
+    if not dense:
+        assert "mixture-of-experts layers" in limits
+    if kind == "gpt_oss":
+        assert {"attention sinks", "an attention output bias"} <= set(limits)
 
 
 def test_family_configs_from_hf_and_gguf(family_model):

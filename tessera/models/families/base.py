@@ -7,7 +7,8 @@ normalised, the activation, RoPE's form, multipliers and soft-caps. A family is 
 its `Block`, and two small readers for the values its Hugging Face config.json and its GGUF
 metadata hold beyond the common ones. The fast paths (the C decode step, the int8-activation
 projections, the C attention kernels) are chosen per loaded model from the same data, so every
-family they can express takes them.
+family they can express takes them; `decode_step_limits` is the one place that says which cannot
+take the one-call C decode step, and why.
 
 Nothing here imports torch: the API process of a server reads configs without it.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Protocol
 
+from tessera.activations import ACTIVATIONS, ActivationName
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
 
@@ -46,7 +48,7 @@ class Block:
     # "head": RMSNorm over each query and key head (Qwen3, Gemma 3); "proj": over the whole query
     # and key projections (OLMo 2).
     qk_norm: Optional[Literal["head", "proj"]] = None
-    activation: Literal["silu", "gelu_tanh"] = "silu"
+    activation: ActivationName = "silu"  # tessera/activations.py's table
     # Embeddings times sqrt(hidden size), rounded to the compute dtype (Gemma).
     embed_scale: bool = False
 
@@ -76,28 +78,34 @@ class Family:
     tied_by_default: bool = False
     # How it differs from llama's block, for `tessera models` and docs/models.md.
     summary: str = ""
-    # Whether its decode steps take the one-call C step where the block alone does not say (its
-    # configs do: multipliers, NoPE layers, partial rotary); "" where the block decides.
-    decode_step_note: str = ""
     # Mixture-of-experts feed-forward blocks (tessera/layers/moe.py), which the one-call C decode
     # step does not run; its GGUF architecture may also hold dense models (Mixtral's is llama).
     moe: bool = False
 
     def decode_step(self) -> str:
-        """Whether decode steps take the one-call C step (AVX512-BF16 hosts), for `tessera models`."""
-        limits = block_decode_limits(self.block) + (["mixture-of-experts layers"] if self.moe else [])
-        return f"no: {', '.join(limits)}" if limits else (self.decode_step_note or "yes")
+        """Whether decode steps take the one-call C step, for `tessera models`."""
+        limits = decode_step_limits(self.block, moe=self.moe)
+        return f"no: {', '.join(limits)}" if limits else "yes"
 
 
-def block_decode_limits(block: Block) -> list[str]:
-    """What of a block the one-call C decode step (models/fused_decode.py) cannot express: it runs
-    llama's layer, norms before the sublayers and nothing else."""
+def decode_step_limits(block: Block, config: Optional[ModelConfig] = None, moe: bool = False) -> list[str]:
+    """Why the one-call C decode step (models/fused_decode.py, kernels/decode_step.c) cannot run a
+    model of this block and, where known, this config; empty when it can. The one place that decides:
+    `tessera models` asks it of a family's block, the decoder of its loaded config (and logs the
+    answer at start-up). The step expresses every dense block here: norms before and/or after the
+    sublayers ((1 + w) scales are folded at load), q/k norms per head or per projection, SiLU and
+    GELU (tanh), scaled embeddings, multipliers, NoPE layers, partial rotary, sliding windows (with
+    their own RoPE base, in hybrid cache groups) and soft-capped scores. What depends on the loaded
+    weights and the host (storage formats, dtypes, kernels) is the plan's (FusedDecode.build)."""
     checks = [
-        (block.post_norms or not block.pre_norms, "norms after the sublayers"),
-        (block.qk_norm is not None, "q/k norms"),
-        (block.activation != "silu", f"{block.activation} activation"),
-        (block.embed_scale, "scaled embeddings"),
+        (ACTIVATIONS[block.activation].c_code is None, f"{block.activation} activation"),
+        (moe or (config is not None and config.moe is not None), "mixture-of-experts layers"),
     ]
+    if config is not None:
+        checks += [
+            (config.attention_sinks, "attention sinks"),
+            (config.attention_output_bias, "an attention output bias"),
+        ]
     return [why for blocked, why in checks if blocked]
 
 

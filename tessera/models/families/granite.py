@@ -27,6 +27,5 @@ def _from_gguf(gf: GGUFMetadata, cfg: ModelConfig) -> None:
 
 FAMILY = Family(
     name="granite", hf_model_types=("granite",), from_hf=_from_hf, from_gguf=_from_gguf, gguf_permuted_qk=True,
-    decode_step_note="no: embedding and residual multipliers",
     summary="llama + embedding, attention, residual and logit multipliers",
 )

@@ -27,6 +27,5 @@ def _from_gguf(gf: GGUFMetadata, cfg: ModelConfig) -> None:
 FAMILY = Family(
     name="llama", hf_model_types=("llama", "mistral"), from_hf=_from_hf, from_gguf=_from_gguf,
     gguf_permuted_qk=True,
-    decode_step_note="yes, but not with a sliding window (Mistral 7B v0.1)",
     summary="pre-norm RMSNorm, SwiGLU, RoPE (llama3, linear and yarn scaling)",
 )

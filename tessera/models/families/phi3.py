@@ -65,6 +65,5 @@ def _from_gguf(gf: GGUFMetadata, cfg: ModelConfig) -> None:
 
 FAMILY = Family(
     name="phi3", hf_model_types=("phi3",), from_hf=_from_hf, from_gguf=_from_gguf, fused_projections=True,
-    decode_step_note="yes, but not with partial rotary (Phi-4-mini) or a sliding window (Phi-3-*-4k)",
     summary="llama with fused qkv and gate_up, LongRoPE, partial rotary",
 )

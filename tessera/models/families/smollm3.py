@@ -29,6 +29,5 @@ def _from_gguf(gf: GGUFMetadata, cfg: ModelConfig) -> None:
 
 FAMILY = Family(
     name="smollm3", hf_model_types=("smollm3",), from_hf=_from_hf, from_gguf=_from_gguf, gguf_permuted_qk=True,
-    decode_step_note="no: layers without RoPE",
     summary="llama with no RoPE in every 4th layer (NoPE)",
 )
