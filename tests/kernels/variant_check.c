@@ -219,11 +219,13 @@ static int run_int4_i8(const lib_t *L, const case_t *c, out_t *o) {
     return rc;
 }
 
-/* A half with the value of f (f a normal float16 value's magnitude: truncated, not rounded). */
+/* f as a half (|f| < 65504), truncated, not rounded; below float16's normal range, a signed zero. */
 static uint16_t to_half(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    return (uint16_t)(((u >> 16) & 0x8000u) | ((((u >> 23) & 0xFFu) - 112u) << 10) | ((u >> 13) & 0x3FFu));
+    const uint32_t sign = (u >> 16) & 0x8000u, exp = (u >> 23) & 0xFFu;
+    if (exp < 113) return (uint16_t)sign;
+    return (uint16_t)(sign | ((exp - 112u) << 10) | ((u >> 13) & 0x3FFu));
 }
 
 /* The float32 kernels' int4 layout (bf16.h, INT4G_*): random codes, each group's 32 scales and 32
