@@ -180,9 +180,11 @@ def _decoding(s: Scheduler, n: int, priority: int) -> None:
     """`n` requests of `priority` decoding (their prompts computed)."""
     for i in range(n):
         s.add_request(req(f"d{priority}-{i}", priority=priority, prompt=4, max_tokens=200))
-    step(s)
-    step(s)
-    assert all(r.num_computed_tokens >= 4 for r in s.running)
+    for _ in range(2 * n + 2):
+        step(s)
+        if len(s.running) == n and all(r.num_output_tokens >= 1 for r in s.running):
+            return
+    raise AssertionError("the prompts did not finish")
 
 
 def test_a_newcomer_giving_way_is_not_joined_by_lower_class_prompts() -> None:
@@ -246,3 +248,21 @@ def test_a_request_counts_the_steps_its_prompt_waited_for() -> None:
     assert (b.prompt_steps, b.prompt_step_tokens) == (1, 8)
     step(s)  # decodes do not count
     assert a.prompt_steps == 2
+
+
+def test_a_step_of_prompts_alone_is_bounded_and_led_by_the_best_class() -> None:
+    """Without decodes a step's prompts take the budget, but its first prompt's class sets it: a
+    priority-10 prompt there is bounded once priority 0 was served, and a priority-0 prompt is not
+    joined by priority-10 prompts beyond the target."""
+    for seen_better, tokens in ((False, 60), (True, 4)):
+        s = make(max_seqs=8, target_ms=30, budget=64)
+        if seen_better:
+            s.add_request(req("earlier", priority=0, prompt=4, max_tokens=1))
+            step(s)
+        s.add_request(req("w", priority=10, prompt=60))
+        out = s.schedule()
+        assert {c.request_id: c.num_new_tokens for c in out.scheduled} == {"w": tokens}
+    s = make(max_seqs=8, target_ms=30, budget=64)
+    s.add_request(req("w", priority=10, prompt=16))
+    s.add_request(req("hi", priority=0, prompt=8))
+    assert {c.request_id: c.num_new_tokens for c in s.schedule().scheduled} == {"hi": 8}

@@ -143,13 +143,16 @@ class ChunkSizer:
         a few late steps, and the steps between them stay decode-only (a prompt chunk of any
         size makes a step of decodes run the modules instead of one C call: at 32 SmolLM2
         streams, 64-token chunks past the target kept nearly every step mixed, ~125 ms, where
-        decode-only steps take ~60 ms).
+        decode-only steps take ~60 ms). A step without decodes is unbounded from its first prompt.
+        Under the priority policy the first prompt's class sets the bound (`give_way_limit`) and
+        lower classes' prompts get only what fits under the target.
         """
-        if cap <= 0 or self.target_s is None or not step.has_decodes:
+        if cap <= 0 or self.target_s is None:
             return max(cap, 0)
         # Under the priority policy a prompt below the step's best decoding class never makes the
         # step unbounded, nor joins one: the higher class's inter-token latency is not its to spend;
-        # nor does a prompt below the class the step gave way for.
+        # nor does a prompt below the class the step gave way for, or the first prompt of a step
+        # without decodes: a first token is not kept waiting by lower classes' prompts.
         lower = self.by_priority and any(p is not None and req.priority > p
                                          for p in (step.top_decode_priority, step.unbounded_priority))
         assert self.cost_model is not None
@@ -159,18 +162,24 @@ class ChunkSizer:
             return max_fitting(self.cost_model, step.shape, limit, cap,
                                lambda k: StepShape.chunk(start, k, start + k == total))
 
-        if step.unbounded is not None and not lower:
-            if step.unbounded_priority is None:  # given way by the queue rule, before any prompt
-                step.unbounded_priority = req.priority
-                step.unbounded_limit = self.give_way_limit(step, req.priority)
-            return cap if step.unbounded_limit is None else fitting(step.unbounded_limit)
-        n = fitting(self.target_s)
-        if not step.has_prefill and not lower and n < min(cap, self.config.min_prefill_chunk):
-            step.unbounded, step.unbounded_priority = "past_target", req.priority
+        def give_way(reason: Optional[str]) -> int:
+            """The step's first prompt takes the budget, or what the bound on its class allows
+            (at least a least chunk: prompts must not crawl)."""
+            step.unbounded, step.unbounded_priority = reason, req.priority
             step.unbounded_limit = self.give_way_limit(step, req.priority)
             if step.unbounded_limit is None:
                 return cap
             return max(fitting(step.unbounded_limit), min(cap, self.config.min_prefill_chunk))
+
+        if not step.has_decodes and not step.has_prefill:  # a step of prompts alone
+            return give_way(None)
+        if (step.unbounded is not None or not step.has_decodes) and not lower:
+            if step.unbounded_priority is None:  # given way by the queue rule, before any prompt
+                return give_way(step.unbounded)
+            return cap if step.unbounded_limit is None else fitting(step.unbounded_limit)
+        n = fitting(self.target_s)
+        if not step.has_prefill and not lower and n < min(cap, self.config.min_prefill_chunk):
+            return give_way("past_target")
         return n
 
     def background_limit(self, step: StepState, waiting: Collection[Request]) -> Optional[float]:

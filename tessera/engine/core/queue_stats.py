@@ -108,7 +108,7 @@ class WaitForecast:
             fitted = max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
             if fitted >= min(budget, self.config.min_prefill_chunk):
                 chunk = fitted
-        if chunk == budget and rows and self.target_s is not None and self.by_priority and \
+        if chunk == budget and self.target_s is not None and self.by_priority and \
                 snap.best_priority_seen is not None and priority > snap.best_priority_seen:
             limit = give_way_bound(model, self.target_s, self.config.min_prefill_chunk, decode)
             fitted = max_fitting(model, decode, limit, budget, lambda k: StepShape.chunk(0, k, False))
