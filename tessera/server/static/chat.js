@@ -8,11 +8,15 @@
     model: $("model"), system: $("system"), temperature: $("temperature"), top_p: $("top_p"),
     max_tokens: $("max_tokens"), seed: $("seed"), messages: $("messages"), composer: $("composer"),
     prompt: $("prompt"), send: $("send"), stop: $("stop"), status: $("status"), newChat: $("new-chat"),
-    settingsPanel: $("settings-panel"),
+    settingsPanel: $("settings-panel"), image: $("image"), attach: $("attach"), attachments: $("attachments"),
   };
-  // messages: [{role, content, stats?, error?}]
+  // messages: [{role, content, stats?, error?}]; a user message with images has content parts
+  // (OpenAI's [{type: "text"}, {type: "image_url"}...]) as the server takes them.
   let state = { messages: [], system: "", model: "", settings: {} };
   let controller = null;
+  const MAX_IMAGE_BYTES = 8 * 1024 * 1024; // the server takes 16 MiB bodies; base64 adds a third
+  let attached = []; // images chosen for the next message: [{name, url}]
+  const seeing = new Set(); // models whose /v1/models card lists the "vision" capability
 
   function load() {
     try {
@@ -35,8 +39,62 @@
     try {
       localStorage.setItem(STORE, JSON.stringify(state));
     } catch (e) {
-      setStatus("The conversation could not be saved in this browser: " + e.message);
+      // Images are what overflow the browser's storage: keep the conversation without them.
+      try {
+        const slim = Object.assign({}, state, { messages: state.messages.map((m) => Object.assign({}, m, {
+          content: Array.isArray(m.content) ? textOf(m.content) + " [image not kept]" : m.content })) });
+        localStorage.setItem(STORE, JSON.stringify(slim));
+      } catch (e2) {
+        setStatus("The conversation could not be saved in this browser: " + e2.message);
+      }
     }
+  }
+
+  function textOf(content) {
+    return Array.isArray(content) ? content.filter((p) => p.type === "text").map((p) => p.text).join("\n") : content;
+  }
+
+  function imagesOf(content) {
+    return Array.isArray(content) ? content.filter((p) => p.type === "image_url").map((p) => p.image_url.url) : [];
+  }
+
+  function renderPending() {
+    els.attachments.replaceChildren();
+    attached.forEach((img, i) => {
+      const li = document.createElement("li");
+      const pic = document.createElement("img");
+      pic.src = img.url;
+      pic.alt = img.name;
+      const remove = document.createElement("button");
+      remove.type = "button";
+      remove.className = "secondary";
+      remove.textContent = "×";
+      remove.setAttribute("aria-label", "Remove image " + img.name);
+      remove.addEventListener("click", () => {
+        attached.splice(i, 1);
+        renderPending();
+      });
+      li.append(pic, remove);
+      els.attachments.append(li);
+    });
+  }
+
+  function updateAttach() {
+    const sees = seeing.has(els.model.value);
+    els.attach.hidden = !sees;
+    if (!sees && attached.length) {
+      attached = [];
+      renderPending();
+    }
+  }
+
+  function readImage(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve({ name: file.name, url: reader.result });
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
   }
 
   function setStatus(text) {
@@ -76,8 +134,21 @@
   }
 
   function update(view, msg) {
-    if (msg.role === "user") view.body.textContent = msg.content;
-    else renderMarkdown(view.body, msg.content);
+    if (msg.role === "user") {
+      view.body.textContent = textOf(msg.content);
+      const urls = imagesOf(msg.content);
+      if (urls.length) {
+        const row = document.createElement("div");
+        row.className = "images";
+        for (const url of urls) {
+          const pic = document.createElement("img");
+          pic.src = url;
+          pic.alt = "attached image";
+          row.append(pic);
+        }
+        view.body.append(row);
+      }
+    } else renderMarkdown(view.body, msg.content);
     view.meta.textContent = msg.error ? msg.error : statsText(msg.stats);
     view.meta.classList.toggle("error", Boolean(msg.error));
   }
@@ -102,8 +173,10 @@
         opt.value = m.id;
         opt.textContent = m.max_model_len ? `${m.id} (${m.max_model_len} tokens)` : m.id;
         els.model.append(opt);
+        if ((m.capabilities || []).includes("vision")) seeing.add(m.id);
       }
       if (state.model && [...els.model.options].some((o) => o.value === state.model)) els.model.value = state.model;
+      updateAttach();
     } catch (e) {
       setStatus("Could not list the server's models: " + e.message);
     }
@@ -149,7 +222,12 @@
   }
 
   async function send(text) {
-    state.messages.push({ role: "user", content: text });
+    const content = attached.length
+      ? [{ type: "text", text }, ...attached.map((p) => ({ type: "image_url", image_url: { url: p.url } }))]
+      : text;
+    attached = [];
+    renderPending();
+    state.messages.push({ role: "user", content });
     addMessage(state.messages[state.messages.length - 1]);
     const reply = { role: "assistant", content: "", model: els.model.value, stats: null };
     const body = requestBody();
@@ -267,6 +345,22 @@
   for (const el of [els.system, els.temperature, els.top_p, els.max_tokens, els.seed, els.model]) {
     el.addEventListener("change", save);
   }
+  els.model.addEventListener("change", updateAttach);
+  els.image.addEventListener("change", async () => {
+    for (const file of els.image.files) {
+      if (file.size > MAX_IMAGE_BYTES) {
+        setStatus(`${file.name} is larger than ${MAX_IMAGE_BYTES / 1024 / 1024} MiB; not attached.`);
+        continue;
+      }
+      try {
+        attached.push(await readImage(file));
+      } catch (e) {
+        setStatus(`${file.name} could not be read: ${e.message}`);
+      }
+    }
+    els.image.value = "";
+    renderPending();
+  });
   if (window.matchMedia("(max-width: 720px)").matches) els.settingsPanel.open = false;
 
   load();
