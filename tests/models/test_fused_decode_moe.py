@@ -1,8 +1,8 @@
 """The one-call C decode step with mixture-of-experts layers (kernels/moe_step.c) against the module
 path (layers/moe.py) on tiny random Mixtral, Qwen3-MoE (renormalised top-k, and softmax over all
 experts taken at the top k, with a dense layer between sparse ones) and gpt-oss (biased router,
-experts with biases and the clamped SwiGLU, attention sinks, an output bias on attention, and its
-MXFP4 experts from GGUF). Each test first checks that the model takes the C step, so none passes
+experts with biases and the clamped SwiGLU, attention sinks, an output bias on attention), and
+experts kept as a GGUF's blocks (gpt-oss's MXFP4, Q4_K). Each test first checks that the model takes the C step, so none passes
 vacuously; the multi-row cases check that their rows both share experts and choose some alone."""
 from __future__ import annotations
 
@@ -135,33 +135,36 @@ def test_moe_families_take_the_c_step_with_the_modules_tokens(moe_folder, exact_
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)] == with_c
 
 
-@pytest.fixture(scope="module")
-def mxfp4_gpt_oss(tmp_path_factory):
-    """A tiny gpt-oss GGUF with MXFP4 experts and Q8_0 attention, as the published file stores them."""
+def _gguf(name: str, experts: str, folder):
+    """A tiny GGUF of `name` with its experts in `experts` blocks (MXFP4: gpt-oss's published file;
+    Q4_K: a Q4_K_M Qwen3-MoE's), the other matrices Q8_0."""
     from gguf import GGMLQuantizationType as Q
 
     from tiny_gguf import write_tiny_gguf
 
-    qtypes = {"ffn_gate_exps": Q.MXFP4, "ffn_up_exps": Q.MXFP4, "ffn_down_exps": Q.MXFP4, "attn_q": Q.Q8_0,
-              "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q8_0, "token_embd": Q.Q8_0}
-    path, _ = write_tiny_gguf("gpt_oss", tmp_path_factory.mktemp("mxfp4-gpt-oss"), qtypes=qtypes, wide=True,
-                              config=_config("gpt_oss")[1])
-    return path
+    kind, cfg = _config(name)
+    qtypes = {part: Q[experts] for part in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    qtypes.update({part: Q.Q8_0 for part in ("attn_q", "attn_k", "attn_v", "attn_output", "token_embd", "ffn_gate",
+                                             "ffn_up", "ffn_down")})  # the dense layer's too (Qwen3-MoE)
+    return write_tiny_gguf(kind, folder, qtypes=qtypes, wide=True, config=cfg)[0]
 
 
-def test_mxfp4_experts_at_file_width_take_the_c_step(mxfp4_gpt_oss):
-    """gpt-oss's MXFP4 experts stay the file's blocks and the C step multiplies them with
-    mxfp4_gemm, an expert's rows in one call: the modules' hidden states for 1 and 8 rows, and their
-    greedy tokens. mxfp4_gemm rounds activations to int8 on both paths, so a last-bit difference of
-    float32 sums upstream (the router's product) may move a code by one step: hence the tolerance
-    of the quantized dense cases (test_fused_decode_families.py)."""
-    from tessera.layers.quantization import MXFP4Method
+@pytest.mark.parametrize("name, experts, method", [("gpt_oss", "MXFP4", "MXFP4Method"),
+                                                   ("qwen3_moe", "Q4_K", "Q4KMethod")])
+def test_experts_at_file_width_take_the_c_step(tmp_path, name, experts, method):
+    """Experts stored as the GGUF's blocks (MXFP4, gpt-oss's; Q4_K) stay so, and the C step multiplies
+    them with their kernels (mxfp4_gemm, q4k_gemm), an expert's rows in one call: the modules' hidden
+    states for 1 and 8 rows, and their greedy tokens. Both kernels round activations to int8 on both
+    paths, so a last-bit difference of float32 sums upstream (the router's product) may move a code
+    by one step: hence the tolerance of the quantized dense cases (test_fused_decode_families.py)."""
+    from tessera.layers import quantization
 
+    path = _gguf(name, experts, tmp_path)
     opts = dict(dtype=_dtype("float32"), max_model_len=256)
-    llm = LLM(str(mxfp4_gpt_oss), **opts)
+    llm = LLM(str(path), **opts)
     model = llm.engine.runner.model
-    experts = [m for n, m in model.named_modules() if ".experts." in n and hasattr(m, "quant_method")]
-    assert experts and all(isinstance(m.quant_method, MXFP4Method) for m in experts)
+    stored = [m for n, m in model.named_modules() if ".experts." in n and hasattr(m, "quant_method")]
+    assert stored and all(isinstance(m.quant_method, getattr(quantization, method)) for m in stored)
     backend = PagedBackend()
     for lens in (ROWS["one"], ROWS["eight"]):
         ref, _, _ = _prefill_then_decode(model, backend, lens, use_c=False)
@@ -173,7 +176,7 @@ def test_mxfp4_experts_at_file_width_take_the_c_step(mxfp4_gpt_oss):
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 30))] for _ in range(4)]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with_c = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    eager = LLM(str(mxfp4_gpt_oss), loaded=llm.engine.loaded, enforce_eager=True, **opts)
+    eager = LLM(str(path), loaded=llm.engine.loaded, enforce_eager=True, **opts)
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)] == with_c
 
 
