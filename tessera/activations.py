@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, Mapping, Optional
 
-from tessera.kernels.bindings import ACT_GELU_TANH, ACT_SILU
+from tessera.kernels.bindings import ACT_GELU_TANH, ACT_SILU, ACT_SWIGLU_CLAMPED
 
 ActivationName = Literal["silu", "gelu_tanh", "swiglu_clamped"]
 
@@ -31,7 +31,7 @@ class GatedActivation:
 ACTIVATIONS: Mapping[str, GatedActivation] = MappingProxyType({a.name: a for a in (
     GatedActivation("silu", ACT_SILU, "SwiGLU: silu(gate) * up"),
     GatedActivation("gelu_tanh", ACT_GELU_TANH, "GeGLU: gelu(gate), tanh approximation, * up (Gemma)"),
-    GatedActivation("swiglu_clamped", None, "gpt-oss: (up.clamp(+-limit) + 1) * g * sigmoid(alpha g), "
+    GatedActivation("swiglu_clamped", ACT_SWIGLU_CLAMPED, "gpt-oss: (up.clamp(+-limit) + 1) * g * sigmoid(alpha g), "
                                             "g = gate.clamp(max=limit)"),
 )})
 

@@ -211,12 +211,13 @@ def _add_longrope(w: GGUFWriter, cfg) -> None:
 
 
 def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized: bool = True,
-                    qtypes: dict | None = None, wide: bool = False):
+                    qtypes: dict | None = None, wide: bool = False, config=None):
     """Write a tiny random HF model as GGUF; return (path, HF model holding the dequantized weights).
     `quantized`: matrices in a mix of block types (`qtypes`: short tensor name -> type, else the
     default mix; Q4_K where a row holds whole blocks, else Q8_0, as llama-quantize falls back),
-    else every tensor F32. `wide`: the 256-wide model (see build_tiny_hf_model)."""
-    model = build_tiny_hf_model(kind, folder / "hf", wide=wide)
+    else every tensor F32. `wide`: the 256-wide model, `config`: a transformers config instead of the
+    kind's tiny one (see build_tiny_hf_model)."""
+    model = build_tiny_hf_model(kind, folder / "hf", wide=wide, config=config)
     cfg = model.config
     arch = arch or ARCH[kind]
     qtypes = _QTYPES if qtypes is None else qtypes

@@ -23,6 +23,11 @@ qwen2.5-coder's ChatML, not harmony: the benchmark measures raw generation.
 
     python benchmarks/moe/make_gguf.py --out /work/models-bench            # both files
     python benchmarks/moe/make_gguf.py --out /work/models-bench --only qwen3moe --qwen-layers 24
+
+`--tiny` writes the same files (tensor types, biases, sinks, YaRN, sliding layers) at a few MB
+(TINY's widths, two layers, the tokenizer's own vocabulary): enough to check that a server takes the
+paths the real shapes take (its start-up log says whether decode steps run as the one-call C step)
+without the 12-18 GB. `--tokenizer` copies another GGUF's tokenizer instead of qwen2.5-coder's.
 """
 from __future__ import annotations
 
@@ -41,6 +46,9 @@ GPT_OSS = dict(hidden=2880, layers=24, heads=64, kv=8, head_dim=64, experts=32, 
                yarn_original_context=4096, rms_eps=1e-5)
 QWEN3MOE = dict(hidden=2048, layers=48, heads=32, kv=4, head_dim=128, experts=128, used=8, expert_ffn=768,
                 vocab=151936, context=40960, rope_theta=1000000.0, rms_eps=1e-6, ffn=6144)
+# --tiny: the widths that keep every block format whole (K-quants' 256, MXFP4's 32) and the C step's
+# head size (64); experts and top-k as published.
+TINY = dict(hidden=256, layers=2, heads=4, kv=2, head_dim=64, expert_ffn=256)
 FILES = {"gpt-oss": "gpt-oss-20b-shape-mxfp4.gguf", "qwen3moe": "qwen3-30b-a3b-shape-q4_k_m.gguf"}
 PUBLISHED = {"gpt-oss": "openai/gpt-oss-20b (ggml-org/gpt-oss-20b-GGUF MXFP4 layout)",
              "qwen3moe": "Qwen/Qwen3-30B-A3B (llama-quantize Q4_K_M layout)"}
@@ -153,11 +161,14 @@ def _metadata(w, arch: str, s: dict) -> None:
         w.add_file_type(LlamaFileType.MOSTLY_Q4_K_M)
 
 
-def write(arch: str, path: Path, tokenizer_source: Path, layers: int | None = None) -> dict:
-    """Write the file; returns its shape, parameter count and bytes per tensor type."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+def write(arch: str, path: Path, tokenizer_source: Path, layers: int | None = None, tiny: bool = False) -> dict:
+    """Write the file; returns its shape, parameter count and bytes per tensor type. `tiny`: TINY's
+    widths and the tokenizer's vocabulary."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
     s = dict(GPT_OSS if arch == "gpt-oss" else QWEN3MOE)
+    if tiny:
+        s.update(TINY, vocab=len(GGUFReader(tokenizer_source).fields["tokenizer.ggml.tokens"].data))
     if layers:
         s["layers"] = layers
     tensors = (gpt_oss_tensors if arch == "gpt-oss" else qwen3moe_tensors)(s)
@@ -204,17 +215,22 @@ def main() -> None:
     ap.add_argument("--qwen-layers", type=int, default=QWEN3MOE["layers"],
                     help="Qwen3-30B-A3B's 48, or 24 where ~18.5 GB does not fit beside a KV cache")
     ap.add_argument("--force", action="store_true", help="rewrite a file that exists")
+    ap.add_argument("--tiny", action="store_true", help="the same layouts at a few MB (see the module's help)")
+    ap.add_argument("--tokenizer", type=Path, help="a GGUF whose tokenizer to copy (default: qwen2.5-coder-1.5b's)")
     args = ap.parse_args()
     from tessera.models.registry import ensure_model
 
-    tokenizer_source = ensure_model("qwen2.5-coder-1.5b", progress=False)
+    tokenizer_source = args.tokenizer or ensure_model("qwen2.5-coder-1.5b", progress=False)
     args.out.mkdir(parents=True, exist_ok=True)
     for arch in args.only:
         path = args.out / (FILES[arch] if arch == "gpt-oss" else qwen_file(args.qwen_layers))
+        if args.tiny:
+            path = path.with_name(path.name.replace("-shape", "-tiny-shape"))
         if path.exists() and not args.force:
             print(f"{path} exists ({path.stat().st_size / 1e9:.2f} GB)")
             continue
-        info = write(arch, path, tokenizer_source, None if arch == "gpt-oss" else args.qwen_layers)
+        layers = None if arch == "gpt-oss" or args.tiny else args.qwen_layers
+        info = write(arch, path, tokenizer_source, layers, tiny=args.tiny)
         print(f"{path}: {info['gguf_bytes'] / 1e9:.2f} GB, {info['parameters'] / 1e9:.2f}B parameters, "
               f"{ {k: round(v / 1e9, 2) for k, v in info['bytes_by_type'].items()} } GB by type", flush=True)
 

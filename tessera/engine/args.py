@@ -59,8 +59,8 @@ def _weight_args(g: Any, d: EngineConfig) -> None:
                         "int8-quantized activations (fewer bytes per step than int8 groups or int4 tiles); "
                         "--no-int8-activations stores them int8/int4 times unrounded activations (default: on)")
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
-                   help="run every step through the model's modules, without the one-call C decode step of "
-                        "dense decoders (slower; for comparison or to rule it out)")
+                   help="run every step through the model's modules, without the one-call C decode step "
+                        "(slower; for comparison or to rule it out)")
     g.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=d.weight_cache,
                    help="keep the weights as the kernels use them in $TESSERA_HOME/packed and map that file on "
                         "later starts: seconds instead of tens of seconds, pages shared by every server of the "

@@ -142,4 +142,18 @@ static inline void store_scaled_row(void *out, int64_t at, const float *src, flo
         for (int64_t i = 0; i < D; i++) o[i] = src[i] * scale;
     }
 }
+/* Element i of an activation row as float32, and a float32 stored into one: the decode step's dtype
+ * is bfloat16 (bf) or float32. */
+static inline float act_ld(const void *p, int64_t i, int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void act_st(void *p, int64_t i, float v, int bf) {
+    if (bf)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+/* v as the step's dtype holds it: rounded to bfloat16, or as is. */
+static inline float act_rnd(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
 #endif

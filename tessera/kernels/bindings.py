@@ -15,11 +15,11 @@ from typing import Callable, NamedTuple, Optional
 # ---- Shared constants: tessera_kernels.h's #defines and enums, same names (every upper-case integer
 # of this module is one, and the test holds it to its value there) ----
 
-LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8, LINEAR_Q4K, LINEAR_Q6K = 1, 2, 3, 4, 5  # linear_t.kind
+LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8, LINEAR_Q4K, LINEAR_Q6K, LINEAR_MXFP4 = 1, 2, 3, 4, 5, 6  # linear_t.kind
 ROT_NONE, ROT_MATRIX, ROT_HADAMARD = 0, 1, 2  # the int8 cache's rot_kind
 ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL = 0, 1, 2  # layer_t.rope
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2  # dims_t.qk_norm
-ACT_SILU, ACT_GELU_TANH = 1, 2  # dims_t.activation (tessera/activations.py names them)
+ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_CLAMPED = 1, 2, 3  # dims_t/moe_t.activation (tessera/activations.py)
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
 MAX_BLOCK_SIZE = 64
@@ -47,6 +47,15 @@ class LinearOperand(ctypes.Structure):
                 ("lora_ends", ctypes.c_void_p), ("lora_parts", ctypes.c_int64)]
 
 
+class MoEBlock(ctypes.Structure):
+    """A mixture-of-experts block for moe_step.c (moe_t): the router and each expert's operands."""
+
+    _fields_ = [("router", ctypes.c_void_p), ("router_bias", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+                ("ffn", ctypes.c_int64), ("renormalize", ctypes.c_int64), ("activation", ctypes.c_int64),
+                ("swiglu_limit", ctypes.c_double), ("swiglu_alpha", ctypes.c_double)]
+
+
 class DecodeLayer(ctypes.Structure):
     """One decoder layer for decode_step_bf16 (layer_t)."""
 
@@ -54,7 +63,7 @@ class DecodeLayer(ctypes.Structure):
                 ("mlp_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("qkv", LinearOperand), ("o", LinearOperand), ("gate_up", LinearOperand), ("down", LinearOperand),
                 ("kv_cache", ctypes.c_void_p), ("rope", ctypes.c_int64), ("window", ctypes.c_int64),
-                ("group", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("moe", ctypes.c_void_p), ("sinks", ctypes.c_void_p)]
 
 
 class DecodeDims(ctypes.Structure):
@@ -74,7 +83,7 @@ class LoRAStep(ctypes.Structure):
                 ("t", ctypes.c_void_p), ("t_stride", ctypes.c_int64), ("w_bf16", ctypes.c_int64)]
 
 
-STRUCTS = {"linear_t": LinearOperand, "layer_t": DecodeLayer, "dims_t": DecodeDims, "lora_step_t": LoRAStep}
+STRUCTS = {"linear_t": LinearOperand, "moe_t": MoEBlock, "layer_t": DecodeLayer, "dims_t": DecodeDims, "lora_step_t": LoRAStep}
 
 
 # ---- Functions ----
@@ -172,9 +181,19 @@ SIGNATURES: dict[str, Signature] = {
     "mxfp4_gemm": _sig(INT, ("x", P), ("blocks", P), ("out", P), *_names(I64, "M", "N", "K"), ("is_bf16", INT),
                        ("scratch", P)),
     "mxfp4_dequant": _sig(None, ("blocks", P), ("out", P), *_names(I64, "N", "K"), ("is_bf16", INT)),
+    # step_ops.c
+    "linear_scratch_floats": _sig(I64, ("l", P), ("M", I64)),
+    "linear_forward": _sig(INT, ("l", P), ("x", P), ("M", I64), ("out", P), ("scratch", P), ("lora", P),
+                           ("is_bf16", INT)),
+    "gated_activation": _sig(INT, ("kind", I64), ("gu", P), ("act", P), ("M", I64), ("I", I64),
+                             ("limit", ctypes.c_double), ("alpha", ctypes.c_double), ("is_bf16", INT)),
+    "silu_mul_bf16": _sig(None, ("gu", P), ("out", P), ("M", I64), ("I", I64)),
+    # moe_step.c
+    "moe_workspace_bytes": _sig(I64, ("moe", P), ("M", I64), ("H", I64)),
+    "moe_forward": _sig(INT, ("moe", P), ("h", P), ("M", I64), ("H", I64), ("out", P), ("workspace", P),
+                        ("is_bf16", INT)),
     # decode_step.c
     "decode_step_workspace_bytes": _sig(I64, ("layers", P), ("L", I64), ("d", P), ("M", I64), ("max_len", I64)),
-    "silu_mul_bf16": _sig(None, ("gu", P), ("out", P), ("M", I64), ("I", I64)),
     "decode_step_bf16": _DECODE_STEP,
     "decode_step_f32": _DECODE_STEP,
     # lora.c

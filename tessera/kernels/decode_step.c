@@ -11,15 +11,16 @@
  * bfloat16 is rounded to bfloat16 here at the same point, so both give the same tokens up to the
  * order of float32 sums inside the kernels.
  *
- * What differs between the dense families is data here, as it is in models/families: norms before
+ * What differs between the families is data here, as it is in models/families: norms before
  * and/or after each sublayer (layer_t), q/k norms per head or per projection, SiLU or GELU (tanh),
  * a residual multiplier, soft-capped scores (dims_t), and per layer its RoPE table (global, local or
- * none), sliding window and KV-cache group (layer_t). The caller (models/fused_decode.py) checks
- * what this handles: int4pack (bfloat16: AVX-512 layout, or int8 activations; float32: the float32
- * layout of int4_avx2.c, scales within), int8-group or Q4_K / Q6_K (kquant_gemm.c) projections, a bias on the QKV
- * projection only, a paged cache of the step's dtype [2][Hkv][num_blocks][block_size][D], neox RoPE
- * tables. Rows of LoRA adapters get their updates beside every projection (lora.c), so a step with
- * adapters stays one call.
+ * none), sliding window, KV-cache group, attention sinks and a dense MLP or a mixture of experts
+ * (layer_t.moe: moe_step.c). The caller (models/fused_decode.py) checks what this handles: int4pack
+ * (bfloat16: AVX-512 layout, or int8 activations; float32: the float32 layout of int4_avx2.c, scales
+ * within), int8-group, Q4_K / Q6_K (kquant_gemm.c) or MXFP4 projections with or without biases
+ * (step_ops.c), a paged cache of the step's dtype [2][Hkv][num_blocks][block_size][D], neox RoPE
+ * tables. Rows of LoRA adapters get their updates beside every projection but the experts' (lora.c),
+ * so a step with adapters stays one call.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,39 +31,29 @@
 #include "softmax.h"
 #include "tessera_kernels.h"
 
-/* Rows per call of each product: its kernel's limit (int8: the smaller of int8_gemv's and
- * int8_gemm_bf16's, as a chunk may go to either); int4 chunks as the module path splits them. */
-#define INT4_ROWS_PER_CALL INT4_GEMM_MAX_ROWS
-#define INT8_ROWS_PER_CALL (INT8_GEMV_MAX_ROWS < INT8_GEMM_MAX_ROWS ? INT8_GEMV_MAX_ROWS : INT8_GEMM_MAX_ROWS)
-#define KQ_ROWS_PER_CALL KQUANT_MAX_ROWS
-
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Floats of scratch the projections of `l` need for M rows (their kernels' own scratch):
- * int4_gemm_bf16 takes a sum per row and group of 32, int4_gemm_i8 the rows quantized, int8_gemv
- * its rows widened to float32. */
-static int64_t linear_scratch(const linear_t *l, int64_t M) {
-    if (l->kind == LINEAR_INT4) return M * (l->k / 32);
-    if (l->kind == LINEAR_INT4_I8) /* int4_gemm_i8's (bfloat16) or int4_gemm_i8_f32's */
-        return (max64(int4_i8_scratch_bytes(M, l->k), int4_i8_f32_scratch_bytes(M, l->k)) + 3) / 4;
-    if (l->kind == LINEAR_Q4K || l->kind == LINEAR_Q6K)
-        return (kquant_scratch_bytes(M < KQ_ROWS_PER_CALL ? M : KQ_ROWS_PER_CALL, l->k) + 3) / 4;
-    return (M < INT8_ROWS_PER_CALL ? M : INT8_ROWS_PER_CALL) * l->k;
-}
-
-/* The most any projection of the step needs. */
+/* The most any dense projection of the step needs (experts' scratch is moe_forward's). */
 static int64_t step_linear_scratch(const layer_t *layers, int64_t L, int64_t M) {
     int64_t lin = 0;
     for (int64_t i = 0; i < L; i++) {
-        lin = max64(lin, linear_scratch(&layers[i].qkv, M));
-        lin = max64(lin, linear_scratch(&layers[i].o, M));
-        lin = max64(lin, linear_scratch(&layers[i].gate_up, M));
-        lin = max64(lin, linear_scratch(&layers[i].down, M));
+        lin = max64(lin, linear_scratch_floats(&layers[i].qkv, M));
+        lin = max64(lin, linear_scratch_floats(&layers[i].o, M));
+        lin = max64(lin, linear_scratch_floats(&layers[i].gate_up, M));
+        lin = max64(lin, linear_scratch_floats(&layers[i].down, M));
     }
     return lin;
 }
 
 static int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
+
+/* The most workspace any mixture-of-experts layer's moe_forward needs (0: none has one). */
+static int64_t step_moe_bytes(const layer_t *layers, int64_t L, int64_t M, int64_t H) {
+    int64_t most = 0;
+    for (int64_t i = 0; i < L; i++)
+        if (layers[i].moe) most = max64(most, moe_workspace_bytes(layers[i].moe, M, H));
+    return most;
+}
 
 /* Bytes of workspace decode_step_bf16 or decode_step_f32 needs for M rows and contexts of at most
  * max_len tokens (activations counted at 4 bytes, float32's width). */
@@ -76,81 +67,9 @@ int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims
     bytes += align64(4 * M * 2 * d->intermediate);            /* gate_up */
     bytes += align64(4 * M * d->intermediate);                /* act */
     bytes += align64(4 * lin);                                /* kernels' scratch */
+    bytes += align64(step_moe_bytes(layers, L, M, d->hidden)); /* the experts' */
     bytes += align64(4 * M * d->num_heads * max_len);         /* attention scores */
     return bytes;
-}
-
-/* Element i of an activation row as float32, and a float32 stored into one: the step's dtype is
- * bfloat16 (bf) or float32. */
-static inline float ld(const void *p, int64_t i, int bf) {
-    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-static inline void st(void *p, int64_t i, float v, int bf) {
-    if (bf)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-/* v as the step's dtype holds it: rounded to bfloat16, or as is. */
-static inline float rnd(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-/* out [M, n] = x [M, k] W^T (+ bias) (+ the rows' LoRA updates), through the kernel the module path
- * picks for this row count and dtype; the adapters' update after the bias, as layers/linear.py adds it. */
-static int linear(const linear_t *l, const void *x, int64_t M, void *out, float *scratch, const lora_step_t *lora,
-                  int bf) {
-    const int64_t es = bf ? 2 : 4;
-    const char *xc = (const char *)x;
-    char *oc = (char *)out;
-    if (l->max_rows && M > l->max_rows) return -1;
-    if (l->kind == LINEAR_Q4K || l->kind == LINEAR_Q6K) {
-        for (int64_t i = 0; i < M; i += KQ_ROWS_PER_CALL) {
-            const int64_t m = M - i < KQ_ROWS_PER_CALL ? M - i : KQ_ROWS_PER_CALL;
-            const void *xi = xc + i * l->k * es;
-            void *oi = oc + i * l->n * es;
-            const int rc = l->kind == LINEAR_Q4K
-                ? q4k_gemm(xi, l->weight, l->scales, l->zeros, oi, m, l->n, l->k, bf, scratch)
-                : q6k_gemm(xi, l->weight, l->scales, l->zeros, oi, m, l->n, l->k, bf, scratch);
-            if (rc != 0) return -1;
-        }
-    } else if (l->kind == LINEAR_INT4_I8) {
-        const int rc = bf ? int4_gemm_i8(x, l->weight, l->scales, out, M, l->n_pad, l->n, l->k, scratch)
-                          : int4_gemm_i8_f32(x, l->weight, out, M, l->n_pad, l->n, l->k, scratch);
-        if (rc != 0) return -1;
-    } else if (l->kind == LINEAR_INT4) {
-        const int64_t step = bf ? INT4_ROWS_PER_CALL : INT4_F32_MAX_ROWS;
-        for (int64_t i = 0; i < M; i += step) {
-            const int64_t m = M - i < step ? M - i : step;
-            const int rc = bf
-                ? int4_gemm_bf16((const uint16_t *)(xc + i * l->k * es), l->weight, l->scales,
-                                 (uint16_t *)(oc + i * l->n * es), m, l->n_pad, l->n, l->k, scratch)
-                : int4_gemm_f32((const float *)(xc + i * l->k * es), l->weight, (float *)(oc + i * l->n * es), m,
-                                l->n_pad, l->n, l->k);
-            if (rc != 0) return -1;
-        }
-    } else if (l->kind == LINEAR_INT8) {
-        for (int64_t i = 0; i < M; i += INT8_ROWS_PER_CALL) {
-            const int64_t m = M - i < INT8_ROWS_PER_CALL ? M - i : INT8_ROWS_PER_CALL;
-            const void *xi = xc + i * l->k * es;
-            void *oi = oc + i * l->n * es;
-            const int rc = (bf && l->int8_gemm && m >= 3)
-                ? int8_gemm_bf16(xi, l->weight, l->scales, l->zeros, oi, m, l->n, l->k, l->group)
-                : int8_gemv(xi, l->weight, l->scales, l->zeros, oi, m, l->n, l->k, l->group, bf, scratch);
-            if (rc != 0) return -1;
-        }
-    } else {
-        return -1;
-    }
-    if (l->bias) { /* y + b as PyTorch adds two tensors of the step's dtype: in float32, rounded once */
-        for (int64_t r = 0; r < M; r++) {
-            void *y = oc + r * l->n * es;
-            for (int64_t j = 0; j < l->n; j++) st(y, j, ld(y, j, bf) + ld(l->bias, j, bf), bf);
-        }
-    }
-    if (lora && l->lora_a &&
-        lora_add(x, l->k, out, l->n, bf, (int)lora->w_bf16, M, l->k, l->n, lora->row_slots, l->lora_a, l->lora_b,
-                 lora->ranks, lora->num_slots, l->lora_ends, l->lora_parts, lora->t, lora->t_stride) != 0)
-        return -1;
-    return 0;
 }
 
 /* x*cos + roll(x, half)*sin over the first R dimensions of one head (layers/rotary.py's apply_rope;
@@ -158,10 +77,10 @@ static int linear(const linear_t *l, const void *x, int64_t M, void *out, float 
  * once, as addcmul does. */
 static void rope_head(void *x, const void *cos, const void *sin, int64_t R, int64_t half, int bf) {
     float v[1024];
-    for (int64_t i = 0; i < R; i++) v[i] = ld(x, i, bf);
+    for (int64_t i = 0; i < R; i++) v[i] = act_ld(x, i, bf);
     for (int64_t i = 0; i < R; i++) {
-        const float a = rnd(v[i] * ld(cos, i, bf), bf);
-        st(x, i, a + v[(i + half) % R] * ld(sin, i, bf), bf);
+        const float a = act_rnd(v[i] * act_ld(cos, i, bf), bf);
+        act_st(x, i, a + v[(i + half) % R] * act_ld(sin, i, bf), bf);
     }
 }
 
@@ -170,81 +89,11 @@ static void rope_head(void *x, const void *cos, const void *sin, int64_t R, int6
 static void head_norm(void *x, const void *w, int64_t D, float eps, int bf) {
     float ss = 0.f;
     for (int64_t i = 0; i < D; i++) {
-        const float v = ld(x, i, bf);
+        const float v = act_ld(x, i, bf);
         ss += v * v;
     }
     const float inv = 1.f / sqrtf(ss / (float)D + eps);
-    for (int64_t i = 0; i < D; i++) st(x, i, rnd(ld(x, i, bf) * inv, bf) * ld(w, i, bf), bf);
-}
-
-/* GELU with the tanh approximation, as PyTorch computes F.gelu(approximate="tanh") in float32. */
-static inline float gelu_tanh(float x) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
-    const float inner = beta * (x + kappa * (x * x * x));
-    return 0.5f * x * (1.f + tanhf(inner));
-}
-
-/* a = bf16(bf16(silu(g)) * u) for one row of [gate | up] (F.silu, then a multiply, as the modules
- * do); 16 lanes at a time with softmax.h's exponential, as scalar expf cost ~0.3 ms a token. */
-static void silu_mul(const uint16_t *g, uint16_t *a, int64_t I) {
-    const uint16_t *u = g + I;
-    int64_t i = 0;
-#if TESSERA_AVX512_BF16
-    for (; i + 16 <= I; i += 16) {
-        const __m512 gv = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i))), 16));
-        const __m512 uv = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + i))), 16));
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        const __m512 sr = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sv)), 16));
-        _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, uv)));
-    }
-#endif
-    for (; i < I; i++) {
-        const float gv = bf16_to_f32(g[i]);
-        const float s = bf16_to_f32(f32_to_bf16(gv / (1.f + expf(-gv))));
-        a[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
-    }
-}
-
-/* a = silu(g) * u for one float32 row of [gate | up] (F.silu, then a multiply, as the modules do). */
-static void silu_mul_f32(const float *g, float *a, int64_t I) {
-    const float *u = g + I;
-    for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-}
-
-/* a = gelu_tanh(g) * u for one row of [gate | up], the activation rounded to the step's dtype
- * before the product (F.gelu, then a multiply, as the modules do). */
-static void gelu_mul(const void *gu, void *a, int64_t I, int bf) {
-    for (int64_t i = 0; i < I; i++) st(a, i, rnd(gelu_tanh(ld(gu, i, bf)), bf) * ld(gu, I + i, bf), bf);
-}
-
-/* The MLP's activation times up for M rows of [gate | up] [M][2I] into [M][I]. */
-static int activate(int64_t kind, const void *gu, void *act, int64_t M, int64_t I, int bf) {
-    const int64_t es = bf ? 2 : 4;
-    for (int64_t r = 0; r < M; r++) {
-        const char *g = (const char *)gu + r * 2 * I * es;
-        char *a = (char *)act + r * I * es;
-        if (kind == ACT_SILU && bf)
-            silu_mul((const uint16_t *)g, (uint16_t *)a, I);
-        else if (kind == ACT_SILU)
-            silu_mul_f32((const float *)g, (float *)a, I);
-        else if (kind == ACT_GELU_TANH)
-            gelu_mul(g, a, I, bf);
-        else
-            return -1;
-    }
-    return 0;
-}
-
-/* silu_mul over M rows of [gate | up] [M][2I] into [M][I]: the MLP activation of the modules'
- * path (prefill-sized steps), where F.silu and the multiply are two passes over the rows and
- * two dispatches, with the C step's roundings (bfloat16 after the SiLU and after the product). */
-void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I) {
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < M; r++) silu_mul(gu + r * 2 * I, out + r * I, I);
+    for (int64_t i = 0; i < D; i++) act_st(x, i, act_rnd(act_ld(x, i, bf) * inv, bf) * act_ld(w, i, bf), bf);
 }
 
 /* One RMSNorm call over M rows of H of the step's dtype (rms_norm.c), the residual add folded in
@@ -281,7 +130,7 @@ static const void *sublayer_in(stream_t *s, const void *norm, const void *out_no
         return s->h;
     }
     if (s->pending) /* x + residual as PyTorch adds two tensors: in float32, rounded once */
-        for (int64_t i = 0; i < n; i++) st(s->residual, i, ld(s->x, i, s->bf) + ld(s->residual, i, s->bf), s->bf);
+        for (int64_t i = 0; i < n; i++) act_st(s->residual, i, act_ld(s->x, i, s->bf) + act_ld(s->residual, i, s->bf), s->bf);
     else
         memcpy(s->residual, s->x, es * n);
     s->pending = 0;
@@ -297,13 +146,13 @@ static void sublayer_out(stream_t *s, const void *out_norm, float m) {
     const int bf = s->bf;
     if (!out_norm) {
         if (m != 1.f)
-            for (int64_t i = 0; i < n; i++) st(s->x, i, ld(s->x, i, bf) * m, bf);
+            for (int64_t i = 0; i < n; i++) act_st(s->x, i, act_ld(s->x, i, bf) * m, bf);
         return;
     }
     norm_rows(s->x, NULL, out_norm, s->x, s->M, s->H, s->eps, bf);
     for (int64_t i = 0; i < n; i++) {
-        const float y = m != 1.f ? rnd(ld(s->x, i, bf) * m, bf) : ld(s->x, i, bf);
-        st(s->x, i, ld(s->residual, i, bf) + y, bf);
+        const float y = m != 1.f ? act_rnd(act_ld(s->x, i, bf) * m, bf) : act_ld(s->x, i, bf);
+        act_st(s->x, i, act_ld(s->residual, i, bf) + y, bf);
     }
 }
 
@@ -343,6 +192,7 @@ static int decode_step(const layer_t *layers, int64_t L, const dims_t *d, const 
     char *act = p; p += align64(4 * M * I);
     const int64_t lin = step_linear_scratch(layers, L, M);
     float *scratch = (float *)p; p += align64(4 * lin);
+    void *moe_ws = p; p += align64(step_moe_bytes(layers, L, M, H));
     float *scores = (float *)p;
     stream_t s = {x, residual, h, M, H, (float)d->eps, bf, 0};
 
@@ -359,7 +209,7 @@ static int decode_step(const layer_t *layers, int64_t L, const dims_t *d, const 
         if (!ly->mlp_norm && !ly->mlp_out_norm) return -1;
 
         const void *in = sublayer_in(&s, ly->attn_norm, ly->attn_out_norm);
-        if (linear(&ly->qkv, in, M, qkv, scratch, lora, bf) != 0) return -1;
+        if (linear_forward(&ly->qkv, in, M, qkv, scratch, lora, bf) != 0) return -1;
         for (int64_t r = 0; r < M; r++) {
             char *row = qkv + r * qkv_n * es;
             qk_norm(d, ly, row, bf);
@@ -372,15 +222,19 @@ static int decode_step(const layer_t *layers, int64_t L, const dims_t *d, const 
             }
         }
         paged_decode_attention(qkv, qkv_n, cache, bf, g_tables, seq_lens, attn, M, nq, nkv, D, d->num_blocks,
-                               d->block_size, d->max_blocks, (float)d->scale, (float)d->softcap, ly->window, NULL,
+                               d->block_size, d->max_blocks, (float)d->scale, (float)d->softcap, ly->window, ly->sinks,
                                scores, max_len);
-        if (linear(&ly->o, attn, M, x, scratch, lora, bf) != 0) return -1;
+        if (linear_forward(&ly->o, attn, M, x, scratch, lora, bf) != 0) return -1;
         sublayer_out(&s, ly->attn_out_norm, m);
 
         in = sublayer_in(&s, ly->mlp_norm, ly->mlp_out_norm);
-        if (linear(&ly->gate_up, in, M, gu, scratch, lora, bf) != 0) return -1;
-        if (activate(d->activation, gu, act, M, I, bf) != 0) return -1;
-        if (linear(&ly->down, act, M, x, scratch, lora, bf) != 0) return -1;
+        if (ly->moe) {
+            if (moe_forward(ly->moe, in, M, H, x, moe_ws, bf) != 0) return -1;
+        } else {
+            if (linear_forward(&ly->gate_up, in, M, gu, scratch, lora, bf) != 0) return -1;
+            if (gated_activation(d->activation, gu, act, M, I, 0., 0., bf) != 0) return -1;
+            if (linear_forward(&ly->down, act, M, x, scratch, lora, bf) != 0) return -1;
+        }
         sublayer_out(&s, ly->mlp_out_norm, m);
     }
     norm_rows(x, s.pending ? residual : NULL, final_norm, x, M, H, s.eps, bf);

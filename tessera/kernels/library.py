@@ -29,8 +29,8 @@ from tessera.kernels.toolchain import SOURCE_DIR, KernelUnavailable, compiler, h
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "prefill_attention.c", "kv_int8.c", "rms_norm.c", "int8_gemv.c", "int4_gemv.c",
-           "int4_avx2.c", "int4_i8_f32.c", "kquant_gemm.c", "kquant_dequant.c", "mxfp4_gemm.c", "decode_step.c", "lora.c",
-           "variant.c")
+           "int4_avx2.c", "int4_i8_f32.c", "kquant_gemm.c", "kquant_dequant.c", "mxfp4_gemm.c", "step_ops.c",
+           "moe_step.c", "decode_step.c", "lora.c", "variant.c")
 HEADERS = ("tessera_kernels.h", "simd.h", "bf16.h", "softmax.h", "kquant.h")
 # Flags of every variant; the instruction-set ones come from isa.Variant.flags. -mtune=native only
 # schedules for this CPU: it never emits an instruction the variant's level lacks.

@@ -13,7 +13,7 @@
 /* ---- Shared constants (bindings.py holds the same names and values) ---- */
 
 /* linear_t.kind: how a projection's weight is stored. */
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3, LINEAR_Q4K = 4, LINEAR_Q6K = 5 };
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_INT4_I8 = 3, LINEAR_Q4K = 4, LINEAR_Q6K = 5, LINEAR_MXFP4 = 6 };
 /* rot_kind of the int8 cache: the keys' (and queries') transform (kv_int8.c's transform_row). */
 enum { ROT_NONE = 0, ROT_MATRIX = 1, ROT_HADAMARD = 2 };
 /* layer_t.rope: which RoPE tables rotate a layer's queries and keys (none: a NoPE layer, SmolLM3). */
@@ -21,8 +21,9 @@ enum { ROPE_NONE = 0, ROPE_GLOBAL = 1, ROPE_LOCAL = 2 };
 /* dims_t.qk_norm: RMSNorm on queries and keys before RoPE, over each head (Qwen3, Gemma 3) or over the
  * whole query and key projections (OLMo 2). */
 enum { QK_NORM_NONE = 0, QK_NORM_HEAD = 1, QK_NORM_PROJ = 2 };
-/* dims_t.activation: the gated MLP's activation (tessera/activations.py names them). */
-enum { ACT_SILU = 1, ACT_GELU_TANH = 2 };
+/* dims_t.activation, moe_t.activation: the gated MLP's activation (tessera/activations.py names them;
+ * ACT_SWIGLU_CLAMPED is gpt-oss's, with moe_t's limit and alpha). */
+enum { ACT_SILU = 1, ACT_GELU_TANH = 2, ACT_SWIGLU_CLAMPED = 3 };
 
 #define MAX_HEAD_DIM 512         /* paged decode attention (bfloat16/float32 and int8 caches) */
 #define MAX_GROUP 16             /* query heads per KV head, every attention kernel */
@@ -41,9 +42,11 @@ enum { ACT_SILU = 1, ACT_GELU_TANH = 2 };
 
 /* One projection's weight as its QuantMethod stores it (all fields 8 bytes). */
 typedef struct {
-    int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT8, LINEAR_Q4K, LINEAR_Q6K */
+    int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT8, LINEAR_Q4K, LINEAR_Q6K,
+                              LINEAR_MXFP4 */
     const void *weight;    /* int4: packed [N_pad/64][K][32] uint8 (decode_step_f32: the float32 layout, bf16.h
-                              INT4G_*, scales within); int8: [N][K] int8; K-quants: code blocks */
+                              INT4G_*, scales within); int8: [N][K] int8; K-quants: code blocks; MXFP4: the
+                              file's blocks [N][K/32][17] */
     const void *scales;    /* int4: [K/32][N_pad][2] (scale, zero) bf16 (decode_step_f32: unused); int8: [N][K/G] float32; K-quants:
                               the sub-blocks' integer scales (and Q4_K's minimums) */
     const float *zeros;    /* int8: [N][K/G] float32 or NULL; K-quants: the super-blocks' d (and dmin) */
@@ -68,6 +71,19 @@ typedef struct {
     int64_t w_bf16;           /* the adapters' weights are bfloat16 (else float32) */
 } lora_step_t;
 
+/* A mixture-of-experts feed-forward block (moe_step.c; layers/moe.py's SparseMoE): a float32 router,
+ * experts that are gated MLPs of `ffn` rows. */
+typedef struct {
+    const float *router;      /* [E][H] float32 */
+    const float *router_bias; /* [E] float32 or NULL */
+    const linear_t *gate_up;  /* [E] each expert's fused gate and up rows (with their biases, if any) */
+    const linear_t *down;     /* [E] */
+    int64_t num_experts, top_k, ffn;
+    int64_t renormalize;      /* routing weights: softmax over the chosen logits (1) or over all, taken at the chosen (0) */
+    int64_t activation;       /* ACT_SILU or ACT_SWIGLU_CLAMPED */
+    double swiglu_limit, swiglu_alpha;
+} moe_t;
+
 /* One decoder layer of decode_step_bf16 / decode_step_f32 (tensors of the step's dtype). Each sublayer
  * (attention, then the MLP) has an input norm, an output norm, or both (models/decoder.py's
  * DecoderLayer.sublayer): without an output norm (llama) the residual add is folded into the next
@@ -81,6 +97,8 @@ typedef struct {
     int64_t rope;   /* ROPE_NONE, ROPE_GLOBAL or ROPE_LOCAL */
     int64_t window; /* sliding window in tokens, 0 for none */
     int64_t group;  /* its KV-cache group: which of the step's slot rows and block tables it reads */
+    const moe_t *moe;    /* the MLP is this mixture of experts (gate_up and down unused), or NULL: dense */
+    const float *sinks;  /* [Hq] float32 attention sink logits (gpt-oss), or NULL */
 } layer_t;
 
 /* The decoder's shapes and the cache's, and what its layers share. */
@@ -182,9 +200,20 @@ int mxfp4_gemm(const void *x, const uint8_t *blocks, void *out, int64_t M, int64
                void *scratch);
 void mxfp4_dequant(const uint8_t *blocks, void *out, int64_t N, int64_t K, int is_bf16);
 
+/* ---- step_ops.c ---- */
+int64_t linear_scratch_floats(const linear_t *l, int64_t M);
+int linear_forward(const linear_t *l, const void *x, int64_t M, void *out, float *scratch, const lora_step_t *lora,
+                   int is_bf16);
+int gated_activation(int64_t kind, const void *gu, void *act, int64_t M, int64_t I, double limit, double alpha,
+                     int is_bf16);
+void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I);
+
+/* ---- moe_step.c ---- */
+int64_t moe_workspace_bytes(const moe_t *moe, int64_t M, int64_t H);
+int moe_forward(const moe_t *moe, const void *h, int64_t M, int64_t H, void *out, void *workspace, int is_bf16);
+
 /* ---- decode_step.c ---- */
 int64_t decode_step_workspace_bytes(const layer_t *layers, int64_t L, const dims_t *d, int64_t M, int64_t max_len);
-void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I);
 int decode_step_bf16(const layer_t *layers, int64_t L, const dims_t *d, const uint16_t *final_norm, int64_t M,
                      uint16_t *x, const uint16_t *cos, const uint16_t *sin, const uint16_t *cos_local,
                      const uint16_t *sin_local, int64_t half, const int64_t *slots, const int64_t *block_tables,

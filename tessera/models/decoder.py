@@ -5,8 +5,8 @@ fused into one Linear each: on CPU a small model pays per-op overhead as much as
 larger matrix products win. RoPE rotates Q and K together from a table gathered once per step.
 What differs between families (tessera/models/families) is data: where the norms sit, q/k norms,
 the activation, RoPE's form per layer, multipliers and soft-caps. A block with norms before the
-sublayers only keeps the residual add inside the next norm's kernel. Every dense family may take
-the one-call C decode step (models/fused_decode.py), which reads the same modules.
+sublayers only keeps the residual add inside the next norm's kernel. Every family, mixtures of
+experts too, may take the one-call C decode step (models/fused_decode.py), which reads the same modules.
 """
 from __future__ import annotations
 
@@ -275,7 +275,7 @@ class DecoderForCausalLM(nn.Module, ModelBase):
             layers.append(DecoderLayerParts(
                 attn_norm, attn_out_norm, attn.qkv_proj, attn.q_norm if qk_norm else None,
                 attn.k_norm if qk_norm else None, attn.attn, attn.o_proj, mlp_norm, mlp_out_norm, layer.mlp,
-                _ROPE_CODES[layer.rope]))
+                _ROPE_CODES[layer.rope], attn.sinks))
         return FusedDecode.build(DecoderParts(
             self.config, self.dtype, self.model.embed_tokens, self.embed_scale, self.rotary_emb, self.rotary_local,
             self.family.block.qk_norm, layers, self.model.norm))

@@ -5,9 +5,10 @@ cost more in dispatch than their arithmetic (SmolLM2-135M: ~600 calls a token, o
 microseconds each, against ~3 ms of weight reads). The C step runs the same kernels in the
 same order with the same roundings, so it is a faster route to the same result, taken only
 where every piece has a kernel: bfloat16 compute on an AVX512-BF16 host or float32 compute (hosts
-and levels without native bfloat16: int4 through the AVX2 kernel), int4, int8-group or Q4_K/Q6_K
-projections, the paged backend's cache of the compute dtype, decode-only steps, rows of
-LoRA adapters among them (lora.c beside each projection, as layers/linear.py adds them). Everything
+and levels without native bfloat16: int4 through the AVX2 kernel), int4, int8-group, Q4_K/Q6_K or
+MXFP4 projections, mixture-of-experts layers whose experts are such projections (fused_moe.py), the
+paged backend's cache of the compute dtype, decode-only steps, rows of LoRA adapters among them
+(lora.c beside each projection, as layers/linear.py adds them; experts have none). Everything
 else (prefill, mixed steps, other weight formats, int8 caches) runs the modules. Which families'
 blocks it expresses is decided in one place (families/base.py's decode_step_limits); what is
 checked here is what depends on the loaded weights and the host.
@@ -28,6 +29,8 @@ from tessera.attention.base import AttentionMetadata
 from tessera.config import ModelConfig
 from tessera.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from tessera.layers.lora import LoRASlots
+from tessera.layers.moe import SparseMoE
+from tessera.models.fused_moe import MoEOperands, moe_limits
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +54,17 @@ class DecoderLayerParts:
     o_proj: Linear
     mlp_norm: Optional[RMSNorm]
     mlp_out_norm: Optional[RMSNorm]
-    mlp: GatedMLP  # fused gate and up rows, then down
+    mlp: Union[GatedMLP, SparseMoE]  # fused gate and up rows, then down; or a mixture of such experts
     rope: int  # bindings.ROPE_GLOBAL, ROPE_LOCAL or ROPE_NONE
+    sinks: Optional[Tensor] = None  # float32 [Hq] attention sink logits (gpt-oss)
+
+    def projections(self) -> tuple[Linear, Linear, Optional[Linear], Optional[Linear]]:
+        """QKV, O, and the dense MLP's gate/up and down (None in a mixture-of-experts layer), in
+        layer_t's order."""
+        mlp = self.mlp
+        if isinstance(mlp, SparseMoE):
+            return self.qkv_proj, self.o_proj, None, None
+        return self.qkv_proj, self.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 @dataclass(frozen=True)
@@ -94,16 +106,20 @@ def _plan_limits(parts: DecoderParts) -> list[str]:
     norms = [parts.final_norm]
     for layer in parts.layers:
         mlp = layer.mlp
-        if not isinstance(mlp, GatedMLP) or ACTIVATIONS[mlp.activation].c_code is None:
+        if isinstance(mlp, SparseMoE):
+            why += moe_limits(mlp, dtype)
+        elif (not isinstance(mlp, GatedMLP) or ACTIVATIONS[mlp.activation].c_code is None
+              or mlp.activation == "swiglu_clamped"):  # dims_t carries no clamp for a dense MLP
             why.append(f"an MLP of {type(mlp).__name__} ({getattr(mlp, 'activation', '')})")
             continue
-        if any(lin.bias is not None for lin in (layer.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            why.append("biases past the QKV projection")
-        if layer.qkv_proj.bias is not None and layer.qkv_proj.bias.dtype != dtype:
-            why.append("a QKV bias of another dtype")
+        lins = [lin for lin in layer.projections() if lin is not None]
+        if any(lin.bias is not None and lin.bias.dtype != dtype for lin in lins):
+            why.append("a projection bias of another dtype")
+        if layer.sinks is not None and (layer.sinks.dtype != torch.float32 or layer.sinks.numel() != c.num_heads
+                                        or not layer.sinks.is_contiguous()):
+            why.append("attention sinks not float32 [heads]")
         if layer.rope == bindings.ROPE_LOCAL and parts.rotary_local is None:
             why.append("a local RoPE layer without its table")
-        lins = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(lin.kernel_operand() is None for lin in lins):
             why.append("a projection's weight format")
         norms += [n for n in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm, layer.mlp_out_norm,
@@ -118,9 +134,10 @@ class FusedDecode:
     (a `tessera.models.base.FusedDecodeStep`)."""
 
     def __init__(self, parts: DecoderParts, layers: "ctypes.Array[bindings.DecodeLayer]",
-                 dims: bindings.DecodeDims, max_rows: int = MAX_ROWS) -> None:
+                 dims: bindings.DecodeDims, max_rows: int = MAX_ROWS, moe: Sequence[MoEOperands] = ()) -> None:
         self.parts = parts
         self.layers = layers
+        self.moe = tuple(moe)  # the mixture-of-experts blocks `layers` points at
         self.dims = dims
         self.max_rows = max_rows  # past it some projection's module path multiplies another way
         self._caches: Optional[tuple[int, ...]] = None  # the cache addresses `layers` holds
@@ -138,22 +155,31 @@ class FusedDecode:
             logger.info("the one-call C decode step has no kernel here for %s", ", ".join(why))
             return None
         c, first = parts.config, parts.layers[0]
-        rows, max_rows = [], MAX_ROWS
+        rows, max_rows, blocks = [], MAX_ROWS, []
         for layer in parts.layers:
-            mlp = layer.mlp
-            ops = [lin.kernel_operand() for lin in (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            max_rows = min([max_rows] + [op.max_rows for op in ops if op.max_rows])
+            ops = [bindings.LinearOperand() if lin is None else lin.kernel_operand() for lin in layer.projections()]
+            limits = [op.max_rows for op in ops if op.max_rows]
+            moe = None
+            if isinstance(layer.mlp, SparseMoE):
+                moe = MoEOperands(layer.mlp)
+                blocks.append(moe)
+                limits += [moe.max_rows] if moe.max_rows else []
+            max_rows = min([max_rows] + limits)
             norms = (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm, layer.mlp_out_norm, layer.q_norm,
                      layer.k_norm)
             rows.append(bindings.DecodeLayer(*map(_norm_ptr, norms), *ops, None, layer.rope,
-                                             layer.attn.sliding_window or 0, 0))
+                                             layer.attn.sliding_window or 0, 0, None if moe is None else moe.address,
+                                             None if layer.sinks is None else layer.sinks.data_ptr()))
+        dense = next((layer.mlp for layer in parts.layers if isinstance(layer.mlp, GatedMLP)), None)
         dims = bindings.DecodeDims(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                    head_dim=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps,
                                    scale=first.attn.scale, rotary_dim=c.rotary_dim or c.head_dim,
                                    qk_norm=_QK_NORMS[parts.qk_norm],
-                                   activation=ACTIVATIONS[first.mlp.activation].c_code,
+                                   activation=ACTIVATIONS[dense.activation].c_code if dense else bindings.ACT_SILU,
                                    residual_multiplier=c.residual_multiplier, softcap=first.attn.softcap or 0.0)
-        return cls(parts, (bindings.DecodeLayer * len(rows))(*rows), dims, max_rows)
+        logger.info("decode steps of 1-%d rows take the one-call C decode step%s", max_rows,
+                    f" ({len(blocks)} mixture-of-experts layers in it)" if blocks else "")
+        return cls(parts, (bindings.DecodeLayer * len(rows))(*rows), dims, max_rows, blocks)
 
     def applies(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step is one the C step takes: decode rows only, few enough, a cache the
@@ -180,8 +206,7 @@ class FusedDecode:
         adapters are enabled (after this plan; again for an engine made anew on the same loaded
         model), and their address arrays stay put while slots change hands: binding is per slots
         object, not per step."""
-        tables = [lin.lora for layer in self.parts.layers
-                  for lin in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        tables = [None if lin is None else lin.lora for layer in self.parts.layers for lin in layer.projections()]
         ops = [op for row in self.layers for op in (row.qkv, row.o, row.gate_up, row.down)]
         for table, op in zip(tables, ops):
             if table is None:

@@ -226,7 +226,7 @@ def test_the_parser_sees_the_whole_interface():
     assert parse_constants(_header())["LINEAR_Q6K"] == 5
     assert [f for _, f in parse_structs(_header())["layer_t"]] == [
         "attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
-        "kv_cache", "rope", "window", "group"]
+        "kv_cache", "rope", "window", "group", "moe", "sinks"]
 
 
 def test_the_built_library_exports_the_header():
@@ -303,8 +303,8 @@ def test_a_mismatched_constant_or_struct_is_reported():
     narrowed = header.replace("double eps, scale;", "double eps;\n    float scale;")
     assert check_interface(narrowed, sources) == [
         "struct dims_t: field 9 is float scale in C, scale: c_double in DecodeDims"]
-    grown = header.replace("int64_t group;  /*", "int64_t group, extra; /*")
-    assert check_interface(grown, sources) == ["struct layer_t: 15 fields in C, 14 in DecodeLayer"]
+    grown = header.replace("const float *sinks;  /*", "const float *sinks, *extra; /*")
+    assert check_interface(grown, sources) == ["struct layer_t: 17 fields in C, 16 in DecodeLayer"]
 
 
 def test_struct_layouts_match_the_compiler(tmp_path):

@@ -44,7 +44,7 @@ static float from_bf16(uint16_t v) {
 }
 
 /* Arrays of a case: zeroed, freed together when the case ends. */
-#define MAX_ALLOCS 96
+#define MAX_ALLOCS 256
 static void *allocs[MAX_ALLOCS];
 static int nallocs;
 static void *new0(size_t bytes) {
@@ -467,10 +467,13 @@ static int run_lora(const lib_t *L, const case_t *c, out_t *o) {
  * the step's dtype holding the contexts before. p[1], the block: 0 llama's (norms before the sublayers, SiLU); 1 Gemma's (norms before and after, q/k norms per
  * head, GELU, soft-capped scores, layer 0 sliding with its own RoPE table); 2 OLMo 2's and more (norms after only,
  * q/k norms over the projections, a residual multiplier, half the head rotating, layer 1 without RoPE, the layers
- * in two KV-cache groups). */
+ * in two KV-cache groups); 3 llama's with mixture-of-experts MLPs (moe_of), attention sinks and a bias on
+ * the output projection. p[2]: rows (0: 3). */
 static linear_t linear_of(int kind, int64_t n, int64_t k) {
     linear_t l = {.kind = kind, .n = n, .n_pad = n, .k = k, .group = 32};
-    if (kind == LINEAR_INT4 || kind == LINEAR_INT4_I8) { /* the float32 layout: n a multiple of 32 */
+    if (kind == LINEAR_MXFP4) {
+        l.weight = mxfp4_blocks(n, k);
+    } else if (kind == LINEAR_INT4 || kind == LINEAR_INT4_I8) { /* the float32 layout: n a multiple of 32 */
         l.weight = int4g_packed(n, k);
     } else if (kind == LINEAR_INT8) {
         l.weight = bytes(n * k, 0, 255);
@@ -480,6 +483,24 @@ static linear_t linear_of(int kind, int64_t n, int64_t k) {
         l.weight = w.codes, l.scales = w.scales, l.zeros = w.d;
     }
     return l;
+}
+
+/* A mixture-of-experts block of 4 experts, 2 a row (moe_step.c): layer 0 gpt-oss's (MXFP4 experts with
+ * biases, the clamped SwiGLU, a biased router, the chosen logits' softmax), layer 1 Qwen3-MoE's
+ * without norm_topk_prob (Q4_K gate/up, Q6_K down, SiLU, the softmax over all experts). */
+static const moe_t *moe_of(int layer, int64_t H, int bf) {
+    enum { EXPERTS = 4, FFN = 256 };
+    linear_t *gu = new0(EXPERTS * sizeof(linear_t)), *down = new0(EXPERTS * sizeof(linear_t));
+    for (int e = 0; e < EXPERTS; e++) {
+        gu[e] = linear_of(layer ? LINEAR_Q4K : LINEAR_MXFP4, 2 * FFN, H);
+        down[e] = linear_of(layer ? LINEAR_Q6K : LINEAR_MXFP4, H, FFN);
+        if (!layer) gu[e].bias = acts(2 * FFN, bf, 0.5f), down[e].bias = acts(H, bf, 0.5f);
+    }
+    moe_t *m = new0(sizeof(moe_t));
+    *m = (moe_t){.router = f32s(EXPERTS * H, 0.1f), .router_bias = layer ? NULL : f32s(EXPERTS, 0.5f), .gate_up = gu,
+                 .down = down, .num_experts = EXPERTS, .top_k = 2, .ffn = FFN, .renormalize = !layer,
+                 .activation = layer ? ACT_SILU : ACT_SWIGLU_CLAMPED, .swiglu_limit = 2., .swiglu_alpha = 1.702};
+    return m;
 }
 
 /* [M][R] cos and sin rows of the rows' positions at RoPE base `base`, in the step's dtype. */
@@ -495,8 +516,9 @@ static void rope_rows(void *cos, void *sin, const int64_t *pos, int64_t M, int64
 }
 
 static int run_decode_step(const lib_t *L, const case_t *c, out_t *o) {
-    enum { LAYERS = 2, M = 3, H = 256, NQ = 4, NKV = 2, D = 64, I = 256, MAX_LEN = 100 };
+    enum { LAYERS = 2, H = 256, NQ = 4, NKV = 2, D = 64, I = 256, MAX_LEN = 100 };
     const int bf = !c->p[0], block = c->p[1]; /* p[0]: float32 (decode_step_f32) */
+    const int64_t M = c->p[2] ? c->p[2] : 3;  /* rows, at most 3 */
     const int64_t R = block == 2 ? D / 2 : D, G = block == 2 ? 2 : 1;
     dims_t d = {H, NQ, NKV, D, I, NUM_BLOCKS, BLOCK, MAX_BLOCKS, 1e-6, 0.125, R, QK_NORM_NONE, ACT_SILU, 1., 0.};
     if (block == 1) d.qk_norm = QK_NORM_HEAD, d.activation = ACT_GELU_TANH, d.softcap = 4.;
@@ -519,8 +541,9 @@ static int run_decode_step(const lib_t *L, const case_t *c, out_t *o) {
         ly->rope = block == 1 && i == 0 ? ROPE_LOCAL : block == 2 && i == 1 ? ROPE_NONE : ROPE_GLOBAL;
         ly->window = block == 1 && i == 0 ? 20 : 0;
         ly->group = G == 2 ? i : 0;
+        if (block == 3) ly->moe = moe_of(i, H, bf), ly->sinks = f32s(NQ, 2.f), ly->o.bias = acts(H, bf, 0.5f);
     }
-    int64_t *tables = new0(G * M * MAX_BLOCKS * 8), *slots = new0(G * M * 8), pos[M];
+    int64_t *tables = new0(G * M * MAX_BLOCKS * 8), *slots = new0(G * M * 8), pos[3];
     for (int g = 0; g < G; g++) {
         const int64_t *t = block_tables(M);
         memcpy(tables + g * M * MAX_BLOCKS, t, M * MAX_BLOCKS * 8);
@@ -628,13 +651,16 @@ static const case_t CASES[] = {
     {"lora_add/f32", run_lora, {0, 0}},
     {"lora_add/f32+bf16_weights", run_lora, {0, 1}},
     {"lora_add/bf16", run_lora, {1, 1}},
-    /* decode step: float32, block (0 llama, 1 Gemma, 2 OLMo 2 and more) */
+    /* decode step: float32, block (0 llama, 1 Gemma, 2 OLMo 2 and more, 3 mixtures of experts), rows */
     {"decode_step_bf16", run_decode_step},
     {"decode_step_bf16/gemma", run_decode_step, {0, 1}},
     {"decode_step_bf16/olmo2", run_decode_step, {0, 2}},
     {"decode_step_f32", run_decode_step, {1}},
     {"decode_step_f32/gemma", run_decode_step, {1, 1}},
     {"decode_step_f32/olmo2", run_decode_step, {1, 2}},
+    {"decode_step_bf16/moe", run_decode_step, {0, 3}},
+    {"decode_step_f32/moe", run_decode_step, {1, 3}},
+    {"decode_step_f32/moe1", run_decode_step, {1, 3, 1}},
 };
 
 /* ---- Comparison and the driver ---- */

@@ -208,20 +208,15 @@ def test_q4_k_gguf_matches_its_dequantized_weights(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_c_decode_step_is_offered_to_every_dense_family(family_model, kind):
+def test_the_c_decode_step_is_offered_to_every_family(family_model, kind):
     """One function decides (families/base.py's decode_step_limits): `tessera models` asks it of the
-    family, the decoder of its loaded config; only the mixture-of-experts families are refused."""
+    family, the decoder of its loaded config; every family, the mixtures of experts (gpt-oss with its
+    attention sinks and output bias) among them, is offered the step."""
     folder, *_ = family_model(kind)
     model = load_model(folder, "float32").model
-    limits = model.decode_step_limits()
-    dense = kind not in TINY_MOE_FAMILIES
-    assert (ExecutionPath.C_DECODE in model.execution_paths()) == dense
-    assert bool(limits) != dense
-    assert model.family.decode_step() == ("yes" if dense else "no: mixture-of-experts layers")
-    if not dense:
-        assert "mixture-of-experts layers" in limits
-    if kind == "gpt_oss":
-        assert {"attention sinks", "an attention output bias"} <= set(limits)
+    assert model.decode_step_limits() == []
+    assert ExecutionPath.C_DECODE in model.execution_paths()
+    assert model.family.decode_step() == "yes"
 
 
 def test_family_configs_from_hf_and_gguf(family_model):

@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor
 
-from tessera.kernels import gguf_ops, library
+from tessera.kernels import bindings, gguf_ops, library
 from tessera.layers.quantization.base import QuantConfig, WeightOnlyMethod, dense_linear
 from tessera.layers.weights import GGUFWeight
 
@@ -78,6 +78,15 @@ class MXFP4Method(WeightOnlyMethod):
             n, k = layer.blocks.shape[0], self._in_features(layer)
             dense = self._weights(layer.blocks, self.config.workspace.get("weight", (n, k), self.config.dtype))
         return dense_linear(x, dense)
+
+    def kernel_operand(self, layer):
+        """The file's blocks for mxfp4_gemm, up to the rows `apply` multiplies them directly (past
+        that the C step declines, as `apply` takes the dense product)."""
+        if library.available() is not None:
+            return None
+        n = layer.blocks.shape[0]
+        return bindings.LinearOperand(kind=bindings.LINEAR_MXFP4, weight=layer.blocks.data_ptr(), n_pad=n, n=n,
+                                      k=self._in_features(layer), max_rows=MXFP4_KERNEL_MAX_ROWS)
 
     def describe(self, layer):
         return f"{self.name} (int8 activations up to {MXFP4_KERNEL_MAX_ROWS} rows)"

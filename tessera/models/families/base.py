@@ -78,34 +78,34 @@ class Family:
     tied_by_default: bool = False
     # How it differs from llama's block, for `tessera models` and docs/models.md.
     summary: str = ""
-    # Mixture-of-experts feed-forward blocks (tessera/layers/moe.py), which the one-call C decode
-    # step does not run; its GGUF architecture may also hold dense models (Mixtral's is llama).
+    # Mixture-of-experts feed-forward blocks (tessera/layers/moe.py); its GGUF architecture may
+    # also hold dense models (Mixtral's is llama).
     moe: bool = False
 
     def decode_step(self) -> str:
         """Whether decode steps take the one-call C step, for `tessera models`."""
-        limits = decode_step_limits(self.block, moe=self.moe)
+        limits = decode_step_limits(self.block)
         return f"no: {', '.join(limits)}" if limits else "yes"
 
 
-def decode_step_limits(block: Block, config: Optional[ModelConfig] = None, moe: bool = False) -> list[str]:
+def decode_step_limits(block: Block, config: Optional[ModelConfig] = None) -> list[str]:
     """Why the one-call C decode step (models/fused_decode.py, kernels/decode_step.c) cannot run a
     model of this block and, where known, this config; empty when it can. The one place that decides:
     `tessera models` asks it of a family's block, the decoder of its loaded config (and logs the
-    answer at start-up). The step expresses every dense block here: norms before and/or after the
+    answer at start-up). The step expresses every block here: norms before and/or after the
     sublayers ((1 + w) scales are folded at load), q/k norms per head or per projection, SiLU and
     GELU (tanh), scaled embeddings, multipliers, NoPE layers, partial rotary, sliding windows (with
-    their own RoPE base, in hybrid cache groups) and soft-capped scores. What depends on the loaded
-    weights and the host (storage formats, dtypes, kernels) is the plan's (FusedDecode.build)."""
+    their own RoPE base, in hybrid cache groups), soft-capped scores, attention sinks, biases on any
+    projection, and mixture-of-experts layers (softmax-then-top-k or top-k-then-softmax routing,
+    biased routers, SwiGLU or gpt-oss's clamped SwiGLU experts; kernels/moe_step.c). What depends on
+    the loaded weights and the host (storage formats, the experts' among them, dtypes, kernels) is
+    the plan's (FusedDecode.build), which logs what it finds."""
     checks = [
-        (ACTIVATIONS[block.activation].c_code is None, f"{block.activation} activation"),
-        (moe or (config is not None and config.moe is not None), "mixture-of-experts layers"),
+        (ACTIVATIONS[block.activation].c_code is None or block.activation == "swiglu_clamped",
+         f"a dense MLP of the {block.activation} activation"),
     ]
-    if config is not None:
-        checks += [
-            (config.attention_sinks, "attention sinks"),
-            (config.attention_output_bias, "an attention output bias"),
-        ]
+    if config is not None and config.moe is not None:
+        checks.append((ACTIVATIONS[config.moe.activation].c_code is None, f"experts of {config.moe.activation}"))
     return [why for blocked, why in checks if blocked]
 
 
