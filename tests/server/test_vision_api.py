@@ -171,3 +171,97 @@ def test_templates_without_image_parts_get_the_image_token_before_the_text():
                                              {"type": "text", "text": "and"}, {"type": "image"}]}]
     assert images_as_text(messages, "<image>") == [messages[0], {"role": "user",
                                                                 "content": "<image>\n<image>\ncompare\nand"}]
+
+
+# -- hostile images --------------------------------------------------------------------------
+
+LEAKS = ("Traceback", "root:x:", "PIL.", "File \"", "DecompressionBomb", "site-packages")
+
+
+def _refused(r: httpx.Response, shape: str) -> str:
+    """The error message of a 4xx in the API's own shape (and nothing internal in it)."""
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    body = r.json()
+    if shape == "openai":
+        message = body["error"]["message"]
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    elif shape == "anthropic":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        message = body["error"]["message"]
+    else:
+        message = body["error"]
+    assert isinstance(message, str) and not any(leak in message for leak in LEAKS), message
+    return message
+
+
+def test_hostile_images_through_openai_chat(served):
+    """tessera bench hostile's image cases against the vision model: each refused for what it is."""
+    import json
+
+    from tessera.bench.hostile import hostile_cases
+
+    cases = [c for c in hostile_cases(served.llava) if c.name.startswith("image:")]
+    assert len(cases) >= 25
+    messages = {}
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        for case in cases:
+            r = client.post(case.path, content=case.body, headers={"content-type": "application/json"})
+            messages[case.name] = _refused(r, "openai")
+        # an allowed host that is the server's own loopback address
+        body = json.loads(cases[0].body)
+        body["messages"][0]["content"][0]["image_url"]["url"] = f"http://localhost:{served.proc.port}/health"
+        messages["loopback"] = _refused(client.post("/v1/chat/completions", json=body), "openai")
+        # the limit here is image=2
+        body["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": DATA_URL}}] * 3
+        messages["three"] = _refused(client.post("/v1/chat/completions", json=body), "openai")
+    assert "decompression bomb" in messages["image: decompression bomb (30,000^2 PNG)"]
+    assert "--max-image-pixels" in messages["image: 6,000^2 PNG over the pixel limit"]
+    assert "not accepted" in messages["image: SVG by media type"]
+    assert "accepted format" in messages["image: SVG bytes as PNG"]
+    assert "accepted format" in messages["image: BMP (not allowed)"]
+    assert "truncated" in messages["image: truncated PNG"]
+    assert "not valid base64" in messages["image: bad base64"]
+    assert "--allowed-media-domains" in messages["image: http host not allowed"]
+    assert "--allowed-local-media-path" in messages["image: file outside the allowed path"]
+    assert "not a public address" in messages["loopback"]
+    assert "at most 2 images" in messages["three"]
+    assert served.openai.models.list()  # still serving
+
+
+def test_hostile_images_through_the_other_apis(served):
+    from tessera.bench.hostile_images import SVG, png_bomb, png_header
+
+    bad = [base64.b64encode(png_bomb()).decode(), base64.b64encode(SVG).decode(), "%%%not-base64%%%",
+           base64.b64encode(IMAGE[:60]).decode(), base64.b64encode(png_header(16, 16, b"\x00" * 9)).decode()]
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        for data in bad:
+            _refused(client.post("/v1/messages", json={"model": served.llava, "max_tokens": 4, "messages": [
+                {"role": "user", "content": [{"type": "image", "source": {
+                    "type": "base64", "media_type": "image/png", "data": data}}]}]}), "anthropic")
+            _refused(client.post("/api/chat", json={"model": served.llava, "stream": False, "messages": [
+                {"role": "user", "content": "what is this", "images": [data]}]}), "ollama")
+            _refused(client.post("/api/generate", json={"model": served.llava, "stream": False,
+                                                        "prompt": "what is this", "images": [data]}), "ollama")
+            _refused(client.post("/v1/responses", json={"model": served.llava, "max_output_tokens": 4, "input": [
+                {"role": "user", "content": [{"type": "input_image",
+                                              "image_url": "data:image/png;base64," + data}]}]}), "openai")
+        _refused(client.post("/v1/messages", json={"model": served.llava, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "file:///etc/shadow"}}]}]}),
+            "anthropic")
+        _refused(client.post("/api/chat", json={"model": served.llava, "stream": False, "messages": [
+            {"role": "user", "content": "x", "images": [base64.b64encode(IMAGE).decode()] * 3}]}), "ollama")
+        _refused(client.post("/v1/responses", json={"model": served.llava, "input": [
+            {"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}), "openai")
+    stats = served.proc.wait_idle()  # nothing held: no request, no KV block
+    assert stats["scheduler"]["kv_cache_usage"] == 0
+    assert "Traceback" not in served.proc.log()
+
+
+def test_limit_mm_per_prompt_forms():
+    from tessera.errors import ConfigError
+    from tessera.server.media import parse_mm_limit
+
+    assert parse_mm_limit("image=3") == 3 and parse_mm_limit('{"image": 5}') == 5 and parse_mm_limit(None) == 4
+    for bad in ("video=1", "image=-1", "image", "image=x"):
+        with pytest.raises(ConfigError):
+            parse_mm_limit(bad)
