@@ -7,7 +7,8 @@ covers what clients get wrong and what attackers try: absurd numbers (huge, nega
 infinite), wrong types, unknown fields, deep nesting, invalid UTF-8, empty and oversized bodies,
 10 MB prompts, thousands of stop strings or messages, logit_bias abuse, n = 10,000, bad tool and
 schema definitions, hostile images (bench/hostile_images.py). The tests run it against the
-tiny model in CI; this command runs it against any server (`tessera bench hostile --base-url http://127.0.0.1:8000 --model smollm2-135m`).
+tiny model in CI; this command runs it against any server
+(`tessera bench hostile --base-url http://127.0.0.1:8000 --model smollm2-135m`).
 """
 from __future__ import annotations
 

@@ -134,6 +134,36 @@ def test_ollama_images(served, expected):
     assert r.prompt_eval_count == expected[1]
 
 
+def test_images_are_prepared_without_torch(served):
+    """The API process's part (reading the model, decoding, processing, the engine's message) in an
+    interpreter where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, asyncio
+sys.modules["torch"] = None
+from tessera.engine.frontend import wire
+from tessera.engine.input_processor import InputLimits, InputProcessor
+from tessera.models.info import load_model_info
+from tessera.sampling_params import SamplingParams
+from tessera.server.media import MediaSettings, load_images
+config, tok = load_model_info({str(served.folder)!r})
+images = asyncio.run(load_images([{DATA_URL!r}], config.vision, "m", MediaSettings()))
+limits = InputLimits(config.vocab_size, 256, 4096, 1024, image_token_id=config.vision.image_token_id,
+                     image_tokens=config.vision.num_image_tokens, image_shape=config.vision.pixel_shape)
+p = InputProcessor(tok, limits).process("r", [5, config.vision.image_token_id, 6], SamplingParams(max_tokens=2),
+                                        images=images)
+frame = wire.encoder().encode(wire.AddRequest(p))
+back = wire.request_decoder().decode(frame).request
+assert back.images[0].pixels == images[0].pixels and back.images[0].offset == 1
+assert len(back.prompt_token_ids) == 2 + config.vision.num_image_tokens
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_models_list_says_which_take_images(served):
     cards = {c["id"]: c for c in httpx.get(f"{served.url}/v1/models").json()["data"]}
     assert "vision" in cards[served.llava]["capabilities"]
