@@ -143,3 +143,18 @@ def test_placeholder_and_image_counts_must_agree(loaded):
         llm.generate([prompt(loaded, "hello ", None)], GREEDY, images=[IMAGES[:2]])
     with pytest.raises(InvalidRequestError, match="image placeholders"):
         llm.generate([prompt(loaded, "hello ", None)], GREEDY)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_images_right(loaded, hf, mode):
+    """A cache too small for four image prompts at once: requests are preempted mid-way and
+    resumed (recomputed from the kept encoder output, or swapped back)."""
+    cases = [(prompt(loaded, "the quick ", None, " brown fox"), IMAGES[i % 3:i % 3 + 1]) for i in range(4)]
+    want = [oracle(hf, loaded, ids, imgs, max_tokens=20) for ids, imgs in cases]
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # 2 layers, K and V, 2 kv heads, head_dim 16, fp32, 16 tokens
+    llm = make_llm(loaded, kv_cache_memory=6 * block_bytes, preemption_mode=mode, enable_prefix_caching=False,
+                   max_num_batched_tokens=16)
+    outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                        images=[imgs for _, imgs in cases])
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.scheduler.num_preemptions > 0

@@ -164,6 +164,12 @@ print("ok")
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_ollama_generate_images(served, expected):
+    r = served.ollama.generate(model=served.llava, prompt="what is this", images=[IMAGE_B64],
+                               options={"temperature": 0, "num_predict": MAX_TOKENS, "ignore_eos": True})
+    assert r.response == expected[0]
+
+
 def test_models_list_says_which_take_images(served):
     cards = {c["id"]: c for c in httpx.get(f"{served.url}/v1/models").json()["data"]}
     assert "vision" in cards[served.llava]["capabilities"]
