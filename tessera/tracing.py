@@ -13,7 +13,10 @@ Attributes follow the OpenTelemetry gen_ai semantic conventions where one
 fits: gen_ai.request.model, gen_ai.response.id (the request id, also under
 tessera.request.id), gen_ai.usage.input_tokens / output_tokens /
 cache_read.input_tokens, gen_ai.response.finish_reasons, the sampling knobs
-as gen_ai.request.*, and gen_ai.response.time_to_first_chunk.
+as gen_ai.request.*, and gen_ai.response.time_to_first_chunk; Tessera's own: the request's
+priority, its preemptions, and the steps that computed its prompt with the tokens they computed
+in all (tessera.prompt_steps, tessera.prompt_step_tokens: a first token that waited for other
+requests' prompts shows it there).
 
 Each tracer has its own TracerProvider; the global OpenTelemetry provider is
 left alone.
@@ -113,6 +116,9 @@ class RequestTracer:
             "gen_ai.request.top_p": p.top_p,
             "gen_ai.request.choice.count": p.n,
             "tessera.num_preemptions": len(m.preempted_times),
+            "tessera.request.priority": p.priority,
+            "tessera.prompt_steps": m.prompt_steps,
+            "tessera.prompt_step_tokens": m.prompt_step_tokens,
         }
         if p.max_tokens is not None:
             attrs["gen_ai.request.max_tokens"] = p.max_tokens

@@ -97,6 +97,7 @@ class FakeCore:
     max_num_seqs: int = 4
     fail_after_steps: Optional[int] = None  # the loop dies on this step (EngineDeadError)
     forecast_wait_s: Optional[float] = None  # what predict_wait answers (None: no cost model)
+    own_prompt_s: float = 0.0  # what predict_prompt answers (of it, the prompt's own computation)
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     reply: str = REPLY  # what greedy sampling writes before EOS
     waiting: list[_Req] = field(default_factory=list)
@@ -176,6 +177,9 @@ class FakeCore:
 
     def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]:
         return self.forecast_wait_s
+
+    def predict_prompt(self, prompt_tokens: int) -> Optional[float]:
+        return None if self.forecast_wait_s is None else self.own_prompt_s
 
     def cost_model_stats(self) -> dict:
         return {}

@@ -224,8 +224,9 @@ class ReplicaSet:
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                        add_special_tokens: bool = True, deadline_s: Optional[float] = None,
                        restartable: bool = False, pooling: Optional[PoolingParams] = None,
-                       lora_name: Optional[str] = None, images: Optional[list[ImageInput]] = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       lora_name: Optional[str] = None,
+                       extend_deadline: Optional[Callable[[float], None]] = None,
+                       images: Optional[list[ImageInput]] = None) -> AsyncIterator[RequestOutput]:
         """AsyncLLMEngine.generate on the replica the policy picks (see the module's docstring).
         `restartable` (the caller reads only the final output, e.g. a non-streaming HTTP request):
         a request whose replica dies mid-way is rerun from its prompt on another replica."""
@@ -256,7 +257,8 @@ class ReplicaSet:
                 if engine is None:
                     raise NoReplicaError(f"replica {replica.replica_id} stopped")
                 async with contextlib.aclosing(engine.generate(prompt, params, request_id, add_special_tokens,
-                                                               deadline_s, prepared=prepared)) as stream:
+                                                               deadline_s, prepared=prepared,
+                                                               extend_deadline=extend_deadline)) as stream:
                     async for out in stream:
                         streamed = True
                         yield out

@@ -316,6 +316,11 @@ class LLMEngine:
         """Forecast, for a newcomer, of the time until its prompt is computed (thread-safe)."""
         return self.scheduler.predict_wait(snapshot, prompt_tokens, priority)
 
+    def predict_prompt(self, prompt_tokens: int) -> Optional[float]:
+        """Forecast of a prompt's own computation: the wait on an engine with nothing to run."""
+        idle = LoadSnapshot(free_seq_slots=self.config.max_num_seqs)
+        return self.scheduler.predict_wait(idle, prompt_tokens)
+
     def load_snapshot(self) -> LoadSnapshot:
         return self.scheduler.load_snapshot()
 

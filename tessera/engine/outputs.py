@@ -56,6 +56,10 @@ class RequestMetrics:
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     preempted_times: list[float] = field(default_factory=list)
+    # The steps that computed part of its prompt before its first token, and the tokens those steps
+    # computed in all (its own and other requests'): where a slow first token spent its time.
+    prompt_steps: int = 0
+    prompt_step_tokens: int = 0
     # Speculative decoding: proposed tokens verified for this request, and how many were accepted.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -26,6 +26,8 @@ class LoadSnapshot:
     remaining_output_tokens: tuple[int, ...] = ()  # of running requests, ascending (max_tokens bounds)
     # (priority, waiting requests, their prompt tokens still to compute) per class, ascending.
     waiting_by_priority: tuple[tuple[int, int, int], ...] = ()
+    # The best class served so far (priority policy): steps given way for lower classes are bounded.
+    best_priority_seen: Optional[int] = None
 
     def ahead_of(self, priority: int) -> "LoadSnapshot":
         """The queue as a newcomer of `priority` meets it under the priority policy: the waiting

@@ -93,6 +93,7 @@ class Generation:
         self._drains: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._granted = 0.0  # seconds added to the deadline for the prompts' own computation
 
     def engine_request_id(self, index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
@@ -106,10 +107,25 @@ class Generation:
             self._drains.append(asyncio.create_task(self._drain(i, prompt), name=self.engine_request_id(i)))
         if self.request is not None:
             self._watcher = asyncio.create_task(self._watch_client(self.request))
-        if self.deadline is not None:
-            delay = max(0.0, self.deadline - time.monotonic())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._stop, _TIMED_OUT)
+        self._arm()
         return self
+
+    def _arm(self) -> None:
+        """(Re)start the timer that ends the generation at its deadline, plus what was granted."""
+        if self.deadline is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(0.0, self.deadline + self._granted - time.monotonic())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._stop, _TIMED_OUT)
+
+    def _extend(self, seconds: float) -> None:
+        """The engine's forecast of a prompt's own computation: the deadline moves by the longest
+        of the prompts' (they run side by side), so a long prompt is not cut for being long."""
+        if seconds > self._granted:
+            self._granted = seconds
+            if self._timer is not None:
+                self._arm()
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
@@ -143,14 +159,17 @@ class Generation:
     async def _drain(self, index: int, prompt: Union[str, list[int]]) -> None:
         try:
             deadline_s = None if self.deadline is None else self.deadline - time.monotonic()
-            # lora_name only when set: engines (and test fakes) without adapters take no such argument
-            lora = {} if self.lora_name is None else {"lora_name": self.lora_name}
-            if self.images:  # likewise: only a vision model's engine is given images
-                lora["images"] = self.images
+            # lora_name, extend_deadline and images only when needed: engines (and test fakes) without
+            # adapters, deadlines or a vision model take no such arguments
+            extra: dict = {} if self.lora_name is None else {"lora_name": self.lora_name}
+            if deadline_s is not None:
+                extra["extend_deadline"] = self._extend
+            if self.images:
+                extra["images"] = self.images
             async with contextlib.aclosing(
                     self.engine.generate(prompt, self.params, self.engine_request_id(index),
                                          deadline_s=deadline_s, restartable=self.restartable,
-                                         pooling=self.pooling, **lora)) as stream:
+                                         pooling=self.pooling, **extra)) as stream:
                 async for output in stream:
                     if self.meter is not None:
                         self.meter.observe(self.engine_request_id(index), output)

@@ -174,3 +174,95 @@ def test_a_lower_class_prompt_does_not_spend_a_higher_class_decodes_latency() ->
         out = s.schedule()
         assert {c.request_id: c.num_new_tokens for c in out.scheduled} == {"chat": 1, "low": low_tokens}, policy
         assert out.prefill_unbounded == unbounded
+
+
+def _decoding(s: Scheduler, n: int, priority: int) -> None:
+    """`n` requests of `priority` decoding (their prompts computed)."""
+    for i in range(n):
+        s.add_request(req(f"d{priority}-{i}", priority=priority, prompt=4, max_tokens=200))
+    for _ in range(2 * n + 2):
+        step(s)
+        if len(s.running) == n and all(r.num_output_tokens >= 1 for r in s.running):
+            return
+    raise AssertionError("the prompts did not finish")
+
+
+def test_a_newcomer_giving_way_is_not_joined_by_lower_class_prompts() -> None:
+    """Three priority-10 decodes leave no room under the target, so a priority-0 newcomer's prompt
+    makes the step give way; the priority-10 prompts waiting behind it get only what fits under
+    the target (nothing), not the rest of the budget: its first token waits for its own prompt
+    alone."""
+    s = make(max_seqs=8, target_ms=30, budget=64)
+    _decoding(s, 3, priority=10)
+    s.add_request(req("w1", priority=10, prompt=16))
+    s.add_request(req("w2", priority=10, prompt=16))
+    s.add_request(req("hi", priority=0, prompt=8))
+    out = s.schedule()
+    new = {c.request_id: c.num_new_tokens for c in out.scheduled if not c.is_decode}
+    assert new == {"hi": 8} and out.prefill_unbounded == "past_target"
+
+
+def test_a_lower_class_gives_way_only_up_to_a_bound_once_a_better_class_was_served() -> None:
+    """Priority-10 prompts past the target take the whole budget while priority 10 is the best
+    class the server has seen; once a priority-0 request has come, a step given way for them is
+    bounded (decodes with one least chunk), since a priority-0 arrival would wait for it."""
+    for seen_better, tokens in ((False, 60), (True, 4)):
+        s = make(max_seqs=8, target_ms=30, budget=64)
+        if seen_better:
+            s.add_request(req("earlier", priority=0, prompt=4, max_tokens=1))
+            step(s)
+            assert not s.has_unfinished()
+        _decoding(s, 3, priority=10)
+        s.add_request(req("w", priority=10, prompt=60))
+        out = s.schedule()
+        assert {c.request_id: c.num_new_tokens for c in out.scheduled if not c.is_decode} == {"w": tokens}
+        assert out.prefill_unbounded == "past_target"
+
+
+def test_forecast_follows_the_bound_on_a_lower_class() -> None:
+    """The wait forecast for a priority-10 prompt past the target: the whole budget a step while
+    priority 10 is the best class seen, least chunks once a priority-0 request has come."""
+    waits = []
+    for seen_better in (False, True):
+        s = make(max_seqs=8, target_ms=30, budget=64)
+        if seen_better:
+            s.add_request(req("earlier", priority=0, prompt=4, max_tokens=1))
+            step(s)
+        _decoding(s, 3, priority=10)
+        snap = s.load_snapshot()
+        assert snap.best_priority_seen == (0 if seen_better else 10)
+        waits.append(s.predict_wait(snap, 60, priority=10))
+    assert waits[1] > 2 * waits[0]
+
+
+def test_a_request_counts_the_steps_its_prompt_waited_for() -> None:
+    """Each request's metrics count the steps that computed its prompt and all the tokens those
+    steps computed (what the trace shows of a slow first token)."""
+    s = make(max_seqs=4, budget=8)
+    s.add_request(req("a", prompt=12, max_tokens=2))
+    s.add_request(req("b", prompt=4, max_tokens=2))
+    step(s)  # a: 8 of 12
+    step(s)  # a: the last 4, b: its 4
+    a, b = s.requests["a"].metrics, s.requests["b"].metrics
+    assert (a.prompt_steps, a.prompt_step_tokens) == (2, 16)
+    assert (b.prompt_steps, b.prompt_step_tokens) == (1, 8)
+    step(s)  # decodes do not count
+    assert a.prompt_steps == 2
+
+
+def test_a_step_of_prompts_alone_is_bounded_and_led_by_the_best_class() -> None:
+    """Without decodes a step's prompts take the budget, but its first prompt's class sets it: a
+    priority-10 prompt there is bounded once priority 0 was served, and a priority-0 prompt is not
+    joined by priority-10 prompts beyond the target."""
+    for seen_better, tokens in ((False, 60), (True, 4)):
+        s = make(max_seqs=8, target_ms=30, budget=64)
+        if seen_better:
+            s.add_request(req("earlier", priority=0, prompt=4, max_tokens=1))
+            step(s)
+        s.add_request(req("w", priority=10, prompt=60))
+        out = s.schedule()
+        assert {c.request_id: c.num_new_tokens for c in out.scheduled} == {"w": tokens}
+    s = make(max_seqs=8, target_ms=30, budget=64)
+    s.add_request(req("w", priority=10, prompt=16))
+    s.add_request(req("hi", priority=0, prompt=8))
+    assert {c.request_id: c.num_new_tokens for c in s.schedule().scheduled} == {"hi": 8}

@@ -26,11 +26,12 @@ T0 = 1_700_000_000.0
 
 def preempted_request() -> FinishedRequestStats:
     m = RequestMetrics(arrival_time=T0, first_scheduled_time=T0 + 0.5, first_token_time=T0 + 0.75,
-                       last_token_time=T0 + 3.0, finished_time=T0 + 3.25, preempted_times=[T0 + 1.0, T0 + 2.0])
+                       last_token_time=T0 + 3.0, finished_time=T0 + 3.25, preempted_times=[T0 + 1.0, T0 + 2.0],
+                       prompt_steps=2, prompt_step_tokens=300)
     return FinishedRequestStats("req-a", "length", num_prompt_tokens=12, num_generation_tokens=20,
                                 num_cached_tokens=8, metrics=m,
                                 params=SamplingParams(max_tokens=20, temperature=0.7, top_p=0.9, top_k=40, seed=3,
-                                                      stop=["\n\n"]))
+                                                      stop=["\n\n"], priority=3))
 
 
 def aborted_while_waiting() -> FinishedRequestStats:
@@ -84,6 +85,9 @@ def test_span_tree_one_root_span_per_request_with_its_life_as_events():
         "gen_ai.request.stop_sequences": ("\n\n",),
         "gen_ai.response.time_to_first_chunk": 0.75,
         "tessera.num_preemptions": 2,
+        "tessera.request.priority": 3,
+        "tessera.prompt_steps": 2,
+        "tessera.prompt_step_tokens": 300,
     }
 
     # aborted before it was ever scheduled: only the events that happened

@@ -60,6 +60,25 @@ def test_forecast_wait_past_the_deadline_is_429_at_once():
         assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_prompts_own_computation_is_added_to_its_deadline():
+    """The forecast's part that is the prompt's own computation moves the deadline rather than
+    refusing the request (a long prompt is served, not cut for being long); only the wait for the
+    work ahead of it is held against the deadline."""
+    body = {"prompt": "x", "max_tokens": 20, "ignore_eos": True}
+    core = FakeCore(step_s=0.05, forecast_wait_s=0.3, own_prompt_s=0.0)
+    with live_server(core, request_timeout=0.4) as s:
+        assert_error(post(s, "/v1/completions", body), 504, "timeout")  # ~1 s of work, 0.4 s deadline
+        s.wait_idle()
+        core.forecast_wait_s, core.own_prompt_s = 1.3, 1.0  # 0.3 s ahead of it, 1 s its own
+        r = post(s, "/v1/completions", body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20, r.text
+        core.forecast_wait_s = 2.0  # 1 s ahead of it: past the deadline whatever its own part
+        r = post(s, "/v1/completions", body)
+        assert assert_error(r, 429, "work ahead")["code"] == "queue_wait_exceeds_deadline"
+        assert r.headers["retry-after"] == "1"
+        assert not core.waiting and not core.running and core.free_blocks == core.num_blocks
+
+
 def test_max_queue_wait_refuses_what_would_wait_longer():
     core = FakeCore(step_s=0.02, forecast_wait_s=4.2)
     with live_server(core, max_queue_wait=1.5) as s:  # no request deadline: the server's own bound

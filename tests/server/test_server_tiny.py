@@ -124,22 +124,31 @@ def test_echo_of_foreign_token_ids_is_400(tiny, prompt):
 
 
 def test_refused_by_forecast_wait_leaks_nothing(tiny):
-    """A request whose forecast wait is past its deadline never reaches the scheduler."""
+    """A request whose forecast wait is past --max-queue-wait never reaches the scheduler; on an
+    idle engine the forecast is the prompt's own computation, which a deadline shorter than it does
+    not refuse but is extended by."""
     from tessera.engine.errors import PredictedWaitError
     from tessera.sampling_params import SamplingParams
 
     wait_idle(tiny)
     forecast = tiny.engine.predicted_wait(40)
     assert forecast is not None and forecast > 0
+    granted: list[float] = []
 
-    async def attempt() -> None:
-        stream = tiny.engine.generate("hello there, general", SamplingParams(max_tokens=4), "forecast-1",
-                                      deadline_s=forecast / 1000)
+    async def attempt(rid: str, deadline_s=None) -> None:
+        stream = tiny.engine.generate("hello there, general", SamplingParams(max_tokens=4), rid,
+                                      deadline_s=deadline_s, extend_deadline=granted.append)
         async for _ in stream:
             pass
 
-    with pytest.raises(PredictedWaitError) as info:
-        asyncio.run(attempt())
+    asyncio.run(attempt("forecast-0", deadline_s=forecast / 1000))  # idle: nothing ahead of it
+    assert len(granted) == 1 and granted[0] > 0
+    before, tiny.engine.max_queue_wait = tiny.engine.max_queue_wait, forecast / 1000
+    try:
+        with pytest.raises(PredictedWaitError) as info:
+            asyncio.run(attempt("forecast-1"))
+    finally:
+        tiny.engine.max_queue_wait = before
     assert info.value.retry_after > 0
     stats = wait_idle(tiny)
     s = stats["scheduler"]

@@ -12,8 +12,13 @@ wait for their first token than are decoding (the queue is then the larger laten
 "Capacity and tuning").
 
 Under the priority policy a prompt below the best class decoding in a step gets only what fits
-under the target (it never makes the step give way), and background requests (at or past
-`background_priority`) only fill the room the target leaves (`ChunkSizer.background_limit`).
+under the target (it never makes the step give way), and so does a prompt below the class that
+made the step give way (a newcomer of priority 0 giving way for its own prompt must not wait for
+lower classes' prompts filling the budget). A class below the best one served so far gives way
+only up to a bound (`ChunkSizer.give_way_limit`): such a step is what an arrival of the better
+class waits for, and a whole budget of SmolLM2 prompts on one core is ~3.6 s. Background
+requests (at or past `background_priority`) only fill the room the target leaves
+(`ChunkSizer.background_limit`).
 
 The scheduler keeps a `StepState` per schedule() call and asks a `ChunkSizer` for sizes; the
 sizer reads the step, the request and the queues it is given, and changes only the step.
@@ -35,6 +40,10 @@ from tessera.engine.core.scheduler_output import ScheduledChunk
 # where that is longer (a host slower than the target would otherwise start one background prompt
 # a step).
 BACKGROUND_GAP_GROWTH = 1.5
+# A step where the target gives way for a class below the best served so far may take up to the
+# latency target, or this many times the predicted time of its decodes with one least prompt
+# chunk where that is longer: an arrival of the better class waits for about that step.
+GIVE_WAY_GROWTH = 1.0
 
 
 @dataclass
@@ -54,6 +63,9 @@ class StepState:
     top_decode_priority: Optional[int] = None  # the best (lowest) priority among the step's decodes
     # Why prompt chunks take the whole budget, not the latency target's share (see prefill_chunk).
     unbounded: Optional[str] = None
+    unbounded_priority: Optional[int] = None  # the class whose prompt the target gave way for
+    # The predicted step time an unbounded step may reach (ChunkSizer.give_way_limit); None: the budget.
+    unbounded_limit: Optional[float] = None
 
     def add(self, chunk: ScheduledChunk, n: int, priority: int) -> None:
         """Count a granted chunk of `n` tokens of a request of `priority` in the step."""
@@ -77,6 +89,13 @@ def is_background(config: EngineConfig, req: Request) -> bool:
     return config.scheduling_policy == "priority" and req.priority >= config.background_priority
 
 
+def give_way_bound(model: StepCostPredictor, target_s: float, min_prefill_chunk: int, shape: StepShape) -> float:
+    """The predicted time a step of `shape` (its decodes) may reach when the target gives way for
+    a class below the best served (see GIVE_WAY_GROWTH); the wait forecast applies it too."""
+    least = shape.plus(StepShape.chunk(0, min_prefill_chunk, False))
+    return max(target_s, GIVE_WAY_GROWTH * model.predict(least))
+
+
 def prompts_outnumber_decodes(num_prefilling: int, num_waiting: int, free_slots: int, num_decoding: int) -> bool:
     """The queue rule of `ChunkSizer.queue_outnumbers_decodes`, in plain counts (the forecast
     applies it too): running prompts plus the waiting requests a free slot would admit, against
@@ -94,6 +113,24 @@ class ChunkSizer:
         self.target_s: Optional[float] = config.target_itl_ms / 1000 \
             if config.target_itl_ms and cost_model is not None else None
         self.by_priority = config.scheduling_policy == "priority"
+        # The best (lowest) priority of any non-background request seen: an arrival of that class
+        # waits for the step in flight, so steps given way for lower classes are bounded.
+        self.best_priority_seen: Optional[int] = None
+
+    def saw(self, req: Request) -> None:
+        """Note a newcomer's class (see best_priority_seen)."""
+        if self.by_priority and not is_background(self.config, req) and (
+                self.best_priority_seen is None or req.priority < self.best_priority_seen):
+            self.best_priority_seen = req.priority
+
+    def give_way_limit(self, step: StepState, priority: int) -> Optional[float]:
+        """The predicted time a step given way for a prompt of `priority` may reach: None (the
+        whole budget) for the best class seen, else the larger of the target and GIVE_WAY_GROWTH
+        times the step's decodes with one least chunk (prompts must not crawl either)."""
+        if not self.by_priority or self.best_priority_seen is None or priority <= self.best_priority_seen:
+            return None
+        assert self.cost_model is not None and self.target_s is not None
+        return give_way_bound(self.cost_model, self.target_s, self.config.min_prefill_chunk, step.shape)
 
     def prefill_chunk(self, req: Request, start: int, cap: int, step: StepState) -> int:
         """Tokens of `req`'s prompt (from position `start`) to compute this step, at most `cap`.
@@ -106,22 +143,43 @@ class ChunkSizer:
         a few late steps, and the steps between them stay decode-only (a prompt chunk of any
         size makes a step of decodes run the modules instead of one C call: at 32 SmolLM2
         streams, 64-token chunks past the target kept nearly every step mixed, ~125 ms, where
-        decode-only steps take ~60 ms).
+        decode-only steps take ~60 ms). A step without decodes is unbounded from its first prompt.
+        Under the priority policy the first prompt's class sets the bound (`give_way_limit`) and
+        lower classes' prompts get only what fits under the target.
         """
-        if cap <= 0 or self.target_s is None or not step.has_decodes:
+        if cap <= 0 or self.target_s is None:
             return max(cap, 0)
         # Under the priority policy a prompt below the step's best decoding class never makes the
-        # step unbounded, nor joins one: the higher class's inter-token latency is not its to spend.
-        lower = self.by_priority and step.top_decode_priority is not None and req.priority > step.top_decode_priority
-        if step.unbounded is not None and not lower:
-            return cap
+        # step unbounded, nor joins one: the higher class's inter-token latency is not its to spend;
+        # nor does a prompt below the class the step gave way for, or the first prompt of a step
+        # without decodes: a first token is not kept waiting by lower classes' prompts.
+        lower = self.by_priority and any(p is not None and req.priority > p
+                                         for p in (step.top_decode_priority, step.unbounded_priority))
         assert self.cost_model is not None
         total = req.num_tokens
-        n = max_fitting(self.cost_model, step.shape, self.target_s, cap,
-                        lambda k: StepShape.chunk(start, k, start + k == total))
+
+        def fitting(limit: float) -> int:
+            return max_fitting(self.cost_model, step.shape, limit, cap,
+                               lambda k: StepShape.chunk(start, k, start + k == total))
+
+        def give_way(reason: Optional[str]) -> int:
+            """The step's first prompt takes the budget, or what the bound on its class allows
+            (at least a least chunk: prompts must not crawl)."""
+            step.unbounded, step.unbounded_priority = reason, req.priority
+            step.unbounded_limit = self.give_way_limit(step, req.priority)
+            if step.unbounded_limit is None:
+                return cap
+            return max(fitting(step.unbounded_limit), min(cap, self.config.min_prefill_chunk))
+
+        if not step.has_decodes and not step.has_prefill:  # a step of prompts alone
+            return give_way(None)
+        if (step.unbounded is not None or not step.has_decodes) and not lower:
+            if step.unbounded_priority is None:  # given way by the queue rule, before any prompt
+                return give_way(step.unbounded)
+            return cap if step.unbounded_limit is None else fitting(step.unbounded_limit)
+        n = fitting(self.target_s)
         if not step.has_prefill and not lower and n < min(cap, self.config.min_prefill_chunk):
-            step.unbounded = "past_target"
-            return cap
+            return give_way("past_target")
         return n
 
     def background_limit(self, step: StepState, waiting: Collection[Request]) -> Optional[float]:

@@ -6,7 +6,7 @@ from collections.abc import Collection, Iterable
 from typing import Optional
 
 from tessera.config import EngineConfig
-from tessera.engine.core.chunk_sizing import prompts_outnumber_decodes
+from tessera.engine.core.chunk_sizing import give_way_bound, prompts_outnumber_decodes
 from tessera.engine.core.cost_model import StepCostPredictor, StepShape, max_fitting
 from tessera.engine.core.kv_cache_manager import KVCacheManager
 from tessera.engine.core.request import Request, RequestStatus
@@ -50,7 +50,8 @@ def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
     return counts
 
 
-def load_snapshot(running: list[Request], waiting: Collection[Request], max_num_seqs: int) -> LoadSnapshot:
+def load_snapshot(running: list[Request], waiting: Collection[Request], max_num_seqs: int,
+                  best_priority_seen: Optional[int] = None) -> LoadSnapshot:
     """Plain numbers describing the queue, published each step for `WaitForecast.predict`."""
     queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
     queued += sum(r.num_tokens - r.num_computed_tokens for r in running
@@ -68,7 +69,7 @@ def load_snapshot(running: list[Request], waiting: Collection[Request], max_num_
                         num_decoding=len(decoding), num_prefilling=len(running) - len(decoding),
                         mean_context=context,
                         free_seq_slots=max(0, max_num_seqs - len(running)),
-                        remaining_output_tokens=tuple(remaining))
+                        remaining_output_tokens=tuple(remaining), best_priority_seen=best_priority_seen)
 
 
 class WaitForecast:
@@ -89,7 +90,7 @@ class WaitForecast:
 
         From the cost model: the prompts queued ahead and its own go at the prefill rate the
         latency target leaves next to the current decodes (the rules of
-        `ChunkSizer.prefill_chunk`), after a sequence slot frees up (running requests assumed to
+        `ChunkSizer.prefill_chunk`, the bound on a lower class's given-way steps included), after a sequence slot frees up (running requests assumed to
         run to max_tokens, an upper bound). None without a model. Safe to call from another
         thread: it reads only the snapshot, config and model.
         """
@@ -107,6 +108,11 @@ class WaitForecast:
             fitted = max_fitting(model, decode, self.target_s, budget, lambda k: StepShape.chunk(0, k, False))
             if fitted >= min(budget, self.config.min_prefill_chunk):
                 chunk = fitted
+        if chunk == budget and self.target_s is not None and self.by_priority and \
+                snap.best_priority_seen is not None and priority > snap.best_priority_seen:
+            limit = give_way_bound(model, self.target_s, self.config.min_prefill_chunk, decode)
+            fitted = max_fitting(model, decode, limit, budget, lambda k: StepShape.chunk(0, k, False))
+            chunk = max(fitted, min(budget, self.config.min_prefill_chunk))
         tokens = snap.queued_prefill_tokens + prompt_tokens
         chunk = max(1, min(chunk, tokens))  # a step carries no more prompt than there is
         step_s = model.predict(decode.plus(StepShape.chunk(0, chunk, False)))

@@ -71,6 +71,7 @@ class Scheduler:
     # -- bookkeeping --------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        self.sizing.saw(req)
         self._enqueue(req, front=False)
 
     def _enqueue(self, req: Request, front: bool) -> None:
@@ -145,7 +146,7 @@ class Scheduler:
     # -- admission forecast ----------------------------------------------------
     def load_snapshot(self) -> LoadSnapshot:
         """Plain numbers describing the queue, published each step for predict_wait()."""
-        return load_snapshot(self.running, self.waiting, self.config.max_num_seqs)
+        return load_snapshot(self.running, self.waiting, self.config.max_num_seqs, self.sizing.best_priority_seen)
 
     def predict_wait(self, snap: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]:
         """Seconds until a request of `prompt_tokens` arriving now would have its prompt computed
@@ -426,6 +427,9 @@ class Scheduler:
                 self.finish_request(req, RequestStatus.FINISHED_STOPPED)
                 continue
             req.clear_speculation()
+            if req.num_output_tokens == 0:  # a step of its prompt: what its first token waits for
+                req.metrics.prompt_steps += 1
+                req.metrics.prompt_step_tokens += out.shape.num_tokens
             tokens = sampled.get(req.request_id) or []
             if s.num_spec_tokens and self.acceptance is not None and tokens:
                 # A verified run emits its accepted proposals and the target's next token.

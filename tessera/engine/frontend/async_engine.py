@@ -168,12 +168,16 @@ class AsyncLLMEngine:
         restartable: bool = False,
         pooling: Optional[PoolingParams] = None,
         lora_name: Optional[str] = None,
+        extend_deadline: Optional[Callable[[float], None]] = None,
         images: Optional[list[ImageInput]] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts the request.
 
-        `deadline_s`: seconds the request may take in all; if the step-cost model forecasts a
-        longer wait for its prompt alone, it is refused at once with PredictedWaitError.
+        `deadline_s`: seconds the request may take in all, besides its prompt's own computation:
+        the step-cost model forecasts both the wait for the work ahead of it and its prompt's
+        computation on an idle engine; the second goes to `extend_deadline` (the caller's timer)
+        and the first, past `deadline_s`, is refused at once with PredictedWaitError (a retry
+        later may fit; a long prompt is given its time rather than cut after minutes of work).
         `prepared`: the request already tokenized by `prepare` (a replica router reads its tokens).
         `restartable`: the caller reads only the final output; a ReplicaSet may then rerun the
         request elsewhere after its replica died mid-way (one engine has nowhere to: ignored).
@@ -187,11 +191,17 @@ class AsyncLLMEngine:
             prepared = await self.prepare(prompt, params, request_id, add_special_tokens, pooling, images)
         if lora_name is not None:
             prepared = dataclasses.replace(prepared, lora_name=lora_name)
-        wait = self.predicted_wait(len(prepared.prompt_token_ids) * params.n, params.priority)
-        if deadline_s is not None and wait is not None and wait > deadline_s:
-            raise PredictedWaitError(
-                f"the forecast wait for this request's prompt is {wait:.1f} s, past its {deadline_s:.0f} s "
-                "deadline; retry later", retry_after=wait - deadline_s)
+        prompt_tokens = len(prepared.prompt_token_ids) * params.n
+        wait = self.predicted_wait(prompt_tokens, params.priority)
+        own = self.engine.predict_prompt(prompt_tokens)
+        if deadline_s is not None and wait is not None:
+            ahead = wait - (own or 0.0)
+            if ahead > deadline_s:
+                raise PredictedWaitError(
+                    f"the forecast wait for the work ahead of this request is {ahead:.1f} s, past its "
+                    f"{deadline_s:.0f} s deadline; retry later", retry_after=ahead - deadline_s)
+            if own and extend_deadline is not None:
+                extend_deadline(own)
         if self.max_queue_wait is not None and wait is not None and wait > self.max_queue_wait:
             raise PredictedWaitError(
                 f"the forecast wait for this request's prompt is {wait:.1f} s, past the server's "

@@ -91,6 +91,7 @@ class ProcessEngineCore:
         self._info = ready.info
         self._forecast: Optional[tuple[float, float]] = None
         self._forecast_by_priority: tuple[tuple[int, float, float], ...] = ()
+        self._forecast_prompt: Optional[tuple[float, float]] = None
         self._num_waiting = 0  # the core's waiting queue at its last result
         # What the core has not answered yet: messages sent vs applied by its last result (an abort
         # of the last request must still be seen to free its blocks), and adds it has not seen.
@@ -237,6 +238,13 @@ class ProcessEngineCore:
             base, per_token = b, t
         return base + per_token * prompt_tokens
 
+    def predict_prompt(self, prompt_tokens: int) -> Optional[float]:
+        """The core's latest forecast of a prompt's own computation on an idle engine."""
+        if self._forecast_prompt is None:
+            return None
+        base, per_token = self._forecast_prompt
+        return base + per_token * prompt_tokens
+
     def cost_model_stats(self) -> dict:
         return self._info.cost_model_stats
 
@@ -276,6 +284,7 @@ class ProcessEngineCore:
             self._unseen_adds.popleft()
         self._forecast = msg.forecast
         self._forecast_by_priority = msg.forecast_by_priority
+        self._forecast_prompt = msg.forecast_prompt
         if msg.info is not None:
             self._info = msg.info
         outputs = [out for out in (self.assembler.apply(d) for d in msg.outputs) if out is not None]

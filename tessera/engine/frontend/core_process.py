@@ -205,10 +205,12 @@ class _CoreLoop:
         engine = self.engine
         snapshot = engine.load_snapshot()
         base = engine.predict_wait(snapshot, 0)
-        forecast, by_priority = None, []
+        forecast, by_priority, prompt = None, [], None
         if base is not None:
             per_token = (engine.predict_wait(snapshot, 1024) - base) / 1024
             forecast = (base, per_token)
+            idle = engine.predict_prompt(0)
+            prompt = (idle, (engine.predict_prompt(1024) - idle) / 1024)
             if engine.config.scheduling_policy == "priority":
                 for p in (wire.NO_CLASS, *(c[0] for c in snapshot.waiting_by_priority)):
                     b = engine.predict_wait(snapshot, 0, p)
@@ -219,7 +221,8 @@ class _CoreLoop:
             info, self.last_info = _info(engine), now
         idle = not engine.has_unfinished_requests() and not self.compiles
         self._send(wire.StepResult(outputs or [], engine.get_scheduler_stats(), stats, engine.num_waiting_requests(),
-                                   forecast, failed or [], failure, info, self.seen, idle, tuple(by_priority)))
+                                   forecast, failed or [], failure, info, self.seen, idle, tuple(by_priority),
+                                   prompt))
         self.reported = self.seen
 
     def _send(self, msg) -> None:

@@ -80,6 +80,10 @@ class EngineCore(Protocol):
 
     def predict_wait(self, snapshot: LoadSnapshot, prompt_tokens: int, priority: int = 0) -> Optional[float]: ...
 
+    def predict_prompt(self, prompt_tokens: int) -> Optional[float]:
+        """Seconds to compute a prompt of `prompt_tokens` on an idle engine (None: no cost model)."""
+        ...
+
     def cost_model_stats(self) -> dict: ...
 
     def kv_cache_info(self) -> dict: ...
@@ -124,10 +128,14 @@ class ServingEngine(Protocol):
     def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                  add_special_tokens: bool = True, deadline_s: Optional[float] = None,
                  restartable: bool = False, pooling: Optional[PoolingParams] = None,
-                 lora_name: Optional[str] = None, images: Optional[list[ImageInput]] = None
-                 ) -> AsyncIterator[RequestOutput]:
+                 lora_name: Optional[str] = None,
+                 extend_deadline: Optional[Callable[[float], None]] = None,
+                 images: Optional[list[ImageInput]] = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; with `pooling` an embedding request, whose one
-        (final) output carries the vector; with `lora_name` through that adapter (see add_lora);
+        (final) output carries the vector; with `lora_name` through that adapter (see add_lora).
+        `extend_deadline(seconds)` is called before anything runs with the forecast time of the
+        prompt's own computation, which the caller adds to `deadline_s` (a long prompt is given
+        the time it needs rather than cut at the deadline; only waiting for others is refused).
         `images`: processed, in the order of the prompt's image tokens."""
         ...
 

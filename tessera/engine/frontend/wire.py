@@ -102,6 +102,8 @@ class StepResult(msgspec.Struct, tag="step"):
     # Under the priority policy, the forecast per class: (priority, base, per_token), ascending; a
     # newcomer takes the last entry at or below its priority (the first, NO_CLASS, has nothing ahead).
     forecast_by_priority: tuple[tuple[int, float, float], ...] = ()
+    # A prompt's own computation on an idle engine, linear too: (base, per_token).
+    forecast_prompt: Optional[tuple[float, float]] = None
 
 
 class RequestRefused(msgspec.Struct, tag="refused"):
