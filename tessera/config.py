@@ -20,6 +20,7 @@ from tessera.lora_config import LORA_MAX_RANKS, LoRAModule
 from tessera.pooling_params import POOLING_TYPES, PoolerConfig
 from tessera.profiles import DEFAULT_PROFILE, PROFILE_FIELDS, PROFILE_SETTINGS, PROFILES
 from tessera.speculative_config import SpeculativeConfig
+from tessera.vision import VisionConfig
 
 
 @dataclass
@@ -108,6 +109,8 @@ class ModelConfig:
     matryoshka: bool = False
     # How the model embeds, when its folder says (sentence-transformers); None: it does not say
     pooler: Optional[PoolerConfig] = None
+    # The image side of a vision-language model (LLaVA: a CLIP tower and a projector); None: text only
+    vision: Optional[VisionConfig] = None
     name: str = ""  # display name (registry name or file stem)
     quantization: str = ""  # e.g. "Q4_1" as found in the file, informational
 

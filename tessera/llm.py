@@ -10,7 +10,9 @@ from tessera.config import EngineConfig
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import RequestOutput
 from tessera.pooling_params import PoolingParams
-from tessera.sampling_params import SamplingParams
+from tessera.images import ImageLimits, image_input
+from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.vision import ImageInput
 
 Prompt = Union[str, list[int]]
 
@@ -26,10 +28,12 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = False,
         lora: Union[None, str, Sequence[Optional[str]]] = None,
+        images: Optional[Sequence[Sequence[bytes]]] = None,
     ) -> list[RequestOutput]:
         """Run all prompts through the engine together; results come back in prompt order.
         `lora`: the adapter (a name from `lora_modules` or `add_lora`) each prompt runs through,
-        one for all or one per prompt; None is the base model."""
+        one for all or one per prompt; None is the base model. `images`: per prompt, the encoded
+        image files (PNG, JPEG, WebP, GIF) its image tokens stand for, in order (a vision model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
@@ -41,13 +45,24 @@ class LLM:
         adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(adapters) != len(prompts):
             raise ValueError("give one adapter, or one per prompt")
+        per_prompt = list(images) if images is not None else [[]] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("give one list of images per prompt")
         batch = uuid.uuid4().hex[:8]
         ids = [f"{batch}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p, adapter in zip(ids, prompts, params, adapters):
-            prepared = self.engine.prepare_request(rid, prompt, p)
+        for rid, prompt, p, adapter, files in zip(ids, prompts, params, adapters, per_prompt):
+            prepared = self.engine.prepare_request(rid, prompt, p, images=self._images(files))
             prepared.lora_name = adapter
             self.engine.add_prepared(prepared)
         return self._run(ids, "generate", use_tqdm)
+
+    def _images(self, files: Sequence[bytes]) -> Optional[list[ImageInput]]:
+        if not files:
+            return None
+        vision = self.engine.model_config.vision
+        if vision is None:
+            raise InvalidRequestError("this model does not take images")
+        return [image_input(data, vision, ImageLimits(max_images=len(files))) for data in files]
 
     def add_lora(self, name: str, path: str) -> None:
         """Serve the adapter at `path` (a PEFT folder or a LoRA GGUF) as `name` (needs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from tessera.engine.args import add_engine_args, parse_size
+from tessera.images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from tessera.models import registry
 
 
@@ -112,6 +113,16 @@ def _replica_flags(parser: argparse.ArgumentParser) -> None:
                    help="responses of POST /v1/responses kept in memory for GET and previous_response_id, the "
                         "oldest dropped first (also at most 256 MiB of conversations); 0 stores none "
                         "(default: %(default)s)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="hosts whose http(s) image URLs a request may name (fetched without redirects, never from "
+                        "a loopback, private or link-local address); default: none, images come as data: URLs")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="a directory whose files a request may name as file:// image URLs (default: none)")
+    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                   help="largest image a request may hold, in pixels (width x height), checked before it is "
+                        "decoded (default: %(default)s)")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="image=N",
+                   help=f"most images one prompt may hold (default: image={DEFAULT_MAX_IMAGES})")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default: %(default)s)")
     g.add_argument("--disable-log-stats", action="store_true",

@@ -133,3 +133,53 @@ def write_peft(folder: Path, config, rank: int, seed: int, kinds=tuple(HF), scal
                                                             "target_modules": [HF[k].split(".")[1] for k in kinds],
                                                             **cfg}))
     return str(folder)
+
+
+# The tiny LLaVA's template: content parts as LLaVA's own templates read them, the image token
+# where an image part is.
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_llava(path: Path, seed: int = 0, max_positions: int = 256, chat_template: str = LLAVA_TEMPLATE) -> Path:
+    """A tiny random LLaVA-1.5 (CLIP tower of 3 layers over 32x32 pixels in 8x8 patches: 16
+    placeholders an image; llama text model) written by transformers, with a BPE tokenizer that
+    has an `<image>` token and CLIPImageProcessor's preprocessor_config.json."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                  "<image>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "bos_token": None, "pad_token": "<|endoftext|>", "chat_template": chat_template,
+        "model_max_length": max_positions}))
+    text = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                       rms_norm_eps=1e-6, eos_token_id=tok.token_to_id("<|im_end|>"), tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=32)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.token_to_id("<image>"),
+                      vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu",
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # sharp logits, as make_tiny_model's; the tower's spread keeps its features apart
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.25 if "language_model" in name or "lm_head" in name else 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(path)
+    return path

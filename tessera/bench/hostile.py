@@ -6,8 +6,9 @@ a dropped connection, and the server still serves a normal request afterwards. T
 covers what clients get wrong and what attackers try: absurd numbers (huge, negative, NaN,
 infinite), wrong types, unknown fields, deep nesting, invalid UTF-8, empty and oversized bodies,
 10 MB prompts, thousands of stop strings or messages, logit_bias abuse, n = 10,000, bad tool and
-schema definitions. The tests run it against the tiny model in CI; this command runs it against
-any server (`tessera bench hostile --base-url http://127.0.0.1:8000 --model smollm2-135m`).
+schema definitions, hostile images (bench/hostile_images.py). The tests run it against the
+tiny model in CI; this command runs it against any server
+(`tessera bench hostile --base-url http://127.0.0.1:8000 --model smollm2-135m`).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ _CHAT = "/v1/chat/completions"
 def hostile_cases(model: str) -> list[HostileCase]:
     """The corpus, for a server that serves `model`: bad values for completions, then for chat,
     then bodies that are not JSON objects and requests on the wrong method or path."""
-    cases = _completion_cases(model) + _chat_cases(model)
+    cases = _completion_cases(model) + _chat_cases(model) + _image_cases(model)
     return [HostileCase(name, path, _json(body)) for name, path, body in cases] + _raw_cases(model)
 
 
@@ -158,6 +159,28 @@ def _chat_cases(model: str) -> list[tuple[str, str, Any]]:
         ("guided_regex invalid", chat, {**cbase, "guided_regex": "(("}),
         ("guided_grammar matches nothing", chat, {**cbase, "guided_grammar": 'root ::= root "a"'}),
         ("two constraints", chat, {**cbase, "guided_regex": "a", "guided_choice": ["b"]}),
+    ]
+
+
+def _image_cases(model: str) -> list[tuple[str, str, Any]]:
+    """Hostile images (tessera/bench/hostile_images.py) in chat messages, and too many of them; a
+    text model refuses them all for taking no images, a vision model for what each one is."""
+    from tessera.bench.hostile_images import hostile_image_urls, small_image, data_url
+
+    def with_image(url: Any, role: str = "user") -> dict[str, Any]:
+        return {"model": model, "max_tokens": 4, "messages": [{"role": role, "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this"}]}]}
+
+    ok = data_url(small_image())
+    many = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": ok}}] * 64}]}
+    return [(name, _CHAT, with_image(url)) for name, url in hostile_image_urls()] + [
+        ("image: 64 in one prompt", _CHAT, many),
+        ("image: in an assistant message", _CHAT, with_image(ok, "assistant")),
+        ("image: in a system message", _CHAT, with_image(ok, "system")),
+        ("image: url not a string", _CHAT, with_image(5)),
+        ("image: image_url without url", _CHAT, {**with_image(ok), "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {}}]}]}),
     ]
 
 

@@ -36,6 +36,7 @@ from tessera.engine.stats import SchedulerStats
 from tessera.models.adapters import AdapterSpec
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
+from tessera.vision import ImageInput
 
 logger = logging.getLogger("tessera")
 
@@ -224,12 +225,13 @@ class ReplicaSet:
                        add_special_tokens: bool = True, deadline_s: Optional[float] = None,
                        restartable: bool = False, pooling: Optional[PoolingParams] = None,
                        lora_name: Optional[str] = None,
-                       extend_deadline: Optional[Callable[[float], None]] = None) -> AsyncIterator[RequestOutput]:
+                       extend_deadline: Optional[Callable[[float], None]] = None,
+                       images: Optional[list[ImageInput]] = None) -> AsyncIterator[RequestOutput]:
         """AsyncLLMEngine.generate on the replica the policy picks (see the module's docstring).
         `restartable` (the caller reads only the final output, e.g. a non-streaming HTTP request):
         a request whose replica dies mid-way is rerun from its prompt on another replica."""
         first = self._any_engine()
-        prepared = await first.prepare(prompt, params, request_id, add_special_tokens, pooling)
+        prepared = await first.prepare(prompt, params, request_id, add_special_tokens, pooling, images)
         if lora_name is not None:
             prepared = dataclasses.replace(prepared, lora_name=lora_name)
         role: ReplicaRole = "mixed"

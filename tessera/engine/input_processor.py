@@ -7,8 +7,9 @@ never run is refused (HTTP 400) before it crosses over.
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from tessera.config import EngineConfig, ModelConfig
@@ -16,6 +17,7 @@ from tessera.engine.outputs import KVTransfer
 from tessera.pooling_params import PoolerConfig, PoolingParams, cannot_embed, embeds_only
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.tokenizer import Tokenizer
+from tessera.vision import ImageInput
 
 
 @dataclass
@@ -38,6 +40,8 @@ class PreparedRequest:
     pooling: Optional[PoolingParams] = None
     # The LoRA adapter this request runs with (a name the engine was given by add_lora); None: the base.
     lora_name: Optional[str] = None
+    # Its images, in prompt order, each placed over its run of placeholder tokens.
+    images: list[ImageInput] = field(default_factory=list)
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
@@ -61,13 +65,20 @@ class InputLimits:
     pooler: Optional[PoolerConfig] = None  # how the engine embeds; None: it does not
     generates: bool = True  # False for an encoder: it only embeds
     model_name: str = ""
+    # A vision-language model's placeholder token and how many of them each image fills; None: text only.
+    image_token_id: Optional[int] = None
+    image_tokens: int = 0
+    image_shape: tuple[int, ...] = ()  # the processed pixels' (channels, height, width)
 
     @classmethod
     def for_engine(cls, model: ModelConfig, config: EngineConfig, kv_capacity_tokens: int) -> "InputLimits":
         """The limits of an engine of `config` over `model` (resolved: max_model_len set)."""
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        v = model.vision
         return cls(model.vocab_size, config.max_model_len, kv_capacity_tokens, config.max_num_batched_tokens,
-                   model.hidden_size, config.pooler_for(model), model.is_causal, config.model)
+                   model.hidden_size, config.pooler_for(model), model.is_causal, config.model,
+                   v.image_token_id if v is not None else None, v.num_image_tokens if v is not None else 0,
+                   v.pixel_shape if v is not None else ())
 
 
 class InputProcessor:
@@ -79,10 +90,14 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                 arrival_time: Optional[float] = None, add_special_tokens: bool = True,
-                pooling: Optional[PoolingParams] = None) -> PreparedRequest:
+                pooling: Optional[PoolingParams] = None,
+                images: Optional[list[ImageInput]] = None) -> PreparedRequest:
         """Tokenize and check a request (an embedding one with `pooling`); raises
-        InvalidRequestError if it can never run."""
+        InvalidRequestError if it can never run. `images`: processed, in the order of the prompt's
+        image tokens, each of which becomes the run of placeholders the image fills."""
         lim = self.limits
+        if images and pooling is not None:
+            raise InvalidRequestError("embedding inputs cannot hold images")
         if pooling is not None:
             return self._process_pooling(request_id, prompt, pooling, arrival_time, add_special_tokens, params.priority)
         if not lim.generates:
@@ -97,6 +112,9 @@ class InputProcessor:
             check_token_ids(ids, lim.vocab_size)
         if not ids:
             raise InvalidRequestError("prompt must contain at least one token")
+        placed = self._place_images(ids, images or [])
+        if placed:
+            ids, images = placed
         if params.logit_bias and max(params.logit_bias) >= lim.vocab_size:
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids below the vocabulary size {lim.vocab_size}")
@@ -115,7 +133,35 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) can never fit the KV cache, "
                 f"which holds a sequence of at most {lim.kv_capacity_tokens} tokens; raise --kv-cache-memory")
-        return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time())
+        return PreparedRequest(request_id, text, ids, params, max_tokens, arrival_time or time.time(),
+                               images=list(images or []))
+
+    def _place_images(self, ids: list[int], images: list[ImageInput]
+                      ) -> Optional[tuple[list[int], list[ImageInput]]]:
+        """The prompt with each image token repeated as many times as its image has features, and
+        the images placed over those runs; None for a prompt with neither."""
+        lim = self.limits
+        if lim.image_token_id is None:
+            if images:
+                raise InvalidRequestError(f"the model `{lim.model_name}` does not take images; it reads text only")
+            return None
+        at = [i for i, t in enumerate(ids) if t == lim.image_token_id]
+        if len(at) != len(images):
+            raise InvalidRequestError(f"the prompt has {len(at)} image placeholders but the request holds "
+                                      f"{len(images)} images")
+        if not images:
+            return None
+        out: list[int] = []
+        placed: list[ImageInput] = []
+        prev = 0
+        for i, image in zip(at, images):
+            if tuple(image.shape) != lim.image_shape or len(image.pixels) != 4 * math.prod(lim.image_shape):
+                raise InvalidRequestError(f"an image's pixels must be float32 of shape {lim.image_shape}")
+            out += ids[prev:i]
+            placed.append(ImageInput(image.hash, image.pixels, tuple(image.shape), len(out), lim.image_tokens))
+            out += [lim.image_token_id] * lim.image_tokens
+            prev = i + 1
+        return out + ids[prev:], placed
 
     def _process_pooling(self, request_id: str, prompt: Union[str, list[int]], pooling: PoolingParams,
                          arrival_time: Optional[float], add_special_tokens: bool, priority: int = 0) -> PreparedRequest:

@@ -31,6 +31,7 @@ from tessera.errors import AdapterError
 from tessera.models.adapters import AdapterSpec
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import InvalidRequestError, SamplingParams
+from tessera.vision import ImageInput
 
 logger = logging.getLogger("tessera")
 
@@ -115,10 +116,13 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         add_special_tokens: bool = True,
         pooling: Optional[PoolingParams] = None,
+        images: Optional[list[ImageInput]] = None,
     ) -> PreparedRequest:
-        """Tokenize and check a request (an embedding one with `pooling`), compile its constraint;
-        raises InvalidRequestError if it can never run."""
-        prepared = self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens, pooling)
+        """Tokenize and check a request (an embedding one with `pooling`, one holding `images` in
+        the order of its image tokens), compile its constraint; raises InvalidRequestError if it
+        can never run."""
+        prepared = self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens, pooling,
+                                       images)
         if params.structured_outputs is not None:
             t0 = time.perf_counter()
             prepared.grammar = self.structured.compile(params.structured_outputs)
@@ -147,6 +151,7 @@ class LLMEngine:
                 req.metrics.grammar_compile_time = p.grammar_compile_time
             if p.lora_name is not None:
                 req.lora_name, req.lora_salt = p.lora_name, self._adapter_salt(p.lora_name)
+            req.images = p.images
             children.append(req)
         self.outputs.add(p, children)
         for req in children:

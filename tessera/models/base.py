@@ -25,14 +25,16 @@ class CausalLM(Protocol):
     `forward` writes each token's keys and values into `kv_caches` (one tensor per layer, laid
     out by the metadata's backend) and returns the final hidden states, one row per token;
     `layers` restricts it to those decoder layers, in order (self-speculative drafting: the
-    caches of the others are left untouched). `compute_logits` turns hidden rows into float32
+    caches of the others are left untouched); `embeds` (rows, vectors) replaces those rows' token
+    embeddings (a vision-language model's image placeholders). `compute_logits` turns hidden rows into float32
     logits over the vocabulary.
     """
 
     config: ModelConfig
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor: ...
+                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None,
+                 embeds: Optional[tuple[Tensor, Tensor]] = None) -> Tensor: ...
 
     def compute_logits(self, hidden: Tensor) -> Tensor: ...
 
@@ -78,6 +80,12 @@ class ModelBase(ABC):
         """What of this model keeps C_DECODE from being offered, for the start-up log (empty when it
         is offered, or for a model that has no such path at all, as an encoder)."""
         return []
+
+    def encode_images(self, pixels: Tensor) -> Tensor:
+        """A vision-language model's placeholder embeddings of processed images [B, C, H, W]:
+        [B, tokens, hidden], which its forward takes as `embeds`. Only models whose config has
+        a vision side offer it."""
+        raise NotImplementedError(f"{type(self).__name__} does not take images")
 
     def fit_context(self, max_model_len: int) -> None:
         """Settle what depends on the longest sequence the engine runs (LongRoPE's choice of

@@ -222,15 +222,19 @@ class DecoderForCausalLM(nn.Module, ModelBase):
             layer.self_attn.finish_loading()
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:
+                attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None,
+                embeds: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
         """Final hidden states of the packed batch through the modules; `layers` runs only those
-        decoder layers (self-speculative drafting), each still with its own cache."""
+        decoder layers (self-speculative drafting), each still with its own cache. `embeds`: (rows,
+        their embeddings) that replace those rows' token embeddings (an image's placeholders)."""
         tables = {GLOBAL: self.rotary_emb(positions), NOPE: None}
         if self.rotary_local is not None:
             tables[LOCAL] = self.rotary_local(positions)
         x = self.model.embed_tokens.embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         residual = None
         for i in (range(len(self.model.layers)) if layers is None else layers):
             layer, cache, meta = self.model.layers[i], kv_caches[i], attn_meta.for_layer(i)

@@ -24,7 +24,7 @@ def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokeniz
     if path.is_dir():
         from tessera.models.safetensors_loader import config_from_hf, read_hf_config
 
-        config = config_from_hf(read_hf_config(path), name=path.name)
+        config = config_from_hf(read_hf_config(path), name=path.name, folder=path)
         pooler = read_sentence_transformers(path)
         if pooler is not None:
             config.pooler = dataclasses.replace(pooler, matryoshka=config.matryoshka)

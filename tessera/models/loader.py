@@ -49,7 +49,11 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 
     if config.architecture in ENCODERS:
         return BertModel
-    family(config.architecture)  # an unknown one: the error lists the supported families
+    family(config.architecture)
+    if config.vision is not None:  # the text family's decoder with a vision tower beside it
+        from tessera.models.llava import LlavaForConditionalGeneration
+
+        return LlavaForConditionalGeneration  # an unknown one: the error lists the supported families
     return DecoderForCausalLM
 
 
@@ -83,7 +87,10 @@ def load_model(
     if path.is_dir():
         from tessera.models.safetensors_loader import iter_safetensors_weights
 
-        _load_weights(model, path, quant, weight_cache, lambda: iter_safetensors_weights(path))
+        vision = config.vision is not None
+        if vision and weight_cache:  # the packed-weight cache holds a decoder's modules, not a tower's
+            logger.info("--weight-cache is not used for a vision-language model; weights load from the folder")
+        _load_weights(model, path, quant, weight_cache and not vision, lambda: iter_safetensors_weights(path, vision))
     else:
         from tessera.models.gguf_file import read_gguf
         from tessera.models.gguf_loader import iter_gguf_weights

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
 from tessera.models.families import family_for_hf
+from tessera.vision import llava_vision_config
 
 if TYPE_CHECKING:
     import torch
@@ -34,10 +35,25 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         raise ModelFormatError(f"{path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
 
 
-def config_from_hf(hf: dict[str, Any], name: str = "") -> ModelConfig:
+# LlamaConfig's defaults: a llava config.json's text_config holds only the fields that differ.
+_LLAMA_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                   "rms_norm_eps": 1e-6}
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "", folder: Optional[Path] = None) -> ModelConfig:
     """Network shape from an HF config.json dict: the fields every decoder has, then the family's
-    own (tessera/models/families)."""
+    own (tessera/models/families); a LLaVA's text model with its image side (`folder` holds its
+    preprocessor_config.json)."""
     model_type = hf.get("model_type", "")
+    if model_type == "llava":
+        text = {**_LLAMA_DEFAULTS, **(hf.get("text_config") or {})}
+        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+            if key in hf:
+                text.setdefault(key, hf[key])
+        cfg = config_from_hf(text, name)
+        cfg.vision = llava_vision_config(hf, cfg.hidden_size, folder)
+        return cfg
     if model_type == "gemma3" and "text_config" in hf:  # multimodal wrapper: the text part is what we run
         text = dict(hf["text_config"])
         text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
@@ -139,11 +155,15 @@ def safetensors_files(folder: Path) -> list[Path]:
 T = TypeVar("T")
 
 
-def _param_name(key: str) -> Optional[str]:
-    """The language model's parameter name of a checkpoint key; None for vision parts."""
-    if key.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                       "model.multi_modal_projector.")):
-        return None
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+
+
+def _param_name(key: str, vision: bool = False) -> Optional[str]:
+    """The model's parameter name of a checkpoint key: the language model's, and with `vision` the
+    image side's (`vision_tower.`, `multi_modal_projector.`); None for parts not run."""
+    part = key.removeprefix("model.")
+    if part.startswith(_VISION_PARTS):  # transformers 4 wrote the tower's modules under `vision_model.`
+        return part.replace("vision_tower.vision_model.", "vision_tower.", 1) if vision else None
     for prefix in _PREFIXES:
         if key.startswith(prefix):
             rest = key[len(prefix):]
@@ -151,26 +171,28 @@ def _param_name(key: str) -> Optional[str]:
     return key
 
 
-def _read_all(folder: Path, read: Callable[[Any, str], T]) -> Iterator[tuple[str, T]]:
-    """(parameter name, read(open shard, key)) for every language-model tensor of the folder."""
+def _read_all(folder: Path, read: Callable[[Any, str], T], vision: bool = False) -> Iterator[tuple[str, T]]:
+    """(parameter name, read(open shard, key)) for every language-model tensor of the folder (and
+    the image side's with `vision`)."""
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    name = _param_name(key)
+                    name = _param_name(key, vision)
                     if name is not None:
                         yield name, read(f, key)
         except SafetensorError as exc:
             raise ModelFormatError(f"{path.name} is corrupt or truncated ({exc}); re-download the model") from None
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, Union[torch.Tensor, GGUFWeight]]]:
-    """Yield (HF name, float32 tensor) for every tensor of the folder's shards; MXFP4 expert
-    stacks (gpt-oss's `*_blocks` and `*_scales`) as their GGUF blocks, unchanged in value."""
+def iter_safetensors_weights(folder: Path, vision: bool = False) -> Iterator[tuple[str, Union[torch.Tensor, GGUFWeight]]]:
+    """Yield (HF name, float32 tensor) for every tensor of the folder's shards (the image side's
+    too with `vision`); MXFP4 expert stacks (gpt-oss's `*_blocks` and `*_scales`) as their GGUF
+    blocks, unchanged in value."""
     import torch
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in _read_all(folder, lambda f, key: f.get_tensor(key)):
+    for name, t in _read_all(folder, lambda f, key: f.get_tensor(key), vision):
         base, _, part = name.rpartition("_")
         if t.dtype == torch.uint8 and part in ("blocks", "scales"):
             pair = pending.setdefault(base, {})

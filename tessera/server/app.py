@@ -26,6 +26,7 @@ from tessera.server.batches import router as batches_api
 from tessera.server.batches.protocol import BatchLimits
 from tessera.server.endpoint import add_request_schemas
 from tessera.server.errors import install_error_handlers
+from tessera.server.media import MediaSettings
 from tessera.server.model_router import ModelRouter
 from tessera.server.ollama import router as ollama_api
 from tessera.server.openai import router as openai_api
@@ -50,7 +51,7 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                beyond_loopback: bool = False, transport: Optional[TransportSettings] = None,
                families: Optional[MetricFamilies] = None, recorder: Optional[TrafficRecorder] = None,
                slo: Optional[SLOSpec] = None, batch_store: Optional[Path] = None,
-               batch_limits: Optional[BatchLimits] = None) -> FastAPI:
+               batch_limits: Optional[BatchLimits] = None, media: Optional[MediaSettings] = None) -> FastAPI:
     """The app over one engine (`model_names`: the names clients may use, the first reported;
     `metrics`/`live` its loggers) or over a `router` of several models. `ui` adds the chat page
     (/) and the dashboard (/dashboard); `max_stored_responses` bounds the Responses API's store.
@@ -58,7 +59,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
     admin key); `transport`: the CORS origins; `families`: where the per-key metrics go;
     `recorder` writes every request to a traffic trace (--record-traffic); `slo` is checked
     against the live percentiles on /v1/engine/live. `batch_store`: the SQLite file of the Files
-    and Batch API (None: those routes answer 404), `batch_limits` its limits."""
+    and Batch API (None: those routes answer 404), `batch_limits` its limits. `media`: where images
+    may come from and their limits."""
     if router is None:
         if engine is None or not model_names:
             raise ValueError("create_app needs an engine and at least one served model name, or a router")
@@ -73,7 +75,8 @@ def create_app(engine: Optional[AsyncLLMEngine] = None, model_names: Optional[li
                   redoc_url=None, routes=[route for r in routers for route in r.routes])
     access = access or AccessSettings()
     app.state.tessera = ServerState(router=router, request_timeout=request_timeout, metrics=metrics,
-                                    log_requests=access.log_requests, recorder=recorder, slo=slo)
+                                    log_requests=access.log_requests, recorder=recorder, slo=slo,
+                                    media=media or MediaSettings())
     app.state.responses = ResponseStore(max_stored_responses)
     install_error_handlers(app)
     if batch_store is not None:

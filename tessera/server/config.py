@@ -42,8 +42,9 @@ from typing import Any, Mapping, Optional
 from tessera.config import EngineConfig
 from tessera.deploy.routing import ROUTER_POLICIES, RouterPolicyName
 from tessera.errors import ConfigError, TesseraError
-from tessera.server.output_parsers import OutputParsing
 from tessera.server.api_keys import AccessSettings
+from tessera.server.media import MediaSettings
+from tessera.server.output_parsers import OutputParsing
 from tessera.server.served_model import FallbackCondition, FallbackRule, ModelSpec
 from tessera.server.transport import TransportSettings
 from tessera.server.traffic import RecordSettings
@@ -137,6 +138,7 @@ class ServingSpec:
     record: Optional[RecordSettings] = None  # --record-traffic: every request to a trace file
     batch_store: Optional[Path] = None  # --batch-store: the Files and Batch API's SQLite file (None: in $TESSERA_HOME)
     slo: Optional[SLOSpec] = None  # --slo (or a tuned --config's `slo`): checked live on /v1/engine/live
+    media: MediaSettings = field(default_factory=MediaSettings)  # image sources and limits
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -226,7 +228,8 @@ class ServingSpec:
                 Path(args.record_traffic).expanduser(), record_text=args.record_text,
                 max_bytes=args.record_traffic_max_size, keep=args.record_traffic_keep),
             slo=None if slo is None else SLOSpec.parse(slo),
-            batch_store=None if args.batch_store is None else Path(args.batch_store).expanduser())
+            batch_store=None if args.batch_store is None else Path(args.batch_store).expanduser(),
+            media=MediaSettings.from_args(args))
 
     @property
     def replicated(self) -> bool:

@@ -22,6 +22,7 @@ from tessera.engine.outputs import RequestOutput
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
 from tessera.server.auth import request_key
+from tessera.vision import ImageInput
 
 request_logger = logging.getLogger("tessera.server.requests")
 
@@ -66,14 +67,14 @@ class Generation:
                  params: SamplingParams, request_id: str, deadline: Optional[float] = None,
                  live: Optional[set[Generation]] = None, restartable: bool = False,
                  log_requests: bool = False, pooling: Optional[PoolingParams] = None,
-                 lora_name: Optional[str] = None) -> None:
+                 lora_name: Optional[str] = None, images: Optional[list[ImageInput]] = None) -> None:
         """`deadline` is a time.monotonic() value; `request` None means nobody watches the connection;
         `live` is the server's set of running generations, which this one joins while it runs;
         `restartable`: only final outputs are read (not streamed), so the engine may rerun a prompt
         from scratch on another replica if the one running it dies. `log_requests`: write the prompts,
         settings and outputs to the log (--log-requests; never otherwise); `pooling`: the prompts are
         embedding inputs (each one final output with its vector); `lora_name`: the LoRA adapter they
-        run through (None: the base model)."""
+        run through (None: the base model); `images`: the (one) prompt's images, in order."""
         self.engine = engine
         self.request = request
         self.prompts = prompts
@@ -87,6 +88,7 @@ class Generation:
         self.meter = grant[1] if grant is not None else None  # charges the key's tokens as they come
         self.pooling = pooling
         self.lora_name = lora_name
+        self.images = images or []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._drains: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
@@ -157,11 +159,13 @@ class Generation:
     async def _drain(self, index: int, prompt: Union[str, list[int]]) -> None:
         try:
             deadline_s = None if self.deadline is None else self.deadline - time.monotonic()
-            # lora_name and extend_deadline only when needed: engines (and test fakes) without adapters
-            # or deadlines take no such arguments
+            # lora_name, extend_deadline and images only when needed: engines (and test fakes) without
+            # adapters, deadlines or a vision model take no such arguments
             extra: dict = {} if self.lora_name is None else {"lora_name": self.lora_name}
             if deadline_s is not None:
                 extra["extend_deadline"] = self._extend
+            if self.images:
+                extra["images"] = self.images
             async with contextlib.aclosing(
                     self.engine.generate(prompt, self.params, self.engine_request_id(index),
                                          deadline_s=deadline_s, restartable=self.restartable,

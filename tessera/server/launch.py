@@ -136,7 +136,7 @@ def serve(spec: ServingSpec) -> int:
         app = create_app(router=router, request_timeout=spec.request_timeout, metrics=families, ui=spec.ui,
                          max_stored_responses=spec.max_stored_responses, access=spec.access,
                          beyond_loopback=beyond_loopback, transport=spec.transport, families=families,
-                         recorder=recorder, slo=spec.slo, batch_store=spec.batch_store or tessera_home() / "batches.sqlite3",
+                         recorder=recorder, slo=spec.slo, media=spec.media, batch_store=spec.batch_store or tessera_home() / "batches.sqlite3",
                          batch_limits=BatchLimits(priority=spec.engine_config(spec.models[0]).background_priority))
         # uvicorn's own timeout is the backstop: it cancels whatever our shutdown left running.
         config = uvicorn_config(app, spec.transport, log_level=spec.log_level,

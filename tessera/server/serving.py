@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tessera.engine.outputs import RequestOutput
 from tessera.pooling_params import PoolingParams, cannot_embed, embeds_only
 from tessera.sampling_params import SamplingParams
+from tessera.server.media import MediaSettings
 from tessera.server.auth import check_model, enter_queue
 from tessera.server.errors import APIError, api_error_from, request_timeout, shutting_down
 from tessera.server.generation import ClientDisconnected, DeadlineExceeded, Generation, ServerShuttingDown
@@ -84,6 +85,7 @@ class ServerState:
     log_requests: bool = False  # prompts and outputs in the log (--log-requests)
     recorder: Optional[TrafficRecorder] = None  # --record-traffic
     slo: Optional[SLOSpec] = None  # checked against the live percentiles on /v1/engine/live
+    media: MediaSettings = field(default_factory=MediaSettings)  # where images may come from, their limits
 
     @property
     def model_name(self) -> str:
@@ -177,6 +179,7 @@ class Run:
     watch_client: bool = True
     pooling: Optional[PoolingParams] = None  # embedding inputs rather than prompts to generate from
     headers: dict[str, str] = field(default_factory=dict)  # said in the response besides the route's
+    images: list[ImageInput] = field(default_factory=list)  # the (one) prompt's images, in order
 
     @property
     def engine(self) -> ServingEngine:
@@ -195,7 +198,7 @@ class Run:
         return Generation(self.engine, self.request if self.watch_client else None, self.prompts, self.params,
                           self.request_id, self.state.deadline(), self.state.generations, restartable=restartable,
                           log_requests=self.state.log_requests, pooling=self.pooling,
-                          lora_name=self.route.adapter)
+                          lora_name=self.route.adapter, images=self.images)
 
     def error(self, exc: BaseException) -> APIError:
         return self.state.error(exc, self.route.model)

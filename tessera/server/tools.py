@@ -217,7 +217,8 @@ def _plain_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if m["role"] == "system":
             continue
         last = out[-1] if out else None
-        if (last is not None and m["role"] == last["role"] == "user" and set(m) == set(last) == {"role", "content"}):
+        if (last is not None and m["role"] == last["role"] == "user" and set(m) == set(last) == {"role", "content"}
+                and isinstance(m.get("content") or "", str) and isinstance(last["content"] or "", str)):
             last["content"] = _text_join([last["content"] or "", m.get("content") or ""])
         else:
             out.append(dict(m))

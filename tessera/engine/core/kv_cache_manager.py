@@ -198,7 +198,11 @@ class KVCacheManager:
         while len(hashes) < full:
             i = len(hashes)
             parent = hashes[-1] if i else None
-            hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
+            # A block holding image placeholders is keyed by those images too: the same tokens with
+            # another image are other K/V (and every later block chains from this one).
+            seen = [im.hash for im in req.images if im.overlaps(i * bs, (i + 1) * bs)] if req.images else None
+            hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs],
+                                     f"{extra}|images:{','.join(seen)}" if seen else extra))
         return hashes
 
     def _lookup(self, hashes: list[int], index: int, group: int) -> Optional[KVBlock]:

@@ -16,6 +16,7 @@ from tessera.engine.core.spec_acceptance import AcceptanceEstimate
 from tessera.engine.outputs import RequestMetrics
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
+from tessera.vision import ImageInput
 
 if TYPE_CHECKING:
     from tessera.engine.core.structured_output import GrammarState
@@ -87,6 +88,9 @@ class Request:
         # so its KV is never shared with the base's or another adapter's (the adapter file's digest).
         self.lora_name: Optional[str] = None
         self.lora_salt: Optional[str] = None
+        # Its images over their placeholder runs: the runner encodes one when a chunk reaches it,
+        # and a block holding placeholders is keyed by the hashes of the images over it.
+        self.images: list[ImageInput] = []
 
     @property
     def num_tokens(self) -> int:

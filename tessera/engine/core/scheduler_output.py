@@ -17,6 +17,7 @@ import torch
 from tessera.engine.core.cost_model import StepShape
 from tessera.pooling_params import PoolingParams
 from tessera.sampling_params import SamplingParams
+from tessera.vision import ImageInput
 
 if TYPE_CHECKING:
     from tessera.engine.core.request import Request
@@ -76,6 +77,9 @@ class ScheduledChunk:
     # An embedding request's whole prompt: the runner pools its hidden states instead of sampling.
     pooling: Optional[PoolingParams] = None
     lora_name: Optional[str] = None  # the LoRA adapter its rows run through (None: the base)
+    # The request's images whose placeholder runs overlap these tokens (by reference: the runner
+    # reads their pixels only when it has no encoder output for them yet).
+    images: list[ImageInput] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -156,4 +160,5 @@ def make_chunk(req: "Request", n: int, block_tables: list[list[int]], num_spec: 
         sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
         is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
         num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        pooling=req.pooling, lora_name=req.lora_name)
+        pooling=req.pooling, lora_name=req.lora_name,
+        images=[im for im in req.images if im.overlaps(start, start + len(token_ids))] if req.images else [])

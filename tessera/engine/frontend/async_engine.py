@@ -22,6 +22,7 @@ from tessera.engine.errors import (
 )
 from tessera.engine.frontend.protocols import CoreFactory, EngineCore, StatLogger, make_engine_core
 from tessera.engine.input_processor import PreparedRequest
+from tessera.vision import ImageInput
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.stats import SchedulerStats
 from tessera.models.adapters import AdapterSpec, read_adapter
@@ -143,15 +144,18 @@ class AsyncLLMEngine:
         return self.engine.kv_cache_info()
 
     async def prepare(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
-                      add_special_tokens: bool = True, pooling: Optional[PoolingParams] = None) -> PreparedRequest:
+                      add_special_tokens: bool = True, pooling: Optional[PoolingParams] = None,
+                      images: Optional[list[ImageInput]] = None) -> PreparedRequest:
         """Tokenize and check a request (in the caller: a bad one never reaches the engine)."""
         if pooling is not None:
             return self.engine.prepare_request(request_id, prompt, params, add_special_tokens=add_special_tokens,
-                                               pooling=pooling)
+                                               pooling=pooling, **({"images": images} if images else {}))
+        # images only when there are some: cores of text models (and test fakes) take no such argument
+        extra = {"images": images} if images else {}
         if params.structured_outputs is not None:  # compiling a grammar may take a while: not on the event loop
             return await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params,
-                                           add_special_tokens=add_special_tokens)
-        return self.engine.prepare_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+                                           add_special_tokens=add_special_tokens, **extra)
+        return self.engine.prepare_request(request_id, prompt, params, add_special_tokens=add_special_tokens, **extra)
 
     async def generate(
         self,
@@ -165,6 +169,7 @@ class AsyncLLMEngine:
         pooling: Optional[PoolingParams] = None,
         lora_name: Optional[str] = None,
         extend_deadline: Optional[Callable[[float], None]] = None,
+        images: Optional[list[ImageInput]] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts the request.
 
@@ -183,7 +188,7 @@ class AsyncLLMEngine:
         """
         self.check_health()
         if prepared is None:
-            prepared = await self.prepare(prompt, params, request_id, add_special_tokens, pooling)
+            prepared = await self.prepare(prompt, params, request_id, add_special_tokens, pooling, images)
         if lora_name is not None:
             prepared = dataclasses.replace(prepared, lora_name=lora_name)
         prompt_tokens = len(prepared.prompt_token_ids) * params.n

@@ -32,6 +32,7 @@ from tessera.engine.errors import EngineCoreDiedError, EngineCoreStepError, Step
 from tessera.engine.frontend import wire
 from tessera.engine.frontend.core_process import run_engine_core
 from tessera.engine.input_processor import InputLimits, InputProcessor, PreparedRequest
+from tessera.vision import ImageInput
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
 from tessera.errors import TesseraError
@@ -176,9 +177,10 @@ class ProcessEngineCore:
     # -- the EngineCore protocol -----------------------------------------------------------
     def prepare_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                         arrival_time: Optional[float] = None, add_special_tokens: bool = True,
-                        pooling: Optional[PoolingParams] = None) -> PreparedRequest:
+                        pooling: Optional[PoolingParams] = None,
+                        images: Optional[list[ImageInput]] = None) -> PreparedRequest:
         """Tokenize and check here; a constraint is compiled (and may be refused) in the core."""
-        return self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens, pooling)
+        return self.inputs.process(request_id, prompt, params, arrival_time, add_special_tokens, pooling, images)
 
     def add_prepared(self, p: PreparedRequest) -> None:
         if p.request_id in self.assembler:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Protocol, U
 from tessera.config import EngineConfig
 from tessera.engine.frontend.core_client import ProcessEngineCore
 from tessera.engine.input_processor import PreparedRequest
+from tessera.vision import ImageInput
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.stats import IterationStats, LoadSnapshot, SchedulerStats
 from tessera.models.adapters import AdapterSpec
@@ -49,7 +50,8 @@ class EngineCore(Protocol):
 
     def prepare_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                         arrival_time: Optional[float] = None, add_special_tokens: bool = True,
-                        pooling: Optional[PoolingParams] = None) -> PreparedRequest: ...
+                        pooling: Optional[PoolingParams] = None,
+                        images: Optional[list[ImageInput]] = None) -> PreparedRequest: ...
 
     def add_prepared(self, prepared: PreparedRequest) -> None: ...
 
@@ -127,12 +129,14 @@ class ServingEngine(Protocol):
                  add_special_tokens: bool = True, deadline_s: Optional[float] = None,
                  restartable: bool = False, pooling: Optional[PoolingParams] = None,
                  lora_name: Optional[str] = None,
-                 extend_deadline: Optional[Callable[[float], None]] = None) -> AsyncIterator[RequestOutput]:
+                 extend_deadline: Optional[Callable[[float], None]] = None,
+                 images: Optional[list[ImageInput]] = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; with `pooling` an embedding request, whose one
         (final) output carries the vector; with `lora_name` through that adapter (see add_lora).
         `extend_deadline(seconds)` is called before anything runs with the forecast time of the
         prompt's own computation, which the caller adds to `deadline_s` (a long prompt is given
-        the time it needs rather than cut at the deadline; only waiting for others is refused)."""
+        the time it needs rather than cut at the deadline; only waiting for others is refused).
+        `images`: processed, in the order of the prompt's image tokens."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -52,9 +52,12 @@ class ModelExecutor:
         return ExecutionPath.MODULES
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list, meta: AttentionMetadata,
-                lora: Optional[LoRASlots] = None) -> Tensor:
+                lora: Optional[LoRASlots] = None, embeds: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
         """The step's final hidden states, one row per token. `lora`: the step's adapters, when
-        some rows run through one (both paths add them)."""
+        some rows run through one (both paths add them). `embeds`: rows whose embeddings an
+        image gives (the modules take them; the C step reads token embeddings only)."""
+        if embeds is not None:
+            return self.model(input_ids, positions, kv_caches, meta, embeds=embeds)
         if self.c_decode is not None and self.path_for(input_ids, kv_caches, meta) is ExecutionPath.C_DECODE:
             hidden = self.c_decode.run(input_ids, positions, kv_caches, meta, lora)
             if hidden is not None:

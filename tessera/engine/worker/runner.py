@@ -20,6 +20,7 @@ from tessera.attention import AttentionBackend
 from tessera.attention.kv_groups import KVCacheGroups
 from tessera.config import EngineConfig, ModelConfig
 from tessera.engine.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from tessera.engine.worker.image_cache import ImageEmbeddings
 from tessera.engine.worker.model_executor import ModelExecutor
 from tessera.engine.worker.penalty_history import PenaltyHistories
 from tessera.engine.worker.sampler import Sampler
@@ -101,6 +102,9 @@ class ModelRunner(ModelRunnerBase):
         self.sampler = Sampler(config.seed)
         self.histories = PenaltyHistories()  # the tokens penalties read, for the requests that use them
         self.lora: Optional[LoRASlotMap] = None  # set by enable_lora
+        # A vision-language model's encoder outputs (None for a text model).
+        self.images = (ImageEmbeddings(model.encode_images, self.device)
+                       if getattr(model_config, "vision", None) is not None else None)
 
     def enable_lora(self, weights_of: Callable[[str], LoRAWeights], dtype: torch.dtype) -> None:
         """Serve LoRA adapters (weights in `dtype`): the model's projections get slots, and a step's
@@ -147,6 +151,8 @@ class ModelRunner(ModelRunnerBase):
         self._copy_blocks(out.swap_in, to_host=False)
         self.histories.drop(out.finished)
         self.histories.drop(out.preempted)
+        if self.images is not None:
+            self.images.forget(out.finished)
         self.histories.start(out.scheduled)
         if out.kv_loads:
             self.write_blocks([b for b, _ in out.kv_loads], [p for _, p in out.kv_loads])
@@ -168,7 +174,10 @@ class ModelRunner(ModelRunnerBase):
         pool_chunks: list[tuple[int, ScheduledChunk]] = []  # (first row, chunk) of each pooling chunk
         num_prompt = 0
         row_slots: list[int] = []
+        image_chunks: list[tuple[int, ScheduledChunk]] = []  # (first row, chunk) of chunks over images
         for s in order:
+            if s.images:
+                image_chunks.append((len(input_ids), s))
             if slot_of:
                 row_slots.extend([slot_of.get(s.lora_name, -1)] * s.num_new_tokens)
             start, n, k = s.start, s.num_new_tokens, s.num_spec_tokens
@@ -195,13 +204,14 @@ class ModelRunner(ModelRunnerBase):
                 sample_rows.append(len(input_ids) - 1)
                 sample_chunks.append(s)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
+        embeds = self.images.rows(image_chunks) if image_chunks and self.images is not None else None
         if slot_of:
             self.lora.model.slots.begin_step(row_slots)
         try:
             hidden = self.executor.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                                            torch.tensor(positions, dtype=torch.long, device=self.device),
                                            self.kv_caches, meta,
-                                           lora=self.lora.model.slots if slot_of else None)
+                                           lora=self.lora.model.slots if slot_of else None, embeds=embeds)
         finally:
             if slot_of:
                 self.lora.model.slots.begin_step(None)

@@ -37,8 +37,8 @@ class TextBlock(OpenAIModel):
 
 
 class MediaBlock(OpenAIModel):
-    """image / document: accepted by the schema so that the refusal can say why, or a document
-    whose source is text (plain text, or text blocks), which is read as text."""
+    """image (a base64 or URL source, for a model that takes images) / document (read when its
+    source is text: plain text, or text blocks)."""
 
     type: Literal["image", "document"]
     source: Optional[dict[str, Any]] = None
@@ -52,9 +52,20 @@ class MediaBlock(OpenAIModel):
             body = "".join(b.get("text", "") for b in source["content"]
                            if isinstance(b, dict) and b.get("type") == "text")
         else:
-            raise InvalidRequestError(f"{self.type} content blocks are not supported: this server's models read "
-                                      "text only (a document is read when its source is text)")
+            raise InvalidRequestError(f"{self.type} content blocks are not supported here: a document is read as "
+                                      "text only when its source is text, and images are taken in user messages")
         return f"{self.title}\n\n{body}" if self.title else body
+
+    def image_url(self) -> str:
+        """An image block's source as a URL (its base64 data as a data: URL)."""
+        source = self.source or {}
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            media = source.get("media_type")
+            return f"data:{media if isinstance(media, str) else ''};base64,{source['data']}"
+        if source.get("type") == "url" and isinstance(source.get("url"), str):
+            return source["url"]
+        raise InvalidRequestError("an image block's source must be {\"type\": \"base64\", \"media_type\": ..., "
+                                  "\"data\": ...} or {\"type\": \"url\", \"url\": ...}")
 
 
 class SkippedBlock(OpenAIModel):
@@ -304,6 +315,7 @@ def _to_chat(message: InputMessage) -> list[dict[str, Any]]:
                                                       if not isinstance(b, (ToolUseBlock, ToolResultBlock,
                                                                             ThinkingBlock)))}]
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and images in order, for a message holding images
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     thoughts: list[str] = []
@@ -320,10 +332,18 @@ def _to_chat(message: InputMessage) -> list[dict[str, Any]]:
         elif isinstance(block, ThinkingBlock):
             if block.thinking and message.role == "assistant":
                 thoughts.append(block.thinking)
+        elif isinstance(block, MediaBlock) and block.type == "image" and message.role == "user":
+            if texts:
+                parts.append({"type": "text", "text": "".join(texts)})
+                texts = []
+            parts.append({"type": "image_url", "image_url": {"url": block.image_url()}})
         else:
             texts.append(_text_of(block))
     out = list(results)
     text = "".join(texts)
+    if parts:  # the images where they were among the text
+        out.append({"role": "user", "content": parts + ([{"type": "text", "text": text}] if text else [])})
+        return out
     # The thinking rides along as the turn's reasoning: templates that render it (gpt-oss's, for a
     # turn that called tools) get it, the others leave it out (render_prompt).
     reasoning = {"reasoning_content": "\n".join(thoughts)} if thoughts else {}

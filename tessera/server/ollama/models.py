@@ -115,7 +115,8 @@ async def show(body: OllamaShowRequest, request: Request) -> Response:
     served = served_model(state, body.model or body.name)
     facts = await asyncio.to_thread(_model_facts, served)
     config, template = await asyncio.to_thread(_config_and_template, served)
-    capabilities = ["completion"] + (["tools"] if template else [])
+    capabilities = ["completion"] + (["tools"] if template else []) + (
+        ["vision"] if config is not None and config.vision is not None else [])
     parameters = ""
     if served.engine is not None:
         tokenizer = served.engine.tokenizer

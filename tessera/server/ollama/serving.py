@@ -46,6 +46,7 @@ from tessera.sampling_params import InvalidRequestError, SamplingParams, Structu
 from tessera.server.auth import check_model
 from tessera.server.openai.chat import chat_prompt, chat_prompt_text
 from tessera.server.errors import APIError, validated
+from tessera.server.media import image_token_text, load_images
 from tessera.server.openai.protocol import ChatCompletionRequest
 from tessera.server.openai.response_models import UsageInfo
 from tessera.server.ollama.protocol import (
@@ -217,9 +218,9 @@ def _as_chat_request(messages: list[dict[str, Any]], tools: Optional[list[dict[s
 def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
     messages = []
     for m in body.messages or []:
-        if m.images:
-            raise InvalidRequestError(f'"{name}" does not support images')
         msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.images:  # Ollama's base64 strings; the message's images go before its text
+            msg["content"] = [_image_part(i) for i in m.images] + [{"type": "text", "text": m.content or ""}]
         if m.thinking:
             msg["reasoning_content"] = m.thinking
         if m.tool_calls:
@@ -235,6 +236,13 @@ def _chat_request(body: OllamaChatRequest, name: str) -> ChatCompletionRequest:
     return request
 
 
+def _image_part(data: str) -> dict[str, Any]:
+    """An Ollama image (base64, no media type: the bytes say what they are) as a chat content part."""
+    if not isinstance(data, str):
+        raise InvalidRequestError("images must be base64 strings")
+    return {"type": "image_url", "image_url": {"url": "data:;base64," + data}}
+
+
 def _generate_ids(engine: ServingEngine, settings: OutputParsing, body: OllamaGenerateRequest) -> list[int]:
     """The prompt's ids: `context` (an earlier response's), then the prompt through the chat
     template as a user turn after `system`, or as it is with `raw` (or a model without a template)."""
@@ -243,12 +251,21 @@ def _generate_ids(engine: ServingEngine, settings: OutputParsing, body: OllamaGe
     if context:
         check_token_ids(context, engine.model_config.vocab_size)
     prompt = body.prompt or ""
+    vision = engine.model_config.vision
+    image_token = image_token_text(tokenizer, vision) if vision is not None else None
     if body.raw or not tokenizer.chat_template:
         text, special = prompt, not context  # BOS and friends only at the very start
+        if body.images:
+            if image_token is None:
+                raise InvalidRequestError("this model does not take images; it reads text only")
+            text = (image_token + "\n") * len(body.images) + text
     else:
+        content: Any = prompt
+        if body.images:
+            content = [_image_part(i) for i in body.images] + [{"type": "text", "text": prompt}]
         messages = ([{"role": "system", "content": body.system}] if body.system else []) \
-            + [{"role": "user", "content": prompt}]
-        text, special = chat_prompt_text(tokenizer, settings, _as_chat_request(messages)), False
+            + [{"role": "user", "content": content}]
+        text, special = chat_prompt_text(tokenizer, settings, _as_chat_request(messages), image_token), False
     return context + tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=special)
 
 
@@ -415,8 +432,10 @@ async def _load_or_unload(state: ServerState, request: Request, served: ServedMo
 async def _answer(state: ServerState, request: Request, body: OllamaGenerationRequest, served: ServedModel,
                   kind: str, timing: Timing, prompt: Callable[[ServingEngine], list[int]],
                   constraint: Optional[StructuredOutputsParams],
-                  parser: Optional[Callable[[], OutputParser]], keep_special: bool = False) -> Response:
-    """Route, tokenize, run and answer (streamed or whole); keep_alive applies once it is done."""
+                  parser: Optional[Callable[[], OutputParser]], keep_special: bool = False,
+                  image_urls: Optional[list[str]] = None) -> Response:
+    """Route, tokenize, run and answer (streamed or whole); keep_alive applies once it is done.
+    `image_urls`: the prompt's images, in order."""
     keep = keep_alive_seconds(body.keep_alive, served)
     route = await state.route(routed_name(body.model, served), request)
     timing.load = time.perf_counter_ns() - timing.start
@@ -425,10 +444,11 @@ async def _answer(state: ServerState, request: Request, body: OllamaGenerationRe
         engine = route.model.engine
         if engine is None:
             raise APIError(503, f'model "{route.model.name}" was unloaded; retry', type="server_error")
+        images = await load_images(image_urls or [], engine.model_config.vision, route.reported, state.media)
         ids = prompt(engine)
         params = _sampling_params(body, _max_tokens(engine, body, len(ids)), constraint, keep_special)
         run = Run(state, request, route, [ids], params, f"ollama-{uuid.uuid4().hex}",
-                  reprompt=lambda other: [prompt(other)])
+                  reprompt=lambda other: [prompt(other)], images=images)
         reply = OllamaReply(kind, route.reported, timing, parser() if parser else None, bool(body.logprobs))
         if body.stream is not False:
             return await run.stream(reply, NDJSON)
@@ -473,7 +493,8 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
     reads = parse_tools or settings.reasoning is not None or settings.harmony
     return await _answer(state, request, body, served, "chat", timing, prompt, constraint,
                          (lambda: output_parser(settings, parse_tools, tools=tools, prompt=rendered.get("text", "")))
-                         if reads else None, keep_special=settings.keeps_special_tokens(parse_tools))
+                         if reads else None, keep_special=settings.keeps_special_tokens(parse_tools),
+                         image_urls=chat_body.image_urls())
 
 
 async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
@@ -481,8 +502,6 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     state: ServerState = request.app.state.tessera
     served = served_model(state, body.model)
     _refuse_unsupported(body, served.name)
-    if body.images:
-        raise InvalidRequestError(f'"{served.name}" does not support images')
     if body.suffix:
         raise InvalidRequestError(f'"{served.name}" does not support insert')
     if body.template:
@@ -493,4 +512,4 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
                                      timing, routed_name(body.model, served))
     return await _answer(state, request, body, served, "generate", timing,
                          lambda engine: _generate_ids(engine, served.output_parsing, body), _constraint(body),
-                         parser=None)
+                         parser=None, image_urls=[_image_part(i)["image_url"]["url"] for i in body.images or []])

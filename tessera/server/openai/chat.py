@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from tessera.engine.outputs import RequestOutput, TokenLogprob
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 from tessera.server.auth import request_priority
+from tessera.server.media import image_token_text, images_as_text, load_images, template_reads_images
 from tessera.server.openai.protocol import ChatCompletionRequest
 from tessera.server.openai.tool_schemas import IGNORED_TOOLS_HEADER, ToolCall
 from tessera.server.openai.response_models import (
@@ -131,17 +132,28 @@ class ChatStream(StreamRenderer):
         return ([self._chunk([], usage)] if self.include_usage else []) + [DONE]
 
 
-def chat_prompt_text(tokenizer: Tokenizer, settings: OutputParsing, body: ChatCompletionRequest) -> str:
+def chat_prompt_text(tokenizer: Tokenizer, settings: OutputParsing, body: ChatCompletionRequest,
+                     image_token: Optional[str] = None) -> str:
     """The conversation (and its tools, in the model's tool-call syntax) through the chat template
-    (the model's, or the server's --chat-template); /tokenize and Ollama's API render chats here too."""
-    return render_prompt(tokenizer, settings, body.template_messages(), body.tools,
+    (the model's, or the server's --chat-template); /tokenize and Ollama's API render chats here too.
+    Images go where their content parts are, for a template that renders image parts; otherwise
+    each message's images go before its text as `image_token` (None: the model takes no images)."""
+    messages = body.template_messages()
+    if any(isinstance(m.get("content"), list) for m in messages):
+        if image_token is None:
+            raise InvalidRequestError("this model does not take images; it reads text only")
+        if not template_reads_images(settings.template(tokenizer.chat_template)):
+            messages = images_as_text(messages, image_token)
+    return render_prompt(tokenizer, settings, messages, body.tools,
                          add_generation_prompt=body.add_generation_prompt is not False,
                          template_kwargs=body.template_kwargs())
 
 
 def chat_prompt(engine: ServingEngine, settings: OutputParsing, body: ChatCompletionRequest) -> tuple[str, list[int]]:
     """The rendered prompt (text, which the parsers read too) and its token ids."""
-    text = chat_prompt_text(engine.tokenizer, settings, body)
+    vision = engine.model_config.vision
+    text = chat_prompt_text(engine.tokenizer, settings, body,
+                            image_token_text(engine.tokenizer, vision) if vision is not None else None)
     # The template already has BOS and friends.
     ids = engine.tokenizer.encode_bounded(text, engine.config.max_model_len, add_special_tokens=False)
     if not ids:
@@ -186,6 +198,7 @@ async def chat_run(body: ChatCompletionRequest, request: Request,
     settings = route.model.output_parsing
     run = Run(state, request, route, [], params, request_id,
               reprompt=lambda engine: [chat_prompt(engine, settings, body)[1]])
+    run.images = await load_images(body.image_urls(), run.engine.model_config.vision, route.reported, state.media)
     prompt_text, prompt_ids = chat_prompt(run.engine, settings, body)
     run.prompts = [prompt_ids]
     run.params = fit_context(params, len(prompt_ids), run.engine.config.max_model_len)

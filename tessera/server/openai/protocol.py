@@ -205,11 +205,22 @@ def prompt_list(value: Prompt, field: str) -> list[Union[str, list[int]]]:
     return items
 
 
+class ImageURL(OpenAIModel):
+    url: str
+    detail: Optional[str] = None  # OpenAI's resolution hint: every image is processed at the model's size
+
+
 class TextPart(OpenAIModel):
+    """A content part: text, or an image (`image_url`, its URL as an object or, as vLLM takes it, a string)."""
+
     type: str
     text: Optional[str] = None
+    image_url: Union[ImageURL, str, None] = None
 
-
+    def url(self) -> str:
+        if self.image_url is None:
+            raise InvalidRequestError("a content part of type 'image_url' needs an 'image_url' field")
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
 class ChatMessage(OpenAIModel):
@@ -222,22 +233,46 @@ class ChatMessage(OpenAIModel):
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
 
+    def image_urls(self) -> list[str]:
+        """Its images' URLs, in order (images are taken in user turns only)."""
+        if self.content is None or isinstance(self.content, str):
+            return []
+        urls = [p.url() for p in self.content if p.type == "image_url"]
+        if urls and self.role != "user":
+            raise InvalidRequestError(f"images are taken in user messages only, not in a {self.role!r} message")
+        return urls
+
+    def template_content(self) -> Union[str, list[dict[str, Any]]]:
+        """The content as a chat template reads it: one string, or with images the parts in order
+        (`{"type": "text", "text": ...}` and `{"type": "image"}`, as transformers' processors
+        hand them to a model's template)."""
+        if self.content is None or isinstance(self.content, str) or not any(
+                p.type == "image_url" for p in self.content):
+            return self.text()
+        parts: list[dict[str, Any]] = []
+        for part in self.content:
+            if part.type == "image_url":
+                parts.append({"type": "image"})
+            elif part.type != "refusal":
+                parts.append({"type": "text", "text": self._part_text(part)})
+        return parts
+
     def text(self) -> str:
-        """The message content as one string; only text parts are supported."""
+        """The message content as one string (text parts only)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        texts = []
-        for part in self.content:
-            if part.type == "refusal":  # an earlier assistant turn's refusal: not shown again
-                continue
-            if part.type != "text":
-                raise InvalidRequestError(
-                    f"content parts of type {part.type!r} are not supported; this server's models read text "
-                    "only (text parts)")
-            if part.text is None:
-                raise InvalidRequestError("a content part of type 'text' needs a 'text' field")
-            texts.append(part.text)
-        return "\n".join(texts)
+        return "\n".join(self._part_text(p) for p in self.content if p.type != "refusal")
+
+    @staticmethod
+    def _part_text(part: TextPart) -> str:
+        if part.type == "image_url":
+            raise InvalidRequestError("an image is taken in a user message's content only")
+        if part.type != "text":
+            raise InvalidRequestError(
+                f"content parts of type {part.type!r} are not supported; send text parts and image_url parts")
+        if part.text is None:
+            raise InvalidRequestError("a content part of type 'text' needs a 'text' field")
+        return part.text
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -308,7 +343,7 @@ class ChatCompletionRequest(SamplingRequest):
         for m in self.messages:
             # OpenAI's newer name for the system role; templates know only "system".
             role = "system" if m.role == "developer" else m.role
-            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            msg: dict[str, Any] = {"role": role, "content": m.template_content() if role == "user" else m.text()}
             if m.name is not None:
                 msg["name"] = m.name
             if m.tool_call_id is not None:
@@ -332,6 +367,10 @@ class ChatCompletionRequest(SamplingRequest):
                 msg["tool_calls"] = calls
             out.append(msg)
         return out
+
+    def image_urls(self) -> list[str]:
+        """Every image of the conversation, in order (the order of the prompt's image tokens)."""
+        return [url for m in self.messages for url in m.image_urls()]
 
     def num_logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None and not self.logprobs:

@@ -166,6 +166,8 @@ class ModelCard(OpenAIModel):
     max_model_len: Optional[int] = None  # None while the model is not loaded
     status: Optional[str] = None  # tessera: unloaded, loading, ready or failed
     parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's field); None for a model
+    # tessera: what the model takes and does ("completion", "vision", "embedding"); None while not loaded
+    capabilities: Optional[list[str]] = None
 
 
 class ModelList(OpenAIModel):

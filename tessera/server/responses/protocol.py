@@ -37,10 +37,13 @@ from tessera.server.openai.tool_schemas import FREEFORM_ARGUMENT
 
 
 class ContentPart(OpenAIModel):
-    """input_text / output_text (text), input_image / input_file (refused: the models read text)."""
+    """input_text / output_text (text), input_image (its `image_url`, for a model that takes
+    images), input_file (refused: the models read text)."""
 
     type: str
     text: Optional[str] = None
+    image_url: Optional[str] = None
+    file_id: Optional[str] = None
 
 
 class MessageItem(OpenAIModel):
@@ -49,6 +52,23 @@ class MessageItem(OpenAIModel):
     content: Union[str, list[ContentPart]]
     id: Optional[str] = None
     status: Optional[str] = None
+
+    def chat_content(self) -> Union[str, list[dict[str, Any]]]:
+        """The content as a chat message's: its text, or with images the chat API's content parts."""
+        if isinstance(self.content, str) or not any(p.type == "input_image" for p in self.content):
+            return self.text()
+        if self.role != "user":
+            raise InvalidRequestError(f"images are taken in user messages only, not in a {self.role!r} message")
+        parts: list[dict[str, Any]] = []
+        for part in self.content:
+            if part.type == "input_image":
+                if not part.image_url:
+                    raise InvalidRequestError("an input_image needs an image_url (a data: URL); file_id is not "
+                                              "supported")
+                parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+            elif part.type != "refusal":
+                parts.append({"type": "text", "text": MessageItem(role=self.role, content=[part]).text()})
+        return parts
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -358,7 +378,7 @@ def items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
     for item in items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text()})
+            messages.append({"role": role, "content": item.chat_content()})
         elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
             if isinstance(item, FunctionCallItem):
                 try:
