@@ -21,6 +21,19 @@ def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokeniz
     """The model's configuration and tokenizer without its weights: what a process that only
     tokenizes and detokenizes for an engine elsewhere needs (seconds, a few MiB)."""
     path = Path(path).expanduser()
+    config = read_model_config(path)
+    if path.is_dir():
+        tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
+    else:
+        tokenizer = Tokenizer.from_gguf(path)
+    _merge_eos(config, tokenizer)
+    return config, tokenizer
+
+
+def read_model_config(path: Union[str, os.PathLike]) -> ModelConfig:
+    """The model's configuration alone (a Hugging Face folder's config files or a GGUF's header):
+    what the server says of a model it has not loaded (its capabilities in /v1/models)."""
+    path = Path(path).expanduser()
     if path.is_dir():
         from tessera.models.safetensors_loader import config_from_hf, read_hf_config
 
@@ -28,21 +41,17 @@ def load_model_info(path: Union[str, os.PathLike]) -> tuple[ModelConfig, Tokeniz
         pooler = read_sentence_transformers(path)
         if pooler is not None:
             config.pooler = dataclasses.replace(pooler, matryoshka=config.matryoshka)
-        tokenizer = Tokenizer.from_hf_folder(path, config_eos_ids=tuple(config.eos_token_ids))
-    elif path.is_file():
+        return config
+    if path.is_file():
         from tessera.models.gguf_file import read_gguf
         from tessera.models.gguf_loader import config_from_gguf
 
         gf = read_gguf(path)
         try:
-            config = config_from_gguf(gf, name=path.stem)
-            tokenizer = Tokenizer.from_gguf(path, gguf=gf)
+            return config_from_gguf(gf, name=path.stem)
         finally:
             gf.close()
-    else:
-        raise ModelNotFoundError(f"model path not found: {path}")
-    _merge_eos(config, tokenizer)
-    return config, tokenizer
+    raise ModelNotFoundError(f"model path not found: {path}")
 
 
 def _merge_eos(config: ModelConfig, tokenizer: Tokenizer) -> None:

@@ -56,18 +56,7 @@ def _card(started: float, name: str, served: ServedModel, root: str, parent: Opt
     engine = served.engine
     return ModelCard(id=name, created=int(started), root=root, parent=parent, status=served.status,
                      max_model_len=engine.config.max_model_len if engine is not None else None,
-                     capabilities=_capabilities(engine) if engine is not None else None)
-
-
-def _capabilities(engine) -> list[str]:
-    """What a loaded model takes and does: text completion (a decoder), images, embeddings."""
-    mc = engine.model_config
-    out = ["completion"] if getattr(mc, "is_causal", True) else []
-    if getattr(mc, "vision", None) is not None:
-        out.append("vision")
-    if engine.config.pooler_for(mc) is not None:
-        out.append("embedding")
-    return out
+                     capabilities=served.capabilities())
 
 
 async def models(request: Request) -> ModelList:

@@ -54,6 +54,17 @@ class FallbackRule:
     when: tuple[FallbackCondition, ...]
 
 
+def model_capabilities(config, pooler) -> list[str]:
+    """What a model with this ModelConfig (and embedding pooler, if any) takes and does: text
+    completion (a decoder), images (a vision-language model), embeddings."""
+    out = ["completion"] if getattr(config, "is_causal", True) else []
+    if getattr(config, "vision", None) is not None:
+        out.append("vision")
+    if pooler is not None:
+        out.append("embedding")
+    return out
+
+
 @dataclass
 class ModelSpec:
     """One served model as configured (command line or --config TOML)."""
@@ -117,10 +128,33 @@ class ServedModel:
         self.live = None  # the model's LiveStats while loaded
         self.metrics = None  # the model's PrometheusStatLogger (counts its 429s)
         self.stats_consumer = None  # the StatsConsumer thread feeding its loggers, while loaded
+        self._file_capabilities: Optional[list[str]] = None  # read once from its files (capabilities)
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def capabilities(self) -> Optional[list[str]]:
+        """What the model takes and does ("completion", "vision", "embedding"): its engine's once
+        loaded, else read from its files (a local folder or GGUF; a registry name not yet
+        fetched: None), so a client can tell a model that sees before it loads."""
+        engine = self.engine
+        if engine is not None:
+            return model_capabilities(engine.model_config, engine.config.pooler_for(engine.model_config))
+        if self._file_capabilities is None:
+            from pathlib import Path
+
+            from tessera.models.info import read_model_config
+
+            path = Path(self.spec.model).expanduser()
+            if not path.exists():
+                return None
+            try:
+                config = read_model_config(path)
+            except Exception:  # noqa: BLE001 - an unreadable model says nothing here; loading it says why
+                return None
+            self._file_capabilities = model_capabilities(config, config.pooler)
+        return self._file_capabilities
 
     @property
     def output_parsing(self) -> OutputParsing:
