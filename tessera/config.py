@@ -98,6 +98,11 @@ class ModelConfig:
     attention_output_bias: bool = False  # a bias on the attention output projection (gpt-oss)
     attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
     moe: Optional[MoEConfig] = None  # mixture-of-experts feed-forward blocks; None: dense MLPs
+    # Per layer, the mixer before its MLP: "attention", or "conv" (LFM2's gated short convolution,
+    # whose per-request state is the last conv_kernel - 1 inputs of each channel); None: all attention.
+    layer_kinds: Optional[list[str]] = None
+    conv_kernel: int = 0  # a conv layer's kernel length in tokens (LFM2's conv_L_cache)
+    conv_bias: bool = False  # biases on a conv layer's projections and convolution
     # bert (encoders) only: bidirectional attention over the whole input, absolute positions
     is_causal: bool = True
     type_vocab_size: int = 0
@@ -117,6 +122,25 @@ class ModelConfig:
         if self.attention_multiplier is not None:
             return float(self.attention_multiplier)
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def state_layers(self) -> list[int]:
+        """Layers that keep a fixed-size state per request instead of K/V (empty for most models)."""
+        return [i for i, kind in enumerate(self.layer_kinds or ()) if kind == "conv"]
+
+    def attention_layers(self) -> list[int]:
+        """Layers that attend, so keep K/V in the block pool."""
+        state = set(self.state_layers())
+        return [i for i in range(self.num_layers) if i not in state]
+
+    def state_shape(self) -> tuple[int, int]:
+        """One request's state in one state layer: [channels, kernel - 1] (the inputs the next
+        token's convolution reads besides its own)."""
+        return (self.hidden_size, max(0, self.conv_kernel - 1))
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes of one request's state over every state layer, at `itemsize` bytes a value."""
+        channels, width = self.state_shape()
+        return len(self.state_layers()) * channels * width * itemsize
 
     def layer_windows(self) -> list[Optional[int]]:
         """Each layer's sliding window in tokens, None for full attention: per layer where the file

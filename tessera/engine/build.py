@@ -131,6 +131,14 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     if not mc.is_causal:
         return _build_encoder(config, loaded, max_model_len, groups, backend)
     spec = config.speculative_config
+    state_bytes = _state_bytes(config, mc, dtype)
+    if state_bytes and config.enable_lora:
+        raise InvalidRequestError("--enable-lora: LoRA adapters are not served on models with recurrent layers "
+                                  "(short convolutions)")
+    if state_bytes and spec is not None:
+        raise InvalidRequestError(
+            "--speculative-config: this model has recurrent layers (short convolutions), whose per-request "
+            "state a rejected proposal would leave advanced past the accepted tokens; serve it without speculation")
     if spec is not None and spec.method not in ("ngram", "suffix") and device.type != "cpu":
         raise InvalidRequestError(f"--speculative-config: {spec.method} speculation runs on the CPU only; "
                                   "on a GPU use ngram or suffix")
@@ -139,17 +147,21 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         dc = draft.config
         bytes_per_block += backend.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim,
                                                    config.block_size, draft.dtype)
-    kv_memory = _kv_cache_memory(config, loaded, groups, bytes_per_block, max_model_len, device)
-    num_blocks = kv_memory // bytes_per_block
+    kv_memory = _kv_cache_memory(config, loaded, groups, bytes_per_block, max_model_len, device, state_bytes)
+    num_blocks = max(0, kv_memory - state_bytes) // bytes_per_block
     kv_capacity_tokens = groups.max_tokens(num_blocks, config.block_size, config.max_num_batched_tokens)
     if kv_capacity_tokens < 1:
         raise InvalidRequestError(
             f"--kv-cache-memory {kv_memory} bytes holds no sequence in blocks of {bytes_per_block} bytes")
     num_host_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
-    config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block)
+    if state_bytes:
+        config = _without_block_reuse(config, state_bytes)
+        num_host_blocks = 0
+    config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block + state_bytes)
 
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                        num_host_blocks, hash_extra=str(config.model), groups=groups)
+                        num_host_blocks, hash_extra=str(config.model), groups=groups,
+                        num_state_slots=config.max_num_seqs if state_bytes else 0)
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
     inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
     runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups)
@@ -231,10 +243,31 @@ def _refuse_what_cannot_fit(config: EngineConfig) -> None:
             "a smaller --quantization, --max-model-len or another model would fit (`tessera size` shows the terms)")
 
 
+def _state_bytes(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the recurrent layers' states: a slot per sequence run at once (0 without them)."""
+    return int(config.max_num_seqs) * mc.state_bytes(dtype.itemsize)
+
+
+def _without_block_reuse(config: EngineConfig, state_bytes: int) -> EngineConfig:
+    """A model with recurrent layers: no prefix cache (and so no disk tier), since a hit would skip
+    the state of the tokens it covers, which is not kept per block; preemption recomputes (the
+    states are not swapped). Says so in the log, as the resolved settings do in /v1/engine/stats."""
+    logger.info("recurrent layers: %d state slots (%.1f MiB of the cache), one per sequence", config.max_num_seqs,
+                state_bytes / 2**20)
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off%s: a hit would skip the recurrent layers' state of the tokens it "
+                    "covers, which the cache does not keep per block",
+                    " and with it --kv-offload-dir" if config.kv_offload_dir else "")
+    if config.preemption_mode == "swap":
+        logger.info("preemption recomputes: the recurrent layers' states are not swapped")
+    return replace(config, enable_prefix_caching=False, kv_offload_dir=None, preemption_mode="recompute")
+
+
 def _kv_cache_memory(config: EngineConfig, loaded, groups: KVCacheGroups, bytes_per_block: int,
-                     max_model_len: int, device: torch.device) -> int:
-    """Bytes for the KV cache: --kv-cache-memory, else on a GPU what its memory leaves, else what the
-    sequences need at full length within free memory (tessera/sizing.py)."""
+                     max_model_len: int, device: torch.device, state_bytes: int = 0) -> int:
+    """Bytes for the KV cache, the recurrent layers' state slots included (`state_bytes`):
+    --kv-cache-memory, else on a GPU what its memory leaves, else what the sequences need at
+    full length within free memory (tessera/sizing.py)."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
     mc, dtype = loaded.config, loaded.dtype
@@ -243,7 +276,7 @@ def _kv_cache_memory(config: EngineConfig, loaded, groups: KVCacheGroups, bytes_
     swap = config.swap_space if config.preemption_mode == "swap" else 0
     others = swap + activation_bytes(mc, config, dtype, loaded.quant.dense_copy)
     blocks_needed = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size)
-    return default_kv_cache_memory(blocks_needed * bytes_per_block, available_memory(), others)
+    return default_kv_cache_memory(blocks_needed * bytes_per_block + state_bytes, available_memory(), others)
 
 
 def _log_kv_cache(config: EngineConfig, groups: KVCacheGroups, num_blocks: int, bytes_per_block: int,

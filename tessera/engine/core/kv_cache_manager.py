@@ -10,6 +10,10 @@ A request holds one block table per group of layers (attention/kv_groups.py): on
 all for most models; for Gemma 3 a full-attention group and sliding-window groups whose
 tables drop the blocks behind the window (`free_out_of_window`). Every table has an entry
 for each block of the context, NULL_BLOCK where a sliding group no longer holds one.
+
+A model with recurrent layers (LFM2's short convolutions) also gives each request a state slot
+(engine/core/state_slots.py), taken with its first blocks and released with them: a request that
+holds blocks holds a slot, so a preempted one (recompute) loses both and rebuilds both from token 0.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Iterator, Optional, Protocol
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
 from tessera.engine.core.block_pool import BlockPool, KVBlock, hash_block
 from tessera.engine.core.request import Request
+from tessera.engine.core.state_slots import StateSlots
 
 
 class OffloadTier(Protocol):
@@ -88,9 +93,15 @@ class KVCacheManager:
         hash_extra: object = None,
         offload: Optional[OffloadTier] = None,
         groups: Optional[KVCacheGroups] = None,
+        num_state_slots: int = 0,
     ) -> None:
+        """`num_state_slots`: per-request states of a model with recurrent layers (0: none). Such a
+        model has no prefix cache (a hit would skip the state of the tokens it covers) and no
+        second tier."""
         self.block_size = block_size
         self.groups = groups or KVCacheGroups.plain(1)
+        self.state = StateSlots(num_state_slots) if num_state_slots else None
+        enable_caching = enable_caching and self.state is None
         self.pool = BlockPool(num_blocks, enable_caching)
         if self.groups.hybrid:  # NULL_BLOCK: taken for good, so no request is ever handed it
             assert self.pool.allocate(1)[0].block_id == NULL_BLOCK
@@ -124,6 +135,14 @@ class KVCacheManager:
         """The request's block tables, one per group, as the model runner addresses the cache."""
         st = self._requests.get(request_id)
         return st.tables if st is not None else []
+
+    def state_slot(self, request_id: str) -> Optional[int]:
+        """The request's state slot (None without recurrent layers, or while it holds none)."""
+        return self.state.slot_of(request_id) if self.state is not None else None
+
+    def can_hold_state(self, req: Request) -> bool:
+        """Whether `req` holds a state slot or could take one now (always, without recurrent layers)."""
+        return self.state is None or self.state.can_take(req.request_id)
 
     def import_blocks(self, req: Request, payloads: dict[int, bytes]) -> None:
         """Blocks computed elsewhere (a prefill replica, --pd), by hash: loaded like disk-tier
@@ -242,7 +261,7 @@ class KVCacheManager:
         steps do not read them again); the same one-token-left rule as in RAM. None with sliding
         groups: a payload holds every layer's K/V of one plain block."""
         st = self.blocks(req.request_id)
-        if self.groups.hybrid or (self.offload is None and not st.payloads):
+        if self.groups.hybrid or self.state is not None or (self.offload is None and not st.payloads):
             return []
         st = self._state(req)
         found: list[tuple[int, bytes]] = []
@@ -302,8 +321,10 @@ class KVCacheManager:
         hit = cached.num_blocks
         have, computed, spare = self._room(req, cached, len(loaded))
         need = self.blocks_for(computed + num_new_tokens) - have
-        if need > spare:
+        if need > spare or not self.can_hold_state(req):
             return False
+        if self.state is not None:
+            self.state.take(req.request_id)
         st = self._state(req)
         tables = self._tables(st)
         if hit:
@@ -385,6 +406,8 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release everything the request holds (device and host blocks) and forget it."""
+        if self.state is not None:
+            self.state.release(req.request_id)
         st = self._requests.pop(req.request_id, None)
         if st is None:
             return
@@ -393,9 +416,12 @@ class KVCacheManager:
 
     # -- swap ---------------------------------------------------------------
     def swap_out(self, req: Request) -> Optional[list[tuple[int, int]]]:
-        """Move the request's computed blocks to host memory; None if host space is short.
+        """Move the request's computed blocks to host memory; None if host space is short, and
+        always with recurrent layers (their states stay on the device: the request is recomputed).
         Host blocks follow the tables group after group, NULL_BLOCK entries left out (the
         request keeps `num_null_blocks`, so swap_in rebuilds the same tables)."""
+        if self.state is not None:
+            return None
         st = self._state(req)
         n = self.blocks_for(req.num_computed_tokens)
         device = [t[i] for g, t in enumerate(st.tables)

@@ -188,7 +188,8 @@ class Scheduler:
         return max(0, min(remaining, budget, self.max_model_len - req.num_computed_tokens))
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: StepState, num_spec: int = 0) -> None:
-        chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec, with_history=not req.history_sent)
+        chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec, with_history=not req.history_sent,
+                           state_slot=self.kv.state_slot(req.request_id))
         req.history_sent = req.history_sent or chunk.sampling.history is not None
         out.scheduled.append(chunk)
         step.add(chunk, n, req.priority)
@@ -338,6 +339,8 @@ class Scheduler:
             req = self.waiting[0]
             if self.is_background(req) != background:
                 break  # background work waits behind everything else
+            if not self.kv.can_hold_state(req):
+                break  # a model with recurrent layers: no state slot free for it (engine/core/state_slots.py)
             if not self._lora_admissible(req, adapters):
                 passed.append(self.waiting.popleft())
                 continue

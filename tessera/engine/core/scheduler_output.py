@@ -76,6 +76,9 @@ class ScheduledChunk:
     # An embedding request's whole prompt: the runner pools its hidden states instead of sampling.
     pooling: Optional[PoolingParams] = None
     lora_name: Optional[str] = None  # the LoRA adapter its rows run through (None: the base)
+    # Models with recurrent layers: the request's index in each such layer's state tensor (the
+    # runner's); its state carries over from the request's earlier chunks unless `start` is 0.
+    state_slot: Optional[int] = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -136,7 +139,7 @@ class SchedulerOutput:
 
 
 def make_chunk(req: "Request", n: int, block_tables: list[list[int]], num_spec: int = 0,
-               with_history: bool = False) -> ScheduledChunk:
+               with_history: bool = False, state_slot: Optional[int] = None) -> ScheduledChunk:
     """The runner's view of `n` tokens of `req` from its computed ones (`num_spec` of them its
     proposals): plain data copied off the request, so the runner never reads the request.
     `with_history`: send the request's tokens for its penalties (if it has any), which the
@@ -156,4 +159,4 @@ def make_chunk(req: "Request", n: int, block_tables: list[list[int]], num_spec: 
         sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
         is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
         num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        pooling=req.pooling, lora_name=req.lora_name)
+        pooling=req.pooling, lora_name=req.lora_name, state_slot=state_slot)

@@ -88,12 +88,18 @@ class ModelRunner(ModelRunnerBase):
             # AttentionBackend.forward_bidirectional): the blocks are the scheduler's bookkeeping only.
             self.kv_slots, self.host_slots = [], []
             self.kv_caches: list = [None] * mc.num_layers
+            self.state_caches: list[torch.Tensor] = []
         else:
             # One tensor per slot of a pool block (every layer's own without sliding-window groups);
             # each layer reads its slot's (attention/kv_groups.py).
             self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, dtype)
             self.kv_caches = groups.layer_caches(self.kv_slots)
+            # Recurrent layers keep a state per request instead: one tensor per layer, a row per
+            # state slot (the scheduler's; one per sequence the engine runs at once).
+            self.state_caches = [torch.zeros(config.max_num_seqs, *mc.state_shape(), dtype=dtype, device=self.device)
+                                 for _ in mc.state_layers()]
+            self.kv_caches = interleave_layers(self.kv_caches, self.state_caches, mc.state_layers())
             # Host copies for swapped-out requests (untouched until used; pinned beside a GPU cache).
             self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size,
                                                mc.num_kv_heads, mc.head_dim, dtype,
@@ -195,6 +201,8 @@ class ModelRunner(ModelRunnerBase):
                 sample_rows.append(len(input_ids) - 1)
                 sample_chunks.append(s)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
+        if self.state_caches:
+            state_of(meta, order)
         if slot_of:
             self.lora.model.slots.begin_step(row_slots)
         try:
@@ -285,6 +293,24 @@ class LoRASlotMap:
             self.held[slot] = (name, weights)
             slot_of[name] = slot
         return slot_of
+
+
+def interleave_layers(attention: list[torch.Tensor], state: list[torch.Tensor],
+                      state_layers: list[int]) -> list[torch.Tensor]:
+    """Every layer's cache in layer order: the attention layers' K/V (in their order) with each
+    recurrent layer's state tensor at its own index."""
+    at, st = iter(attention), iter(state)
+    marks = set(state_layers)
+    return [next(st) if i in marks else next(at) for i in range(len(attention) + len(state))]
+
+
+def state_of(meta, chunks: list[ScheduledChunk]) -> None:
+    """The step's state slots, per request in the packed order (a model with recurrent layers
+    verifies no proposals, so each chunk is one request of the metadata)."""
+    if any(s.state_slot is None or s.num_spec_tokens for s in chunks):
+        raise RuntimeError("a chunk of a model with recurrent layers came without a state slot, or with proposals")
+    meta.state_slots = [s.state_slot for s in chunks]
+    meta.state_continues = [s.start > 0 for s in chunks]
 
 
 def pool(hidden: torch.Tensor, chunks: list[tuple[int, ScheduledChunk]]) -> dict[str, list[float]]:
