@@ -81,18 +81,25 @@ class Family:
     # Mixture-of-experts feed-forward blocks (tessera/layers/moe.py), which the one-call C decode
     # step does not run; its GGUF architecture may also hold dense models (Mixtral's is llama).
     moe: bool = False
+    # (checkpoint name part, the shared decoder's) replacements applied to every tensor name
+    # before loading, for families whose modules are named otherwise (LFM2's operator_norm, w1...).
+    renames: tuple[tuple[str, str], ...] = ()
+    # Layers that keep a per-request state instead of K/V (LFM2's short convolutions): no prefix
+    # cache, swap, speculation or one-call C decode step for them (docs/models.md).
+    recurrent: bool = False
 
     def decode_step(self) -> str:
         """Whether decode steps take the one-call C step, for `tessera models`."""
-        limits = decode_step_limits(self.block, moe=self.moe)
+        limits = decode_step_limits(self.block, moe=self.moe, recurrent=self.recurrent)
         return f"no: {', '.join(limits)}" if limits else "yes"
 
 
-def decode_step_limits(block: Block, config: Optional[ModelConfig] = None, moe: bool = False) -> list[str]:
+def decode_step_limits(block: Block, config: Optional[ModelConfig] = None, moe: bool = False,
+                       recurrent: bool = False) -> list[str]:
     """Why the one-call C decode step (models/fused_decode.py, kernels/decode_step.c) cannot run a
     model of this block and, where known, this config; empty when it can. The one place that decides:
     `tessera models` asks it of a family's block, the decoder of its loaded config (and logs the
-    answer at start-up). The step expresses every dense block here: norms before and/or after the
+    answer at start-up). The step expresses every dense block of attention layers here: norms before and/or after the
     sublayers ((1 + w) scales are folded at load), q/k norms per head or per projection, SiLU and
     GELU (tanh), scaled embeddings, multipliers, NoPE layers, partial rotary, sliding windows (with
     their own RoPE base, in hybrid cache groups) and soft-capped scores. What depends on the loaded
@@ -100,6 +107,7 @@ def decode_step_limits(block: Block, config: Optional[ModelConfig] = None, moe: 
     checks = [
         (ACTIVATIONS[block.activation].c_code is None, f"{block.activation} activation"),
         (moe or (config is not None and config.moe is not None), "mixture-of-experts layers"),
+        (recurrent or (config is not None and bool(config.state_layers())), "short-convolution layers"),
     ]
     if config is not None:
         checks += [

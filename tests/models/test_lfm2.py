@@ -1,0 +1,173 @@
+"""LFM2 (attention and gated short-convolution layers, tessera/models/families/lfm2.py) against
+transformers' Lfm2ForCausalLM: a tiny random float32 model written by transformers, 32 greedy
+tokens per prompt identical to its `generate`, through every path that must carry the
+convolutions' per-request state: alone, batched with 8-token prompt chunks, after a preemption
+(recompute), with prefix caching asked for (refused: no hit may skip a state), and through a real
+`tessera serve` with the openai client. Every test ends with every state slot free."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, build_tiny_hf_model
+from tessera.errors import TesseraError
+from tessera.llm import LLM
+from tessera.models.base import ExecutionPath
+from tessera.models.loader import forward_single, load_model
+from tessera.sampling_params import InvalidRequestError, SamplingParams
+
+PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 7, 120, 64, 33, 8, 301, 19, 77, 150], [11, 200, 45, 9, 12, 13, 14, 15, 16, 18]]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def lfm2_config():
+    from transformers import Lfm2Config
+
+    # Conv layers first and between the attention ones, as in LFM2-1.2B (6 attention of 16);
+    # kernel 3 as every released LFM2; the MLP width as its config derives it (192 -> 128).
+    return Lfm2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, conv_L_cache=3,
+                      layer_types=["conv", "full_attention", "conv", "full_attention"], block_multiple_of=32,
+                      bos_token_id=0, eos_token_id=2, pad_token_id=1)
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory) -> tuple[Path, object, list[list[int]]]:
+    """(HF folder, transformers' model, its greedy continuations of PROMPTS)."""
+    folder = tmp_path_factory.mktemp("lfm2") / "hf"
+    model = build_tiny_hf_model("lfm2", folder, config=lfm2_config())
+    model.generation_config.eos_token_id = None  # 32 tokens, as ignore_eos
+    with torch.no_grad():
+        greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    return folder, model, greedy
+
+
+def _generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    _assert_all_free(llm)
+    return tokens
+
+
+def _assert_all_free(llm: LLM) -> None:
+    stats = llm.engine.scheduler.stats()
+    assert stats.num_state_slots_total > 0 and stats.num_state_slots_used == 0
+    assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_logits_and_config_match_transformers(lfm2):
+    folder, model, _ = lfm2
+    loaded = load_model(folder, "float32", quantization="none")
+    c = loaded.config
+    assert (c.layer_kinds, c.conv_kernel, c.intermediate_size) == (["conv", "attention"] * 2, 3, 128)
+    ids = PROMPTS[1] + PROMPTS[2]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (forward_single(loaded, ids) - ref).abs().max().item() < 1e-4
+    # Token by token: every convolution reads its state from the earlier passes.
+    assert (forward_single(loaded, ids, chunk=1) - ref).abs().max().item() < 1e-4
+    assert ExecutionPath.C_DECODE not in loaded.model.execution_paths()
+    assert loaded.model.decode_step_limits() == ["short-convolution layers"]
+    assert loaded.model.family.decode_step() == "no: short-convolution layers"
+
+
+def test_size_counts_the_states_and_only_the_attention_layers_kv(lfm2):
+    from tessera.config import EngineConfig
+    from tessera.sizing import estimate, format_estimate
+
+    folder, _, _ = lfm2
+    e = estimate(EngineConfig(model=str(folder), dtype="float32", max_num_seqs=4, max_model_len=512,
+                              kv_cache_memory=1 << 20), memory=4 << 30)
+    assert e.state_bytes == 4 * 2 * 64 * 2 * 4  # sequences x conv layers x channels x (kernel - 1) x f32
+    assert e.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # 2 attention layers' K and V, 2 heads of 16
+    blocks = ((1 << 20) - e.state_bytes) // (16 * 512)  # the blocks take what the states leave: 127, not 128
+    assert e.kv_cache_bytes == blocks * 16 * 512 + e.state_bytes and e.kv_cache_tokens == blocks * 16
+    assert "recurrent layers' states" in format_estimate(e, None)
+
+
+def test_greedy_alone_and_batched_with_prompt_chunks(lfm2):
+    folder, _, greedy = lfm2
+    alone = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=1)
+    assert _generate(alone) == greedy
+    batched = LLM(str(folder), dtype="float32", max_model_len=128, max_num_batched_tokens=8, max_num_seqs=3)
+    assert _generate(batched) == greedy
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_after_preemption(lfm2, mode):
+    """4 blocks of 16 tokens for three sequences of up to 43: some must be preempted, and their
+    prefill runs again from token 0, rebuilding the state (swap is refused for states)."""
+    folder, _, greedy = lfm2
+    runner = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=3).engine.runner
+    block_bytes = runner.block_bytes()
+    assert block_bytes == 2 * 2 * 2 * 16 * 4 * 16  # K and V of the 2 attention layers only: 2 heads x 16 x f32 x 16
+    state_bytes = sum(t.numel() * t.element_size() for t in runner.state_caches)
+    assert state_bytes == 3 * 2 * 64 * 2 * 4  # slots x conv layers x channels x (3 - 1) x f32
+    small = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=3, preemption_mode=mode,
+                kv_cache_memory=4 * block_bytes + state_bytes, max_num_batched_tokens=8)
+    assert small.engine.kv.num_blocks == 4  # the states' bytes come out of the cache's
+    assert _generate(small) == greedy
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_caching_is_off_and_a_repeat_matches(lfm2, caplog):
+    folder, _, greedy = lfm2
+    with caplog.at_level("INFO", logger="tessera"):
+        llm = LLM(str(folder), dtype="float32", max_model_len=128, enable_prefix_caching=True)
+    assert "prefix caching is off" in caplog.text
+    assert llm.engine.config.enable_prefix_caching is False
+    first = _generate(llm, [PROMPTS[1]])
+    again = _generate(llm, [PROMPTS[1] * 4])[0]  # full blocks a cache would have hit...
+    repeat = _generate(llm, [PROMPTS[1] * 4])[0]  # ...on this second run
+    assert first == [greedy[1]] and repeat == again
+    assert llm.engine.scheduler.stats().prefix_cache_hits == 0
+
+
+def test_speculation_and_lora_are_refused(lfm2):
+    folder, _, _ = lfm2
+    with pytest.raises((InvalidRequestError, TesseraError), match="recurrent layers"):
+        LLM(str(folder), dtype="float32", max_model_len=128,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises((InvalidRequestError, TesseraError), match="recurrent layers"):
+        LLM(str(folder), dtype="float32", max_model_len=128, enable_lora=True)
+
+
+def test_served_by_tessera_serve_to_the_openai_client(lfm2, tmp_path):
+    """The real server (engine process, its own calibration and warm-up) with the openai client:
+    the three prompts at once, their texts those of transformers' greedy tokens; then idle with every
+    state slot free (the stats and the gauge)."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from server_process import running_server
+    from tessera.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    folder, _, greedy = lfm2
+    tokenizer = Tokenizer.from_hf_folder(folder)
+
+    def text_of(prompt: list[int], tokens: list[int]) -> str:  # as the server detokenizes, after the prompt
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        return "".join(detok.add(t) for t in tokens) + detok.flush()
+
+    with running_server(tmp_path / "server.log", "--dtype", "float32", "--max-model-len", "128",
+                        "--max-num-batched-tokens", "8", model=str(folder)) as proc:
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+
+        def complete(prompt: list[int]) -> str:
+            return client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(complete, PROMPTS))
+        assert texts == [text_of(p, g) for p, g in zip(PROMPTS, greedy)]
+        scheduler = proc.wait_idle()["scheduler"]
+        assert scheduler["num_state_slots_total"] > 0 and scheduler["num_state_slots_used"] == 0
+        metrics = httpx.get(f"{proc.url}/metrics", timeout=5).text
+        assert any(line.startswith("tessera:num_state_slots_used{") and line.endswith(" 0.0")
+                   for line in metrics.splitlines())
