@@ -167,6 +167,14 @@ def _family_config(kind: str, common: dict):
         return GptOssConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                             num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.5, tie_word_embeddings=False,
                             **{**common, "intermediate_size": common["hidden_size"]})
+    if kind == "lfm2":
+        # Conv layers first and between the attention ones, as in LFM2-1.2B (6 attention of 16);
+        # kernel 3 as every released LFM2; the MLP width as its config derives it (192 -> 128).
+        from transformers import Lfm2Config
+
+        return Lfm2Config(num_hidden_layers=4, num_key_value_heads=2, conv_L_cache=3, block_multiple_of=32,
+                          layer_types=["conv", "full_attention", "conv", "full_attention"], pad_token_id=1,
+                          **{**common, "intermediate_size": 3 * common["intermediate_size"] // 2})
     if kind == "smollm3":  # 4 layers: the 4th has no RoPE
         return SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=1,
                              **common)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, build_tiny_hf_model
+from tiny_gguf import write_tiny_gguf
 from tessera.errors import TesseraError
 from tessera.llm import LLM
 from tessera.models.base import ExecutionPath
@@ -23,27 +23,17 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def lfm2_config():
-    from transformers import Lfm2Config
-
-    # Conv layers first and between the attention ones, as in LFM2-1.2B (6 attention of 16);
-    # kernel 3 as every released LFM2; the MLP width as its config derives it (192 -> 128).
-    return Lfm2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, conv_L_cache=3,
-                      layer_types=["conv", "full_attention", "conv", "full_attention"], block_multiple_of=32,
-                      bos_token_id=0, eos_token_id=2, pad_token_id=1)
-
-
 @pytest.fixture(scope="module")
-def lfm2(tmp_path_factory) -> tuple[Path, object, list[list[int]]]:
-    """(HF folder, transformers' model, its greedy continuations of PROMPTS)."""
-    folder = tmp_path_factory.mktemp("lfm2") / "hf"
-    model = build_tiny_hf_model("lfm2", folder, config=lfm2_config())
+def lfm2(tmp_path_factory) -> tuple[Path, object, list[list[int]], Path]:
+    """(HF folder, transformers' model, its greedy continuations of PROMPTS, the F32 GGUF llama.cpp's
+    converter would write of it). The model: conftest's tiny LFM2 (conv, attention, conv, attention)."""
+    base = tmp_path_factory.mktemp("lfm2")
+    gguf, model = write_tiny_gguf("lfm2", base, quantized=False)
     model.generation_config.eos_token_id = None  # 32 tokens, as ignore_eos
     with torch.no_grad():
         greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    return folder, model, greedy
+    return base / "hf", model, greedy, gguf
 
 
 def _generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
@@ -59,7 +49,7 @@ def _assert_all_free(llm: LLM) -> None:
 
 
 def test_logits_and_config_match_transformers(lfm2):
-    folder, model, _ = lfm2
+    folder, model, _, _ = lfm2
     loaded = load_model(folder, "float32", quantization="none")
     c = loaded.config
     assert (c.layer_kinds, c.conv_kernel, c.intermediate_size) == (["conv", "attention"] * 2, 3, 128)
@@ -78,7 +68,7 @@ def test_size_counts_the_states_and_only_the_attention_layers_kv(lfm2):
     from tessera.config import EngineConfig
     from tessera.sizing import estimate, format_estimate
 
-    folder, _, _ = lfm2
+    folder, _, _, _ = lfm2
     e = estimate(EngineConfig(model=str(folder), dtype="float32", max_num_seqs=4, max_model_len=512,
                               kv_cache_memory=1 << 20), memory=4 << 30)
     assert e.state_bytes == 4 * 2 * 64 * 2 * 4  # sequences x conv layers x channels x (kernel - 1) x f32
@@ -88,8 +78,23 @@ def test_size_counts_the_states_and_only_the_attention_layers_kv(lfm2):
     assert "recurrent layers' states" in format_estimate(e, None)
 
 
+def test_gguf_as_llama_cpp_writes_it(lfm2, tmp_path):
+    """The F32 GGUF: the same greedy tokens; a quantized one (Q8_0, Q4_0, ... projections): the
+    logits of transformers holding the dequantized weights."""
+    _, _, greedy, gguf = lfm2
+    llm = LLM(str(gguf), dtype="float32", max_model_len=128, max_num_batched_tokens=8, max_num_seqs=3)
+    assert llm.engine.model_config.layer_kinds == ["conv", "attention"] * 2
+    assert _generate(llm) == greedy
+    path, model = write_tiny_gguf("lfm2", tmp_path, quantized=True)
+    ids = PROMPTS[1] + PROMPTS[2]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    loaded = load_model(path, "float32", quantization="none")
+    assert (forward_single(loaded, ids) - ref).abs().max().item() < 1e-4
+
+
 def test_greedy_alone_and_batched_with_prompt_chunks(lfm2):
-    folder, _, greedy = lfm2
+    folder, _, greedy, _ = lfm2
     alone = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=1)
     assert _generate(alone) == greedy
     batched = LLM(str(folder), dtype="float32", max_model_len=128, max_num_batched_tokens=8, max_num_seqs=3)
@@ -100,7 +105,7 @@ def test_greedy_alone_and_batched_with_prompt_chunks(lfm2):
 def test_greedy_after_preemption(lfm2, mode):
     """4 blocks of 16 tokens for three sequences of up to 43: some must be preempted, and their
     prefill runs again from token 0, rebuilding the state (swap is refused for states)."""
-    folder, _, greedy = lfm2
+    folder, _, greedy, _ = lfm2
     runner = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=3).engine.runner
     block_bytes = runner.block_bytes()
     assert block_bytes == 2 * 2 * 2 * 16 * 4 * 16  # K and V of the 2 attention layers only: 2 heads x 16 x f32 x 16
@@ -114,7 +119,7 @@ def test_greedy_after_preemption(lfm2, mode):
 
 
 def test_prefix_caching_is_off_and_a_repeat_matches(lfm2, caplog):
-    folder, _, greedy = lfm2
+    folder, _, greedy, _ = lfm2
     with caplog.at_level("INFO", logger="tessera"):
         llm = LLM(str(folder), dtype="float32", max_model_len=128, enable_prefix_caching=True)
     assert "prefix caching is off" in caplog.text
@@ -127,7 +132,7 @@ def test_prefix_caching_is_off_and_a_repeat_matches(lfm2, caplog):
 
 
 def test_speculation_and_lora_are_refused(lfm2):
-    folder, _, _ = lfm2
+    folder, _, _, _ = lfm2
     with pytest.raises((InvalidRequestError, TesseraError), match="recurrent layers"):
         LLM(str(folder), dtype="float32", max_model_len=128,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -147,7 +152,7 @@ def test_served_by_tessera_serve_to_the_openai_client(lfm2, tmp_path):
     from server_process import running_server
     from tessera.tokenizer import IncrementalDetokenizer, Tokenizer
 
-    folder, _, greedy = lfm2
+    folder, _, greedy, _ = lfm2
     tokenizer = Tokenizer.from_hf_folder(folder)
 
     def text_of(prompt: list[int], tokens: list[int]) -> str:  # as the server detokenizes, after the prompt

@@ -84,6 +84,9 @@ class Family:
     # (checkpoint name part, the shared decoder's) replacements applied to every tensor name
     # before loading, for families whose modules are named otherwise (LFM2's operator_norm, w1...).
     renames: tuple[tuple[str, str], ...] = ()
+    # llama.cpp's names for tensors the shared table (models/gguf_loader.py) does not know: a whole
+    # name ("token_embd_norm.weight") or a layer's part ("shortconv.conv"), and the HF name (part).
+    gguf_tensors: tuple[tuple[str, str], ...] = ()
     # Layers that keep a per-request state instead of K/V (LFM2's short convolutions): no prefix
     # cache, swap, speculation or one-call C decode step for them (docs/models.md).
     recurrent: bool = False

@@ -7,7 +7,7 @@ from typing import Any
 
 from tessera.config import ModelConfig
 from tessera.errors import ModelFormatError
-from tessera.models.families.base import Block, Family, need
+from tessera.models.families.base import Block, Family, GGUFMetadata, need, need_gguf
 
 # transformers' module names -> the shared decoder's (the conv layers' `conv.in_proj` / `conv.out_proj`
 # and the convolution's own weight keep theirs).
@@ -56,6 +56,26 @@ def _from_hf(hf: dict[str, Any], cfg: ModelConfig) -> None:
                                               int(hf.get("block_multiple_of", 256)))
 
 
+# llama.cpp's names (convert_hf_to_gguf.py's LFM2Model): the final norm is `token_embd_norm`
+# (transformers' embedding_norm), the conv layers' tensors `shortconv.*` (the convolution's
+# weight squeezed to [C, K]).
+GGUF_TENSORS = (("token_embd_norm.weight", "model.norm.weight"), ("shortconv.conv", "conv.conv"),
+                ("shortconv.in_proj", "conv.in_proj"), ("shortconv.out_proj", "conv.out_proj"))
+
+
+def _from_gguf(gf: GGUFMetadata, cfg: ModelConfig) -> None:
+    """llama.cpp writes a KV head count per layer, 0 for a conv layer, and the kernel length as
+    `shortconv.l_cache`; `feed_forward_length` is already the derived MLP width."""
+    kv = gf.arch_key("attention.head_count_kv")
+    if not isinstance(kv, list):
+        raise ModelFormatError("an lfm2 GGUF has one attention.head_count_kv for all layers; llama.cpp writes "
+                               "one per layer (0 for a conv layer)")
+    cfg.layer_kinds = layer_kinds(["full_attention" if int(n) else "conv" for n in kv], cfg.num_layers)
+    cfg.conv_kernel = int(need_gguf(gf, "shortconv.l_cache", "lfm2"))
+    if cfg.conv_kernel < 1:
+        raise ModelFormatError(f"an lfm2 GGUF's shortconv.l_cache is {cfg.conv_kernel}")
+
+
 FAMILY = Family(name="lfm2", hf_model_types=("lfm2",), block=Block(qk_norm="head"), from_hf=_from_hf,
-                tied_by_default=True, renames=RENAMES, recurrent=True,
+                from_gguf=_from_gguf, tied_by_default=True, renames=RENAMES, gguf_tensors=GGUF_TENSORS, recurrent=True,
                 summary="llama + per-head q/k RMSNorm; most layers a gated short convolution with per-request state")
