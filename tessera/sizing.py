@@ -284,7 +284,7 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         if e.kv_bytes_per_token else f"  KV cache       {gib(0):>10}   (an encoder keeps none: each input is computed whole)",
     ]
     if e.state_bytes:
-        lines.append(f"                              (of which {e.state_bytes / 2**20:.2f} MiB: recurrent layers' states, "
+        lines.append(f"{'':30}(of which {e.state_bytes / 2**20:.2f} MiB: recurrent layers' states, "
                      f"one per sequence x {e.max_num_seqs})")
     if "hybrid" in e.kv_cache_groups:
         lines.append(f"                              ({e.kv_cache_groups})")

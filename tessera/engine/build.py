@@ -134,10 +134,10 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     state_bytes = _state_bytes(config, mc, dtype)
     if state_bytes and config.enable_lora:
         raise InvalidRequestError("--enable-lora: LoRA adapters are not served on models with recurrent layers "
-                                  "(short convolutions)")
+                                  "(short convolutions, Mamba-2)")
     if state_bytes and spec is not None:
         raise InvalidRequestError(
-            "--speculative-config: this model has recurrent layers (short convolutions), whose per-request "
+            "--speculative-config: this model has recurrent layers (short convolutions, Mamba-2), whose per-request "
             "state a rejected proposal would leave advanced past the accepted tokens; serve it without speculation")
     if spec is not None and spec.method not in ("ngram", "suffix") and device.type != "cpu":
         raise InvalidRequestError(f"--speculative-config: {spec.method} speculation runs on the CPU only; "

@@ -92,7 +92,8 @@ class ShortConv(nn.Module):
                 raise ValueError(f"{source}: a short convolution's bias is missing or not [{c}]")
             self.conv_bias = bias.reshape(c).to(dtype).contiguous()
 
-    def forward(self, h: Tensor, state: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, h: Tensor, states: list[Tensor], meta: AttentionMetadata) -> Tensor:
+        """`states`: the layer's state tensors (one here: the convolution's inputs)."""
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
-        y = causal_conv(b * x, self.conv_weight, self.conv_bias, state, meta)
+        y = causal_conv(b * x, self.conv_weight, self.conv_bias, states[0], meta)
         return self.out_proj(c * y)

@@ -7,8 +7,9 @@ What differs between families (tessera/models/families) is data: where the norms
 the activation, RoPE's form per layer, multipliers and soft-caps. A block with norms before the
 sublayers only keeps the residual add inside the next norm's kernel. Every dense family may take
 the one-call C decode step (models/fused_decode.py), which reads the same modules. A layer's mixer
-is attention or, where `ModelConfig.layer_kinds` says "conv" (LFM2), a gated short convolution
-(layers/short_conv.py) whose per-request state tensor takes the place of the layer's KV cache.
+is attention or, where `ModelConfig.layer_kinds` says so, a recurrent mixer whose per-request state
+tensors take the place of the layer's KV cache: "conv", a gated short convolution (LFM2,
+layers/short_conv.py), or "mamba", a Mamba-2 mixer (Granite 4.0-H, layers/mamba2.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tessera.errors import ModelFormatError
 from tessera.kernels import bindings
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from tessera.layers.moe import SparseMoE
+from tessera.layers.mamba2 import Mamba2Mixer
 from tessera.layers.short_conv import ShortConv
 from tessera.layers.weights import AnyWeight, GGUFWeight
 from tessera.models.base import ExecutionPath, ModelBase
@@ -112,17 +114,19 @@ class DecoderLayer(nn.Module):
     `pre_feedforward_layernorm` and `post_feedforward_layernorm`."""
 
     def __init__(self, c: ModelConfig, block: Block, quant: QuantConfig, prefix: str, window: Optional[int],
-                 rope: str, sparse: bool, conv: bool = False):
+                 rope: str, sparse: bool, kind: str = "attention"):
         super().__init__()
         self.rope = rope
         self.residual_multiplier = c.residual_multiplier
-        self.is_conv = conv
+        self.kind = kind
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, block.norm_offset, f"{prefix}.{name}")
 
-        if conv:
+        if kind == "conv":
             self.conv = ShortConv(c.hidden_size, c.conv_kernel, c.conv_bias, quant, prefix + ".conv")
+        elif kind == "mamba" and c.mamba is not None:
+            self.mamba = Mamba2Mixer(c.hidden_size, c.mamba, c.rms_norm_eps, quant, prefix + ".mamba")
         else:
             self.self_attn = DecoderAttention(c, block, quant, prefix + ".self_attn", window)
         self.mlp: nn.Module = (SparseMoE(c.hidden_size, c.moe, quant, prefix + ".mlp") if sparse else
@@ -164,10 +168,10 @@ class DecoderModel(nn.Module):
     def __init__(self, c: ModelConfig, block: Block, quant: QuantConfig, ropes: Sequence[str]):
         super().__init__()
         windows = c.layer_windows()
-        conv = set(c.state_layers())
+        kinds = c.layer_kinds or ["attention"] * c.num_layers
         self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, quant, prefix="model.embed_tokens")
         self.layers = nn.ModuleList(DecoderLayer(c, block, quant, f"model.layers.{i}", windows[i], ropes[i],
-                                                 c.moe is not None and c.moe.is_sparse(i), i in conv)
+                                                 c.moe is not None and c.moe.is_sparse(i), kinds[i])
                                     for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, block.norm_offset, prefix="model.norm")
 
@@ -229,19 +233,23 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         if freqs is not None:
             self.rotary_emb = self._rotary(self.config.rope_theta, self.config.rope_scaling, as_float_tensor(freqs))
         for i, layer in enumerate(self.model.layers):
-            if layer.is_conv:
-                name = f"model.layers.{i}.conv.conv"
-                weight = extra.get(name + ".weight")
-                if weight is None:
-                    raise ModelFormatError(f"{source}: layer {i}'s short convolution weight {name}.weight is missing")
-                bias = extra.get(name + ".bias")
-                try:
+            try:
+                if layer.kind == "conv":
+                    name = f"model.layers.{i}.conv.conv"
+                    weight = extra.get(name + ".weight")
+                    if weight is None:
+                        raise ValueError(f"{source}: layer {i}'s short convolution weight {name}.weight is missing")
+                    bias = extra.get(name + ".bias")
                     layer.conv.load_conv(as_float_tensor(weight), None if bias is None else as_float_tensor(bias),
                                          self.dtype, source)
-                except ValueError as exc:
-                    raise ModelFormatError(str(exc)) from None
-            else:
-                layer.self_attn.finish_loading()
+                elif layer.kind == "mamba":
+                    prefix = f"model.layers.{i}.mamba."
+                    layer.mamba.load({k.removeprefix(prefix): as_float_tensor(v) for k, v in extra.items()
+                                      if k.startswith(prefix)}, self.dtype, source)
+                else:
+                    layer.self_attn.finish_loading()
+            except ValueError as exc:
+                raise ModelFormatError(str(exc)) from None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None) -> Tensor:
@@ -256,8 +264,9 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         residual = None
         for i in (range(len(self.model.layers)) if layers is None else layers):
             layer, cache, meta = self.model.layers[i], kv_caches[i], attn_meta.for_layer(i)
-            if layer.is_conv:  # `cache`: the layer's state tensor, a row per state slot
-                x, residual = layer.sublayer(x, residual, layer.attn_norms, layer.conv, cache, meta)
+            if layer.kind != "attention":  # `cache`: the layer's state tensors, a row per state slot
+                mixer = layer.conv if layer.kind == "conv" else layer.mamba
+                x, residual = layer.sublayer(x, residual, layer.attn_norms, mixer, cache, meta)
             else:
                 rope, rotary = tables[layer.rope], self.rotary_local if layer.rope == LOCAL else self.rotary_emb
                 x, residual = layer.sublayer(x, residual, layer.attn_norms, layer.self_attn, rope, cache, meta, rotary)

@@ -146,8 +146,9 @@ def forward_single(loaded: LoadedModel, token_ids: list[int], block_size: int = 
     num_blocks = max(1, math.ceil(n / block_size))
     backend = get_backend(backend_name)
     caches = backend.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
-    for i in c.state_layers():  # a recurrent layer's state, one slot: the sequence's
-        caches[i] = torch.zeros(1, *c.state_shape(), dtype=loaded.dtype)
+    for i in c.state_layers():  # a recurrent layer's states, one slot: the sequence's
+        caches[i] = [torch.zeros(1, *shape, dtype=torch.float32 if f32 else loaded.dtype)
+                     for shape, f32 in c.state_shapes(i)]
     step = chunk or n
     logits = []
     for start in range(0, n, step):

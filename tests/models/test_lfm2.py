@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from recurrent_checks import assert_logits_match, generate_all_free
 from tiny_gguf import write_tiny_gguf
 from tessera.errors import TesseraError
 from tessera.llm import LLM
-from tessera.models.base import ExecutionPath
 from tessera.models.loader import forward_single, load_model
 from tessera.sampling_params import InvalidRequestError, SamplingParams
 
@@ -37,15 +37,7 @@ def lfm2(tmp_path_factory) -> tuple[Path, object, list[list[int]], Path]:
 
 
 def _generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
-    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    _assert_all_free(llm)
-    return tokens
-
-
-def _assert_all_free(llm: LLM) -> None:
-    stats = llm.engine.scheduler.stats()
-    assert stats.num_state_slots_total > 0 and stats.num_state_slots_used == 0
-    assert stats.num_blocks_free == stats.num_blocks_total
+    return generate_all_free(llm, prompts, GREEDY)
 
 
 def test_logits_and_config_match_transformers(lfm2):
@@ -53,15 +45,7 @@ def test_logits_and_config_match_transformers(lfm2):
     loaded = load_model(folder, "float32", quantization="none")
     c = loaded.config
     assert (c.layer_kinds, c.conv_kernel, c.intermediate_size) == (["conv", "attention"] * 2, 3, 128)
-    ids = PROMPTS[1] + PROMPTS[2]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    assert (forward_single(loaded, ids) - ref).abs().max().item() < 1e-4
-    # Token by token: every convolution reads its state from the earlier passes.
-    assert (forward_single(loaded, ids, chunk=1) - ref).abs().max().item() < 1e-4
-    assert ExecutionPath.C_DECODE not in loaded.model.execution_paths()
-    assert loaded.model.decode_step_limits() == ["short-convolution layers"]
-    assert loaded.model.family.decode_step() == "no: short-convolution layers"
+    assert_logits_match(model, loaded, PROMPTS[1] + PROMPTS[2])
 
 
 def test_size_counts_the_states_and_only_the_attention_layers_kv(lfm2):
@@ -99,6 +83,17 @@ def test_greedy_alone_and_batched_with_prompt_chunks(lfm2):
     assert _generate(alone) == greedy
     batched = LLM(str(folder), dtype="float32", max_model_len=128, max_num_batched_tokens=8, max_num_seqs=3)
     assert _generate(batched) == greedy
+    # An abort mid-generation frees its slot; the next requests, taking the slots again, start from zeros.
+    engine = batched.engine
+    engine.add_request("a", PROMPTS[1], GREEDY)
+    engine.add_request("b", PROMPTS[2], GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.get_scheduler_stats().num_state_slots_used == 2
+    engine.abort_request("a")
+    engine.abort_request("b")
+    assert engine.get_scheduler_stats().num_state_slots_used == 0
+    assert _generate(batched) == greedy
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -109,7 +104,7 @@ def test_greedy_after_preemption(lfm2, mode):
     runner = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=3).engine.runner
     block_bytes = runner.block_bytes()
     assert block_bytes == 2 * 2 * 2 * 16 * 4 * 16  # K and V of the 2 attention layers only: 2 heads x 16 x f32 x 16
-    state_bytes = sum(t.numel() * t.element_size() for t in runner.state_caches)
+    state_bytes = sum(t.numel() * t.element_size() for layer in runner.state_caches for t in layer)
     assert state_bytes == 3 * 2 * 64 * 2 * 4  # slots x conv layers x channels x (3 - 1) x f32
     small = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=3, preemption_mode=mode,
                 kv_cache_memory=4 * block_bytes + state_bytes, max_num_batched_tokens=8)

@@ -88,17 +88,19 @@ class ModelRunner(ModelRunnerBase):
             # AttentionBackend.forward_bidirectional): the blocks are the scheduler's bookkeeping only.
             self.kv_slots, self.host_slots = [], []
             self.kv_caches: list = [None] * mc.num_layers
-            self.state_caches: list[torch.Tensor] = []
+            self.state_caches: list[list[torch.Tensor]] = []
         else:
             # One tensor per slot of a pool block (every layer's own without sliding-window groups);
             # each layer reads its slot's (attention/kv_groups.py).
             self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, dtype)
             self.kv_caches = groups.layer_caches(self.kv_slots)
-            # Recurrent layers keep a state per request instead: one tensor per layer, a row per
-            # state slot (the scheduler's; one per sequence the engine runs at once).
-            self.state_caches = [torch.zeros(config.max_num_seqs, *mc.state_shape(), dtype=dtype, device=self.device)
-                                 for _ in mc.state_layers()]
+            # Recurrent layers keep a state per request instead: a layer's tensors (a convolution's
+            # inputs; Mamba-2's SSM state too), a row per state slot (the scheduler's; one per
+            # sequence the engine runs at once).
+            self.state_caches = [[torch.zeros(config.max_num_seqs, *shape, dtype=torch.float32 if f32 else dtype,
+                                              device=self.device) for shape, f32 in mc.state_shapes(i)]
+                                 for i in mc.state_layers()]
             self.kv_caches = interleave_layers(self.kv_caches, self.state_caches, mc.state_layers())
             # Host copies for swapped-out requests (untouched until used; pinned beside a GPU cache).
             self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size,
@@ -295,10 +297,10 @@ class LoRASlotMap:
         return slot_of
 
 
-def interleave_layers(attention: list[torch.Tensor], state: list[torch.Tensor],
-                      state_layers: list[int]) -> list[torch.Tensor]:
+def interleave_layers(attention: list[torch.Tensor], state: list[list[torch.Tensor]],
+                      state_layers: list[int]) -> list:
     """Every layer's cache in layer order: the attention layers' K/V (in their order) with each
-    recurrent layer's state tensor at its own index."""
+    recurrent layer's state tensors at its own index."""
     at, st = iter(attention), iter(state)
     marks = set(state_layers)
     return [next(st) if i in marks else next(at) for i in range(len(attention) + len(state))]

@@ -110,7 +110,7 @@ def decode_step_limits(block: Block, config: Optional[ModelConfig] = None, moe: 
     checks = [
         (ACTIVATIONS[block.activation].c_code is None, f"{block.activation} activation"),
         (moe or (config is not None and config.moe is not None), "mixture-of-experts layers"),
-        (recurrent or (config is not None and bool(config.state_layers())), "short-convolution layers"),
+        (recurrent or (config is not None and bool(config.state_layers())), "recurrent layers"),
     ]
     if config is not None:
         checks += [
