@@ -123,7 +123,11 @@ def test_prefix_caching_is_off_and_a_repeat_matches(lfm2, caplog):
     again = _generate(llm, [PROMPTS[1] * 4])[0]  # full blocks a cache would have hit...
     repeat = _generate(llm, [PROMPTS[1] * 4])[0]  # ...on this second run
     assert first == [greedy[1]] and repeat == again
+    # n > 1: the samples share a prompt that, without a cache, each computes itself.
+    both = llm.generate([PROMPTS[2]], SamplingParams(n=2, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [c.token_ids for c in both[0].outputs] == [greedy[2]] * 2
     assert llm.engine.scheduler.stats().prefix_cache_hits == 0
+    assert llm.engine.scheduler.stats().num_state_slots_used == 0
 
 
 def test_speculation_and_lora_are_refused(lfm2):
