@@ -71,7 +71,8 @@ class SizeEstimate:
     max_model_len: int
     max_num_seqs: int
     margin: float
-    # Of kv_cache_bytes, the recurrent layers' per-request states (a slot per sequence; 0 without them).
+    # Of kv_cache_bytes, the recurrent layers' per-request states (a slot per sequence, and the prefix
+    # cache's snapshots; 0 without them).
     state_bytes: int = 0
 
     @property
@@ -200,6 +201,18 @@ def activation_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dty
     return tokens * per_token * dtype.itemsize + logits + dequantized
 
 
+# Prefix-cache snapshots of recurrent layers' states (engine/core/state_slots.py) kept per sequence
+# the engine runs at once: each finished or running prompt leaves one, so twice the sequences keep
+# the recent prompts' hits (the state, unlike K/V blocks, is whole per snapshot).
+STATE_SNAPSHOTS_PER_SEQUENCE = 2
+
+
+def state_rows(engine: EngineConfig) -> tuple[int, int]:
+    """(request slots, prefix-cache snapshots) of a model with recurrent layers under `engine`."""
+    slots = int(engine.max_num_seqs)
+    return slots, (STATE_SNAPSHOTS_PER_SEQUENCE * slots if engine.enable_prefix_caching else 0)
+
+
 def default_kv_cache_memory(needed: int, available: int, others: int, margin: float = DEFAULT_MEMORY_MARGIN) -> int:
     """The KV cache a server takes by default: what its sequences need at full length (`needed`),
     but no more than the memory available once `others` (activations, swap space) and the
@@ -240,7 +253,7 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     per_block = backend.bytes_per_block(groups.num_slots, config.num_kv_heads, config.head_dim, engine.block_size,
                                         dtype)
     per_sequence = groups.blocks_per_sequence(max_model_len, engine.block_size) * per_block
-    state = int(engine.max_num_seqs) * config.state_bytes(dtype.itemsize)  # as engine/build.py sizes it
+    state = sum(state_rows(engine)) * config.state_bytes(dtype.itemsize)  # as engine/build.py sizes it
     acts = activation_bytes(config, engine, dtype, dense_copy)
     swap = engine.swap_space if engine.preemption_mode == "swap" else 0
     if engine.kv_cache_memory is not None:
@@ -284,8 +297,8 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         if e.kv_bytes_per_token else f"  KV cache       {gib(0):>10}   (an encoder keeps none: each input is computed whole)",
     ]
     if e.state_bytes:
-        lines.append(f"{'':30}(of which {e.state_bytes / 2**20:.2f} MiB: recurrent layers' states, "
-                     f"one per sequence x {e.max_num_seqs})")
+        lines.append(f"{'':30}(of which {e.state_bytes / 2**20:.2f} MiB: recurrent layers' states, one per "
+                     f"sequence x {e.max_num_seqs} and the prefix cache's snapshots)")
     if "hybrid" in e.kv_cache_groups:
         lines.append(f"                              ({e.kv_cache_groups})")
     if e.swap_bytes:

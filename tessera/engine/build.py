@@ -39,7 +39,7 @@ from tessera.kernels.library import KernelUnavailable
 from tessera.models.adapters import read_adapter
 from tessera.models.lora_weights import load_lora_weights
 from tessera.sampling_params import InvalidRequestError
-from tessera.sizing import activation_bytes, default_kv_cache_memory
+from tessera.sizing import activation_bytes, default_kv_cache_memory, state_rows
 from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger("tessera")
@@ -159,12 +159,14 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         num_host_blocks = 0
     config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block + state_bytes)
 
+    slots, snapshots = state_rows(config) if state_bytes else (0, 0)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                         num_host_blocks, hash_extra=str(config.model), groups=groups,
-                        num_state_slots=config.max_num_seqs if state_bytes else 0)
+                        num_state_slots=slots, num_state_snapshots=snapshots)
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
     inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
-    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups)
+    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups,
+                         num_state_rows=slots + snapshots)
     lora = _build_lora(config, mc, dtype, runner) if config.enable_lora else None
     logger.info("%s", config.profile_summary())
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
@@ -244,23 +246,24 @@ def _refuse_what_cannot_fit(config: EngineConfig) -> None:
 
 
 def _state_bytes(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the recurrent layers' states: a slot per sequence run at once (0 without them)."""
-    return int(config.max_num_seqs) * mc.state_bytes(dtype.itemsize)
+    """Bytes of the recurrent layers' states: a slot per sequence run at once and the prefix
+    cache's snapshots (tessera/sizing.py's state_rows; 0 without such layers)."""
+    return sum(state_rows(config)) * mc.state_bytes(dtype.itemsize)
 
 
 def _without_block_reuse(config: EngineConfig, state_bytes: int) -> EngineConfig:
-    """A model with recurrent layers: no prefix cache (and so no disk tier), since a hit would skip
-    the state of the tokens it covers, which is not kept per block; preemption recomputes (the
-    states are not swapped). Says so in the log, as the resolved settings do in /v1/engine/stats."""
-    logger.info("recurrent layers: %d state slots (%.1f MiB of the cache), one per sequence", config.max_num_seqs,
-                state_bytes / 2**20)
-    if config.enable_prefix_caching:
-        logger.info("prefix caching is off%s: a hit would skip the recurrent layers' state of the tokens it "
-                    "covers, which the cache does not keep per block",
-                    " and with it --kv-offload-dir" if config.kv_offload_dir else "")
+    """A model with recurrent layers: its prefix cache keeps state snapshots at block boundaries
+    (a hit ends only where one was kept), but no disk tier (its blocks would come without their
+    states); preemption recomputes (the states are not swapped). Says so in the log, as the
+    resolved settings do in /v1/engine/stats."""
+    slots, snapshots = state_rows(config)
+    logger.info("recurrent layers: %d state slots and %d prefix-cache snapshots (%.1f MiB of the cache)", slots,
+                snapshots, state_bytes / 2**20)
+    if config.kv_offload_dir:
+        logger.info("--kv-offload-dir is off: its blocks would come without the recurrent layers' states")
     if config.preemption_mode == "swap":
         logger.info("preemption recomputes: the recurrent layers' states are not swapped")
-    return replace(config, enable_prefix_caching=False, kv_offload_dir=None, preemption_mode="recompute")
+    return replace(config, kv_offload_dir=None, preemption_mode="recompute")
 
 
 def _kv_cache_memory(config: EngineConfig, loaded, groups: KVCacheGroups, bytes_per_block: int,

@@ -112,8 +112,9 @@ def test_scheduler_invariants(w: dict) -> None:
     if w["sliding"] is not None:
         window, n = w["sliding"]
         groups = KVCacheGroups.for_layers([None] + [window] * n)
+    snapshots = rng.choice([0, 1, 3]) if slots else 0  # the prefix cache's state snapshots
     kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]), groups=groups,
-                        num_state_slots=slots)
+                        num_state_slots=slots, num_state_snapshots=snapshots)
     state_of: dict[str, int] = {}  # the slot each request's state was started in
     capacity = groups.max_tokens(w["num_blocks"], bs, w["budget"])
     max_model_len = max(2, min(capacity, 60))
@@ -148,6 +149,11 @@ def test_scheduler_invariants(w: dict) -> None:
         assert len(sched.running) <= cfg.max_num_seqs
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
+        owner = {kv.state_slot(r.request_id): r.request_id for r in sched.running}
+        for src, dst in out.state_copies:
+            assert (src < slots <= dst < slots + snapshots) or (dst < slots <= src < slots + snapshots)
+            if dst < slots:  # a snapshot into the slot of the request admitted with its hit
+                state_of[owner[dst]] = dst
         for s in out.scheduled:
             r = sched.requests[s.request_id]
             b = kv.blocks(r.request_id)
@@ -168,6 +174,8 @@ def test_scheduler_invariants(w: dict) -> None:
                 assert s.state_slot is not None and s.state_slot == kv.state_slot(r.request_id)
                 if s.start == 0:
                     state_of[r.request_id] = s.state_slot
+                b_end = kv.snapshot_boundary(r)  # a chunk never crosses the point its state is kept at
+                assert not s.start < b_end < s.start + s.num_new_tokens
                 assert state_of[r.request_id] == s.state_slot
         if slots:
             held = [kv.state_slot(r.request_id) for r in sched.running]

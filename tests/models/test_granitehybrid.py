@@ -47,7 +47,7 @@ def test_logits_match_transformers_at_once_and_token_by_token(granite):
 
 
 def test_greedy_alone_batched_and_after_preemption(granite):
-    folder, _, greedy = granite
+    folder, model, greedy = granite
     alone = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=1)
     assert _generate(alone) == greedy
     runner = alone.engine.runner
@@ -56,6 +56,13 @@ def test_greedy_alone_batched_and_after_preemption(granite):
     assert [[tuple(t.shape[1:]) for t in layer] for layer in runner.state_caches] == [[(192, 3), (4, 32, 16)]] * 3
     batched = LLM(str(folder), dtype="float32", max_model_len=128, max_num_batched_tokens=8, max_num_seqs=3)
     assert _generate(batched) == greedy
+    # A repeat of a 33-token prompt hits 32 tokens and resumes from both states kept there.
+    long = PROMPTS[1] * 3
+    with torch.no_grad():
+        want = model.generate(torch.tensor([long]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0)[0, len(long):].tolist()
+    assert generate_all_free(batched, [long] * 2, GREEDY) == [want] * 2  # together: each computes it
+    assert _generate(batched, [long])[0] == want and batched.engine.scheduler.stats().prefix_cache_hits >= 32
     block = runner.block_bytes()
     state = sum(t.numel() * t.element_size() for layer in batched.engine.runner.state_caches for t in layer)
     small = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=8,

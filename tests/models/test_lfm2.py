@@ -54,10 +54,11 @@ def test_size_counts_the_states_and_only_the_attention_layers_kv(lfm2):
 
     folder, _, _, _ = lfm2
     e = estimate(EngineConfig(model=str(folder), dtype="float32", max_num_seqs=4, max_model_len=512,
-                              kv_cache_memory=1 << 20), memory=4 << 30)
-    assert e.state_bytes == 4 * 2 * 64 * 2 * 4  # sequences x conv layers x channels x (kernel - 1) x f32
+                              kv_cache_memory=1 << 20, enable_prefix_caching=True), memory=4 << 30)
+    # (4 sequences + 8 prefix-cache snapshots) x conv layers x channels x (kernel - 1) x f32
+    assert e.state_bytes == (4 + 8) * 2 * 64 * 2 * 4
     assert e.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # 2 attention layers' K and V, 2 heads of 16
-    blocks = ((1 << 20) - e.state_bytes) // (16 * 512)  # the blocks take what the states leave: 127, not 128
+    blocks = ((1 << 20) - e.state_bytes) // (16 * 512)  # the blocks take what the states leave: 125, not 128
     assert e.kv_cache_bytes == blocks * 16 * 512 + e.state_bytes and e.kv_cache_tokens == blocks * 16
     assert "recurrent layers' states" in format_estimate(e, None)
 
@@ -105,7 +106,8 @@ def test_greedy_after_preemption(lfm2, mode):
     block_bytes = runner.block_bytes()
     assert block_bytes == 2 * 2 * 2 * 16 * 4 * 16  # K and V of the 2 attention layers only: 2 heads x 16 x f32 x 16
     state_bytes = sum(t.numel() * t.element_size() for layer in runner.state_caches for t in layer)
-    assert state_bytes == 3 * 2 * 64 * 2 * 4  # slots x conv layers x channels x (3 - 1) x f32
+    rows = 3 * (3 if runner.config.enable_prefix_caching else 1)  # slots, and 2 snapshots a sequence with a cache
+    assert state_bytes == rows * 2 * 64 * 2 * 4  # rows x conv layers x channels x (3 - 1) x f32
     small = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=3, preemption_mode=mode,
                 kv_cache_memory=4 * block_bytes + state_bytes, max_num_batched_tokens=8)
     assert small.engine.kv.num_blocks == 4  # the states' bytes come out of the cache's
@@ -113,21 +115,36 @@ def test_greedy_after_preemption(lfm2, mode):
     assert small.engine.scheduler.num_preemptions > 0
 
 
-def test_prefix_caching_is_off_and_a_repeat_matches(lfm2, caplog):
-    folder, _, greedy, _ = lfm2
-    with caplog.at_level("INFO", logger="tessera"):
-        llm = LLM(str(folder), dtype="float32", max_model_len=128, enable_prefix_caching=True)
-    assert "prefix caching is off" in caplog.text
-    assert llm.engine.config.enable_prefix_caching is False
-    first = _generate(llm, [PROMPTS[1]])
-    again = _generate(llm, [PROMPTS[1] * 4])[0]  # full blocks a cache would have hit...
-    repeat = _generate(llm, [PROMPTS[1] * 4])[0]  # ...on this second run
-    assert first == [greedy[1]] and repeat == again
-    # n > 1: the samples share a prompt that, without a cache, each computes itself.
+def test_prefix_cache_hits_resume_from_a_kept_state(lfm2):
+    """A repeat of a 44-token prompt hits its first two blocks and starts from the state kept at
+    their end; a longer prompt extending it hits them too; n = 2 samples share the first's prompt.
+    Every answer is transformers' own."""
+    folder, model, greedy, _ = lfm2
+    long = PROMPTS[1] * 4
+    longer = long + PROMPTS[2]
+    with torch.no_grad():
+        want = {len(p): model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       pad_token_id=0)[0, len(p):].tolist() for p in (long, longer)}
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, enable_prefix_caching=True,
+              max_num_batched_tokens=16)
+    assert llm.engine.config.enable_prefix_caching is True and llm.engine.kv.snapshots is not None
+    assert _generate(llm, [long]) == [want[len(long)]]
+    assert llm.engine.scheduler.stats().prefix_cache_hits == 0
+    assert _generate(llm, [long]) == [want[len(long)]]
+    assert llm.engine.scheduler.stats().prefix_cache_hits == 32  # 2 blocks of 16: the state kept at 32
+    assert _generate(llm, [longer]) == [want[len(longer)]]
+    assert llm.engine.scheduler.stats().prefix_cache_hits == 64
     both = llm.generate([PROMPTS[2]], SamplingParams(n=2, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert [c.token_ids for c in both[0].outputs] == [greedy[2]] * 2
-    assert llm.engine.scheduler.stats().prefix_cache_hits == 0
     assert llm.engine.scheduler.stats().num_state_slots_used == 0
+
+
+def test_without_prefix_caching_nothing_is_kept(lfm2):
+    folder, _, greedy, _ = lfm2
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, enable_prefix_caching=False)
+    assert llm.engine.kv.snapshots is None
+    assert _generate(llm, [PROMPTS[1]] * 2) == [greedy[1]] * 2
+    assert llm.engine.scheduler.stats().prefix_cache_hits == 0
 
 
 def test_speculation_and_lora_are_refused(lfm2):

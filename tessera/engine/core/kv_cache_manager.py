@@ -14,6 +14,8 @@ for each block of the context, NULL_BLOCK where a sliding group no longer holds 
 A model with recurrent layers (LFM2's short convolutions) also gives each request a state slot
 (engine/core/state_slots.py), taken with its first blocks and released with them: a request that
 holds blocks holds a slot, so a preempted one (recompute) loses both and rebuilds both from token 0.
+Its prefix cache also keeps state snapshots at block boundaries (`StateSnapshots`): a hit ends only
+at a block with one, and the request's state starts as a copy of it.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Iterator, Optional, Protocol
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
 from tessera.engine.core.block_pool import BlockPool, KVBlock, hash_block
 from tessera.engine.core.request import Request
-from tessera.engine.core.state_slots import StateSlots
+from tessera.engine.core.state_slots import StateSlots, StateSnapshots
 
 
 class OffloadTier(Protocol):
@@ -94,14 +96,18 @@ class KVCacheManager:
         offload: Optional[OffloadTier] = None,
         groups: Optional[KVCacheGroups] = None,
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
         """`num_state_slots`: per-request states of a model with recurrent layers (0: none). Such a
-        model has no prefix cache (a hit would skip the state of the tokens it covers) and no
-        second tier."""
+        model has a prefix cache only with `num_state_snapshots` (a hit that skipped the state of
+        the tokens it covers would be wrong), and no second tier."""
         self.block_size = block_size
         self.groups = groups or KVCacheGroups.plain(1)
         self.state = StateSlots(num_state_slots) if num_state_slots else None
-        enable_caching = enable_caching and self.state is None
+        enable_caching = enable_caching and (self.state is None or num_state_snapshots > 0)
+        self.snapshots = StateSnapshots(num_state_snapshots, num_state_slots) \
+            if self.state is not None and enable_caching else None
+        self._state_saves: list[tuple[int, int]] = []  # (request's slot, block hash) reached since the last take
         self.pool = BlockPool(num_blocks, enable_caching)
         if self.groups.hybrid:  # NULL_BLOCK: taken for good, so no request is ever handed it
             assert self.pool.allocate(1)[0].block_id == NULL_BLOCK
@@ -139,6 +145,33 @@ class KVCacheManager:
     def state_slot(self, request_id: str) -> Optional[int]:
         """The request's state slot (None without recurrent layers, or while it holds none)."""
         return self.state.slot_of(request_id) if self.state is not None else None
+
+    def snapshot_boundary(self, req: Request) -> int:
+        """Tokens at whose end the request leaves a state snapshot: its prompt's last full block short
+        of the prompt's last token (what a repeat of the prompt hits); 0 for none."""
+        if self.snapshots is None:
+            return 0
+        return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def clip_to_snapshot(self, req: Request, start: int, n: int) -> int:
+        """`n` tokens from `start`, cut to end at the request's snapshot boundary when they would
+        cross it (the state is saved between steps, so a chunk must end there)."""
+        b = self.snapshot_boundary(req)
+        return b - start if start < b < start + n else n
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """(source row, destination row) copies of the states that reached their snapshot boundary
+        since the last call, each into a snapshot row (the runner makes them before the step)."""
+        saves, self._state_saves = self._state_saves, []
+        return [(slot, self.snapshots.take(h)) for slot, h in saves] if self.snapshots is not None else []
+
+    def state_restore(self, req: Request, cached: PrefixHit) -> Optional[tuple[int, int]]:
+        """After a hit is allocated: the copy of the snapshot at its end into the request's slot."""
+        if self.snapshots is None or not cached.num_blocks:
+            return None
+        row = self.snapshots.row(self._state(req).hashes[cached.num_blocks - 1])
+        slot = self.state_slot(req.request_id)
+        return None if row is None or slot is None else (row, slot)
 
     def can_hold_state(self, req: Request) -> bool:
         """Whether `req` holds a state slot or could take one now (always, without recurrent layers)."""
@@ -249,6 +282,8 @@ class KVCacheManager:
             if missing is None:
                 break
             n = missing  # no hit ending past a missing block of the window can be used
+        while n > 0 and self.snapshots is not None and not self.snapshots.has(hashes[n - 1]):
+            n -= 1  # a hit must end where a state was kept
         if n == 0:
             return NO_HIT
         first = self.groups.first_needed_block(self._sliding[0], n * bs, bs) if self._sliding else 0
@@ -361,6 +396,9 @@ class KVCacheManager:
                 if g == 0 and self.offload is not None and block.block_hash == hashes[i]:
                     self._to_offload.append((block.block_id, block.block_hash))
         st.num_registered = max(st.num_registered, full)
+        boundary = self.snapshot_boundary(req)
+        if boundary and req.num_computed_tokens == boundary:
+            self._state_saves.append((self.state_slot(req.request_id), hashes[boundary // self.block_size - 1]))
 
     def free_out_of_window(self, req: Request) -> None:
         """Release the sliding groups' blocks that fell behind the window of the request's next

@@ -116,6 +116,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, disk tier payload)
+    # Recurrent layers' states to copy before the step, in order, as (source row, destination row)
+    # of every state tensor: states saved into snapshot rows, then snapshots restored into slots.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     kv_loaded_shape: StepShape = field(default_factory=StepShape)  # the prefill those loads replace
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # since the last step: the runner forgets them

@@ -50,3 +50,44 @@ class StateSlots:
         if slot is not None:
             self._free.append(slot)
             self._free.sort(reverse=True)
+
+
+class StateSnapshots:
+    """Copies of requests' states at block boundaries, by the chained hash of the block that ends
+    there, so a prefix-cache hit resumes from the state of the tokens it skips (vLLM keeps Mamba
+    states per block for the same reason). A request leaves one: at the last full block of its
+    prompt short of its last token (where a repeat of the prompt, or a longer one extending it,
+    hits). Snapshot k is row `first_row + k` of every state tensor (the runner's, after the
+    request slots); the least recently used one is overwritten when all are taken."""
+
+    def __init__(self, num_snapshots: int, first_row: int) -> None:
+        self.num_snapshots, self.first_row = num_snapshots, first_row
+        self._rows: dict[int, int] = {}  # block hash -> row; insertion order is recency
+        self._free = list(range(first_row + num_snapshots - 1, first_row - 1, -1))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, block_hash: int) -> int | None:
+        """The snapshot's row, marked used (None: no snapshot at that block)."""
+        row = self._rows.pop(block_hash, None)
+        if row is not None:
+            self._rows[block_hash] = row
+        return row
+
+    def has(self, block_hash: int) -> bool:
+        return block_hash in self._rows
+
+    def take(self, block_hash: int) -> int:
+        """A row for a new snapshot at `block_hash` (its own if it has one), evicting the least
+        recently used snapshot when none is free."""
+        row = self.row(block_hash)
+        if row is not None:
+            return row
+        if self._free:
+            row = self._free.pop()
+        else:
+            oldest = next(iter(self._rows))
+            row = self._rows.pop(oldest)
+        self._rows[block_hash] = row
+        return row

@@ -74,7 +74,9 @@ class ModelRunner(ModelRunnerBase):
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, config: EngineConfig,
                  backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
-                 groups: KVCacheGroups) -> None:
+                 groups: KVCacheGroups, num_state_rows: int = 0) -> None:
+        """`num_state_rows`: rows of each recurrent layer's state tensors (the request slots, then
+        the prefix cache's snapshots); 0: one per sequence."""
         self.model = model
         self.config = config
         self.backend = backend
@@ -98,7 +100,8 @@ class ModelRunner(ModelRunnerBase):
             # Recurrent layers keep a state per request instead: a layer's tensors (a convolution's
             # inputs; Mamba-2's SSM state too), a row per state slot (the scheduler's; one per
             # sequence the engine runs at once).
-            self.state_caches = [[torch.zeros(config.max_num_seqs, *shape, dtype=torch.float32 if f32 else dtype,
+            rows = num_state_rows or config.max_num_seqs
+            self.state_caches = [[torch.zeros(rows, *shape, dtype=torch.float32 if f32 else dtype,
                                               device=self.device) for shape, f32 in mc.state_shapes(i)]
                                  for i in mc.state_layers()]
             self.kv_caches = interleave_layers(self.kv_caches, self.state_caches, mc.state_layers())
@@ -153,6 +156,10 @@ class ModelRunner(ModelRunnerBase):
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._copy_blocks(out.swap_out, to_host=True)
         self._copy_blocks(out.swap_in, to_host=False)
+        for src, dst in out.state_copies:  # saved into snapshot rows, restored into slots, in order
+            for layer in self.state_caches:
+                for t in layer:
+                    t[dst] = t[src]
         self.histories.drop(out.finished)
         self.histories.drop(out.preempted)
         self.histories.start(out.scheduled)

@@ -87,8 +87,8 @@ class Family:
     # llama.cpp's names for tensors the shared table (models/gguf_loader.py) does not know: a whole
     # name ("token_embd_norm.weight") or a layer's part ("shortconv.conv"), and the HF name (part).
     gguf_tensors: tuple[tuple[str, str], ...] = ()
-    # Layers that keep a per-request state instead of K/V (LFM2's short convolutions): no prefix
-    # cache, swap, speculation or one-call C decode step for them (docs/models.md).
+    # Layers that keep a per-request state instead of K/V (LFM2's short convolutions, Mamba-2): no
+    # swap, disk tier, speculation or one-call C decode step for them (docs/models.md).
     recurrent: bool = False
 
     def decode_step(self) -> str:
