@@ -62,6 +62,37 @@ class MoEConfig:
 
 
 @dataclass
+class MambaConfig:
+    """A Mamba-2 mixer's shape (Granite 4.0-H's `mamba` layers; transformers' mamba_* keys):
+    `heads` heads of `head_dim` channels (`inner` in all), B and C of `d_state` per group of heads,
+    a causal convolution of `conv_kernel` over x, B and C, and the time step clamped to
+    [dt_min, dt_max]."""
+
+    heads: int
+    head_dim: int
+    d_state: int
+    inner: int
+    groups: int = 1
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.0
+    dt_max: float = math.inf
+
+    def __post_init__(self) -> None:
+        if min(self.heads, self.head_dim, self.d_state, self.groups, self.conv_kernel) < 1:
+            raise ConfigError(f"Mamba-2 shape {self}")
+        if self.heads * self.head_dim != self.inner or self.heads % self.groups:
+            raise ConfigError(f"Mamba-2: {self.heads} heads of {self.head_dim} are not {self.inner} channels in "
+                              f"{self.groups} groups")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: x, then B and C of every group."""
+        return self.inner + 2 * self.groups * self.d_state
+
+
+@dataclass
 class ModelConfig:
     """Shape of a transformer (a decoder, or a BERT encoder), independent of file format."""
 
@@ -99,6 +130,13 @@ class ModelConfig:
     attention_output_bias: bool = False  # a bias on the attention output projection (gpt-oss)
     attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
     moe: Optional[MoEConfig] = None  # mixture-of-experts feed-forward blocks; None: dense MLPs
+    # Per layer, the mixer before its MLP: "attention", "conv" (LFM2's gated short convolution,
+    # whose per-request state is the last conv_kernel - 1 inputs of each channel) or "mamba" (a
+    # Mamba-2 mixer of `mamba`'s shape: its convolution's inputs and its SSM state); None: all attention.
+    layer_kinds: Optional[list[str]] = None
+    mamba: Optional[MambaConfig] = None
+    conv_kernel: int = 0  # a conv layer's kernel length in tokens (LFM2's conv_L_cache)
+    conv_bias: bool = False  # biases on a conv layer's projections and convolution
     # bert (encoders) only: bidirectional attention over the whole input, absolute positions
     is_causal: bool = True
     type_vocab_size: int = 0
@@ -120,6 +158,31 @@ class ModelConfig:
         if self.attention_multiplier is not None:
             return float(self.attention_multiplier)
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def state_layers(self) -> list[int]:
+        """Layers that keep a fixed-size state per request instead of K/V (empty for most models)."""
+        return [i for i, kind in enumerate(self.layer_kinds or ()) if kind != "attention"]
+
+    def attention_layers(self) -> list[int]:
+        """Layers that attend, so keep K/V in the block pool."""
+        state = set(self.state_layers())
+        return [i for i in range(self.num_layers) if i not in state]
+
+    def state_shapes(self, layer: int) -> list[tuple[tuple[int, ...], bool]]:
+        """One request's state tensors in state layer `layer`, as (shape, kept in float32 whatever
+        the compute dtype): a convolution's [channels, kernel - 1] (the inputs the next token's
+        convolution reads besides its own); a Mamba-2 layer's also its SSM state [heads, head_dim,
+        d_state], in float32 (it accumulates over the whole sequence)."""
+        m = self.mamba
+        if self.layer_kinds is not None and self.layer_kinds[layer] == "mamba" and m is not None:
+            return [((m.conv_dim, m.conv_kernel - 1), False), ((m.heads, m.head_dim, m.d_state), True)]
+        return [((self.hidden_size, max(0, self.conv_kernel - 1)), False)]
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes of one request's states over every state layer, at `itemsize` bytes a value of the
+        compute dtype."""
+        return sum(math.prod(shape) * (4 if f32 else itemsize)
+                   for i in self.state_layers() for shape, f32 in self.state_shapes(i))
 
     def layer_windows(self) -> list[Optional[int]]:
         """Each layer's sliding window in tokens, None for full attention: per layer where the file

@@ -140,6 +140,8 @@ class PrometheusStatLogger:
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.num_requests_swapped = gauge("num_requests_swapped", "Number of requests swapped out to host memory.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.num_state_slots_used = gauge(
+            "num_state_slots_used", "Per-request state slots held (models with recurrent layers; 0 otherwise).")
         # Per priority class (the request's `priority`; a class gone from the queue reads 0).
         self._by_priority = (
             self._labelled(Gauge, "num_requests_running_by_priority",
@@ -289,6 +291,7 @@ class PrometheusStatLogger:
             self.num_requests_waiting.set(scheduler_stats.num_waiting)
             self.num_requests_swapped.set(scheduler_stats.num_swapped)
             self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+            self.num_state_slots_used.set(scheduler_stats.num_state_slots_used)
             if self._lora_info is not None:
                 self._record_lora(scheduler_stats)
             self._record_priorities(scheduler_stats.requests_by_priority)

@@ -71,6 +71,9 @@ class SizeEstimate:
     max_model_len: int
     max_num_seqs: int
     margin: float
+    # Of kv_cache_bytes, the recurrent layers' per-request states (a slot per sequence, and the prefix
+    # cache's snapshots; 0 without them).
+    state_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -94,7 +97,8 @@ class SizeEstimate:
         room = memory * (1 - self.margin) - (self.total_bytes - self.kv_cache_bytes)
         if not self.kv_bytes_per_token:  # an encoder: no KV cache, only the step's activations
             return self.max_num_seqs if room >= 0 else 0
-        return max(0, int(room // (self.kv_bytes_per_token * self.max_model_len)))
+        per_sequence = self.kv_bytes_per_token * self.max_model_len + self.state_bytes / max(1, self.max_num_seqs)
+        return max(0, int(room // per_sequence))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -197,6 +201,18 @@ def activation_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dty
     return tokens * per_token * dtype.itemsize + logits + dequantized
 
 
+# Prefix-cache snapshots of recurrent layers' states (engine/core/state_slots.py) kept per sequence
+# the engine runs at once: each finished or running prompt leaves one, so twice the sequences keep
+# the recent prompts' hits (the state, unlike K/V blocks, is whole per snapshot).
+STATE_SNAPSHOTS_PER_SEQUENCE = 2
+
+
+def state_rows(engine: EngineConfig) -> tuple[int, int]:
+    """(request slots, prefix-cache snapshots) of a model with recurrent layers under `engine`."""
+    slots = int(engine.max_num_seqs)
+    return slots, (STATE_SNAPSHOTS_PER_SEQUENCE * slots if engine.enable_prefix_caching else 0)
+
+
 def default_kv_cache_memory(needed: int, available: int, others: int, margin: float = DEFAULT_MEMORY_MARGIN) -> int:
     """The KV cache a server takes by default: what its sequences need at full length (`needed`),
     but no more than the memory available once `others` (activations, swap space) and the
@@ -237,16 +253,19 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
     per_block = backend.bytes_per_block(groups.num_slots, config.num_kv_heads, config.head_dim, engine.block_size,
                                         dtype)
     per_sequence = groups.blocks_per_sequence(max_model_len, engine.block_size) * per_block
+    state = sum(state_rows(engine)) * config.state_bytes(dtype.itemsize)  # as engine/build.py sizes it
     acts = activation_bytes(config, engine, dtype, dense_copy)
     swap = engine.swap_space if engine.preemption_mode == "swap" else 0
     if engine.kv_cache_memory is not None:
         kv = engine.kv_cache_memory
     else:
-        needed = int(engine.max_num_seqs) * per_sequence
+        needed = int(engine.max_num_seqs) * per_sequence + state
         kv = default_kv_cache_memory(needed, budget - runtime - weights, acts + swap, margin)
     if not config.is_causal:
         kv = swap = per_sequence = 0
-    blocks = kv // per_block
+    if state:
+        swap = 0  # preemption recomputes a model with recurrent layers
+    blocks = max(0, kv - state) // per_block
     swap = (swap // per_block) * per_block
     usable = (blocks - (1 if groups.hybrid else 0)) * per_block  # less the reserved NULL_BLOCK
     return SizeEstimate(
@@ -254,7 +273,7 @@ def estimate(engine: EngineConfig, memory: Optional[int] = None, margin: float =
         dense_copy_bytes=stored.dense_copy_bytes, storage=stored.params,
         kv_bytes_per_token=per_sequence / max_model_len, kv_cache_groups=groups.describe(),
         kv_cache_dtype=str(backend.kv_cache_dtype(dtype)).removeprefix("torch."),
-        kv_cache_bytes=blocks * per_block,
+        kv_cache_bytes=blocks * per_block + state, state_bytes=state,
         kv_cache_tokens=int(max(0, usable) * max_model_len // per_sequence) if per_sequence else 0,
         swap_bytes=swap,
         activation_bytes=acts, runtime_bytes=runtime, tokenizer_bytes=tokenizer,
@@ -277,6 +296,9 @@ def format_estimate(e: SizeEstimate, memory: Optional[int]) -> str:
         f"{e.kv_cache_tokens} tokens = {e.concurrency_at_max_len:.1f} sequences of {e.max_model_len})"
         if e.kv_bytes_per_token else f"  KV cache       {gib(0):>10}   (an encoder keeps none: each input is computed whole)",
     ]
+    if e.state_bytes:
+        lines.append(f"{'':30}(of which {e.state_bytes / 2**20:.2f} MiB: recurrent layers' states, one per "
+                     f"sequence x {e.max_num_seqs} and the prefix cache's snapshots)")
     if "hybrid" in e.kv_cache_groups:
         lines.append(f"                              ({e.kv_cache_groups})")
     if e.swap_bytes:

@@ -167,6 +167,25 @@ def _family_config(kind: str, common: dict):
         return GptOssConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                             num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.5, tie_word_embeddings=False,
                             **{**common, "intermediate_size": common["hidden_size"]})
+    if kind == "lfm2":
+        # Conv layers first and between the attention ones, as in LFM2-1.2B (6 attention of 16);
+        # kernel 3 as every released LFM2; the MLP width as its config derives it (192 -> 128).
+        from transformers import Lfm2Config
+
+        return Lfm2Config(num_hidden_layers=4, num_key_value_heads=2, conv_L_cache=3, block_multiple_of=32,
+                          layer_types=["conv", "full_attention", "conv", "full_attention"], pad_token_id=1,
+                          **{**common, "intermediate_size": 3 * common["intermediate_size"] // 2})
+    if kind == "granitemoehybrid":
+        # Granite 4.0-H's shape, dense: Mamba-2 layers around one attention layer (4 heads of 32
+        # channels in 2 groups, a 16-value state, kernel 4), Granite's multipliers, RoPE.
+        from transformers import GraniteMoeHybridConfig
+
+        return GraniteMoeHybridConfig(
+            num_hidden_layers=4, num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=128,
+            layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4, mamba_n_groups=2,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, position_embedding_type="rope",
+            embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=0.5,
+            pad_token_id=1, **common)
     if kind == "smollm3":  # 4 layers: the 4th has no RoPE
         return SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=1,
                              **common)

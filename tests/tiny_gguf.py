@@ -34,7 +34,12 @@ _POST_NORMS = {"gemma2", "gemma3", "olmo2"}
 ARCH = {"llama": "llama", "llama3-rope": "llama", "llama-linear-rope": "llama", "qwen2": "qwen2",
         "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "olmo2": "olmo2",
         "granite": "granite", "smollm3": "smollm3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-        "gpt_oss": "gpt-oss"}
+        "gpt_oss": "gpt-oss", "lfm2": "lfm2"}
+# LFM2's transformers names -> llama.cpp's (convert_hf_to_gguf.py's LFM2Model).
+_LFM2 = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
+         "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm", "feed_forward.w1": "ffn_gate",
+         "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down", "conv.conv": "shortconv.conv",
+         "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj"}
 _MOE_PARTS = {"mlp.gate": "ffn_gate_inp", "mlp.router": "ffn_gate_inp", "self_attn.sinks": "attn_sinks"}
 
 
@@ -88,8 +93,12 @@ def _gguf_name(hf: str, arch: str) -> str:
         return "output_norm.weight"
     if hf == "lm_head.weight":
         return "output.weight"
+    if hf == "model.embedding_norm.weight":  # LFM2's final norm
+        return "token_embd_norm.weight"
     _, _, idx, rest = hf.split(".", 3)
     part, kind = rest.rsplit(".", 1)
+    if arch == "lfm2" and part in _LFM2:
+        return f"blk.{idx}.{_LFM2[part]}.{kind}"
     if arch == "gpt-oss" and part == "post_attention_layernorm":  # its llama.cpp name
         return f"blk.{idx}.post_attention_norm.{kind}"
     if arch not in _POST_NORMS and part == "post_attention_layernorm":
@@ -152,10 +161,16 @@ def _add_metadata(w: GGUFWriter, cfg, arch: str) -> None:
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(_feed_forward_length(cfg, arch))
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "lfm2":  # per layer, 0 for a conv layer; the derived MLP width; the kernel length
+        w.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0 for t in cfg.layer_types])
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+        w.add_vocab_size(cfg.vocab_size)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -194,6 +209,17 @@ def _add_metadata(w: GGUFWriter, cfg, arch: str) -> None:
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if arch != "llama":  # Mixtral's expert size is its feed_forward_length
             w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+
+
+def _feed_forward_length(cfg, arch: str) -> int:
+    """The MLP's width: LFM2's converter writes the one its config derives (Lfm2MLP's rule)."""
+    if arch != "lfm2" or not cfg.block_auto_adjust_ff_dim:
+        return cfg.intermediate_size
+    size = int(2 * cfg.intermediate_size / 3)
+    if cfg.block_ffn_dim_multiplier is not None:
+        size = int(cfg.block_ffn_dim_multiplier * size)
+        size = cfg.block_multiple_of * ((size + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    return size
 
 
 def _add_longrope(w: GGUFWriter, cfg) -> None:
@@ -238,6 +264,8 @@ def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized:
             continue
         name = _gguf_name(hf_name, arch)
         data = param.detach().float().numpy().copy()
+        if name.endswith("shortconv.conv.weight"):  # [C, 1, K] squeezed to [C, K], as the converter does
+            data = data.squeeze(1)
         shift = 1.0 if arch in _GEMMA and name.endswith("norm.weight") else 0.0
         data = data + shift
         short = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
@@ -254,7 +282,7 @@ def write_tiny_gguf(kind: str, folder: Path, arch: str | None = None, quantized:
             stored = quantize(data, qtype)
             used = dequantize(stored, qtype)
         # the reference gets what the file holds, before llama.cpp's row permutation (rows quantize independently)
-        state[hf_name] = torch.from_numpy(used - shift)
+        state[hf_name] = torch.from_numpy(used - shift).reshape(param.shape)
         if arch in _PERMUTED and short in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
             stored = _llama_cpp_permute(stored, heads)

@@ -53,6 +53,11 @@ class AttentionMetadata:
     # Each layer's own metadata when layers read different block tables (kv_groups.py: sliding-window
     # layers keep only their window's blocks); None when every layer reads these.
     layers: Optional[list["AttentionMetadata"]] = None
+    # Models with recurrent layers (engine/core/state_slots.py), per request in this order: the
+    # index of its state in each such layer's state tensor, and whether that state carries over
+    # from earlier steps (False: the request's first chunk, whose state starts at zeros).
+    state_slots: Optional[list[int]] = None
+    state_continues: Optional[list[bool]] = None
 
     def for_layer(self, index: int) -> "AttentionMetadata":
         """The metadata decoder layer `index` attends with."""

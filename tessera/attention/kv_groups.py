@@ -81,8 +81,12 @@ class KVCacheGroups:
     def for_engine(cls, model: ModelConfig, engine: EngineConfig) -> "KVCacheGroups":
         """How the model's layers share blocks under these settings: sliding-window layers keep only
         their window's blocks unless that is turned off, or the disk tier is on (its blocks hold every
-        layer's K/V of a whole context; a group's blocks hold some layers' of part of it)."""
+        layer's K/V of a whole context; a group's blocks hold some layers' of part of it). A model
+        with recurrent layers (engine/core/state_slots.py) gets one group of its attention layers
+        alone, numbered in their order (the runner puts each state layer's tensor between them)."""
         hybrid = not engine.disable_hybrid_kv_cache_manager and engine.kv_offload_dir is None
+        if model.state_layers():  # only the attending layers keep K/V; the others keep a state slot
+            return cls.plain(len(model.attention_layers()))
         return cls.for_layers(model.layer_windows(), hybrid)
 
     # -- shape ----------------------------------------------------------------------

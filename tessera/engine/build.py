@@ -39,7 +39,7 @@ from tessera.kernels.library import KernelUnavailable
 from tessera.models.adapters import read_adapter
 from tessera.models.lora_weights import load_lora_weights
 from tessera.sampling_params import InvalidRequestError
-from tessera.sizing import activation_bytes, default_kv_cache_memory
+from tessera.sizing import activation_bytes, default_kv_cache_memory, state_rows
 from tessera.tokenizer import Tokenizer
 
 logger = logging.getLogger("tessera")
@@ -131,6 +131,14 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
     if not mc.is_causal:
         return _build_encoder(config, loaded, max_model_len, groups, backend)
     spec = config.speculative_config
+    state_bytes = _state_bytes(config, mc, dtype)
+    if state_bytes and config.enable_lora:
+        raise InvalidRequestError("--enable-lora: LoRA adapters are not served on models with recurrent layers "
+                                  "(short convolutions, Mamba-2)")
+    if state_bytes and spec is not None:
+        raise InvalidRequestError(
+            "--speculative-config: this model has recurrent layers (short convolutions, Mamba-2), whose per-request "
+            "state a rejected proposal would leave advanced past the accepted tokens; serve it without speculation")
     if spec is not None and spec.method not in ("ngram", "suffix") and device.type != "cpu":
         raise InvalidRequestError(f"--speculative-config: {spec.method} speculation runs on the CPU only; "
                                   "on a GPU use ngram or suffix")
@@ -139,20 +147,26 @@ def build_engine(config: EngineConfig, loaded=None) -> EngineParts:
         dc = draft.config
         bytes_per_block += backend.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim,
                                                    config.block_size, draft.dtype)
-    kv_memory = _kv_cache_memory(config, loaded, groups, bytes_per_block, max_model_len, device)
-    num_blocks = kv_memory // bytes_per_block
+    kv_memory = _kv_cache_memory(config, loaded, groups, bytes_per_block, max_model_len, device, state_bytes)
+    num_blocks = max(0, kv_memory - state_bytes) // bytes_per_block
     kv_capacity_tokens = groups.max_tokens(num_blocks, config.block_size, config.max_num_batched_tokens)
     if kv_capacity_tokens < 1:
         raise InvalidRequestError(
             f"--kv-cache-memory {kv_memory} bytes holds no sequence in blocks of {bytes_per_block} bytes")
     num_host_blocks = config.swap_space // bytes_per_block if config.preemption_mode == "swap" else 0
-    config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block)
+    if state_bytes:
+        config = _without_block_reuse(config, state_bytes)
+        num_host_blocks = 0
+    config = replace(config, max_model_len=max_model_len, kv_cache_memory=num_blocks * bytes_per_block + state_bytes)
 
+    slots, snapshots = state_rows(config) if state_bytes else (0, 0)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                        num_host_blocks, hash_extra=str(config.model), groups=groups)
+                        num_host_blocks, hash_extra=str(config.model), groups=groups,
+                        num_state_slots=slots, num_state_snapshots=snapshots)
     structured = StructuredOutputManager(loaded.tokenizer, mc.vocab_size)
     inputs = InputProcessor(loaded.tokenizer, InputLimits.for_engine(mc, config, kv_capacity_tokens))
-    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups)
+    runner = ModelRunner(loaded.model, mc, config, backend, num_blocks, num_host_blocks, dtype, groups,
+                         num_state_rows=slots + snapshots)
     lora = _build_lora(config, mc, dtype, runner) if config.enable_lora else None
     logger.info("%s", config.profile_summary())
     kv_format = str(backend.kv_cache_dtype(dtype)).removeprefix("torch.")
@@ -231,10 +245,32 @@ def _refuse_what_cannot_fit(config: EngineConfig) -> None:
             "a smaller --quantization, --max-model-len or another model would fit (`tessera size` shows the terms)")
 
 
+def _state_bytes(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the recurrent layers' states: a slot per sequence run at once and the prefix
+    cache's snapshots (tessera/sizing.py's state_rows; 0 without such layers)."""
+    return sum(state_rows(config)) * mc.state_bytes(dtype.itemsize)
+
+
+def _without_block_reuse(config: EngineConfig, state_bytes: int) -> EngineConfig:
+    """A model with recurrent layers: its prefix cache keeps state snapshots at block boundaries
+    (a hit ends only where one was kept), but no disk tier (its blocks would come without their
+    states); preemption recomputes (the states are not swapped). Says so in the log, as the
+    resolved settings do in /v1/engine/stats."""
+    slots, snapshots = state_rows(config)
+    logger.info("recurrent layers: %d state slots and %d prefix-cache snapshots (%.1f MiB of the cache)", slots,
+                snapshots, state_bytes / 2**20)
+    if config.kv_offload_dir:
+        logger.info("--kv-offload-dir is off: its blocks would come without the recurrent layers' states")
+    if config.preemption_mode == "swap":
+        logger.info("preemption recomputes: the recurrent layers' states are not swapped")
+    return replace(config, kv_offload_dir=None, preemption_mode="recompute")
+
+
 def _kv_cache_memory(config: EngineConfig, loaded, groups: KVCacheGroups, bytes_per_block: int,
-                     max_model_len: int, device: torch.device) -> int:
-    """Bytes for the KV cache: --kv-cache-memory, else on a GPU what its memory leaves, else what the
-    sequences need at full length within free memory (tessera/sizing.py)."""
+                     max_model_len: int, device: torch.device, state_bytes: int = 0) -> int:
+    """Bytes for the KV cache, the recurrent layers' state slots included (`state_bytes`):
+    --kv-cache-memory, else on a GPU what its memory leaves, else what the sequences need at
+    full length within free memory (tessera/sizing.py)."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
     mc, dtype = loaded.config, loaded.dtype
@@ -243,7 +279,7 @@ def _kv_cache_memory(config: EngineConfig, loaded, groups: KVCacheGroups, bytes_
     swap = config.swap_space if config.preemption_mode == "swap" else 0
     others = swap + activation_bytes(mc, config, dtype, loaded.quant.dense_copy)
     blocks_needed = config.max_num_seqs * groups.blocks_per_sequence(max_model_len, config.block_size)
-    return default_kv_cache_memory(blocks_needed * bytes_per_block, available_memory(), others)
+    return default_kv_cache_memory(blocks_needed * bytes_per_block + state_bytes, available_memory(), others)
 
 
 def _log_kv_cache(config: EngineConfig, groups: KVCacheGroups, num_blocks: int, bytes_per_block: int,

@@ -60,7 +60,8 @@ def calibrate_cost_model(config: EngineConfig, loaded, backend: AttentionBackend
                 if not kv.allocate_slots(req, start + n):
                     return False
                 req.num_computed_tokens = start
-                sched.scheduled.append(make_chunk(req, n, kv.block_tables(req.request_id)))
+                sched.scheduled.append(make_chunk(req, n, kv.block_tables(req.request_id),
+                                                  state_slot=kv.state_slot(req.request_id)))
             runner.execute(sched)
             return True
         finally:

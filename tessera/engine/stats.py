@@ -52,6 +52,9 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # share of blocks held by requests, 0..1
     num_blocks_total: int = 0
     num_blocks_free: int = 0
+    # Models with recurrent layers (0 otherwise): per-request state slots, and those requests hold.
+    num_state_slots_total: int = 0
+    num_state_slots_used: int = 0
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative prompt tokens found
     num_preemptions: int = 0  # cumulative

@@ -5,8 +5,12 @@ fused into one Linear each: on CPU a small model pays per-op overhead as much as
 larger matrix products win. RoPE rotates Q and K together from a table gathered once per step.
 What differs between families (tessera/models/families) is data: where the norms sit, q/k norms,
 the activation, RoPE's form per layer, multipliers and soft-caps. A block with norms before the
-sublayers only keeps the residual add inside the next norm's kernel. Every family, mixtures of
-experts too, may take the one-call C decode step (models/fused_decode.py), which reads the same modules.
+sublayers only keeps the residual add inside the next norm's kernel. Every family of attention
+layers, mixtures of experts too, may take the one-call C decode step (models/fused_decode.py),
+which reads the same modules. A layer's mixer is attention or, where `ModelConfig.layer_kinds`
+says so, a recurrent mixer whose per-request state tensors take the place of the layer's KV cache:
+"conv", a gated short convolution (LFM2, layers/short_conv.py), or "mamba", a Mamba-2 mixer
+(Granite 4.0-H, layers/mamba2.py).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from tessera.errors import ModelFormatError
 from tessera.kernels import bindings
 from tessera.layers import Attention, GatedMLP, Linear, QuantConfig, RMSNorm, RotaryEmbedding, VocabEmbedding, apply_rope
 from tessera.layers.moe import SparseMoE
+from tessera.layers.mamba2 import Mamba2Mixer
+from tessera.layers.short_conv import ShortConv
 from tessera.layers.weights import AnyWeight, GGUFWeight
 from tessera.models.base import ExecutionPath, ModelBase
 from tessera.models.families import Block, Family, family
@@ -109,15 +115,21 @@ class DecoderLayer(nn.Module):
     `pre_feedforward_layernorm` and `post_feedforward_layernorm`."""
 
     def __init__(self, c: ModelConfig, block: Block, quant: QuantConfig, prefix: str, window: Optional[int],
-                 rope: str, sparse: bool):
+                 rope: str, sparse: bool, kind: str = "attention"):
         super().__init__()
         self.rope = rope
         self.residual_multiplier = c.residual_multiplier
+        self.kind = kind
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, block.norm_offset, f"{prefix}.{name}")
 
-        self.self_attn = DecoderAttention(c, block, quant, prefix + ".self_attn", window)
+        if kind == "conv":
+            self.conv = ShortConv(c.hidden_size, c.conv_kernel, c.conv_bias, quant, prefix + ".conv")
+        elif kind == "mamba" and c.mamba is not None:
+            self.mamba = Mamba2Mixer(c.hidden_size, c.mamba, c.rms_norm_eps, quant, prefix + ".mamba")
+        else:
+            self.self_attn = DecoderAttention(c, block, quant, prefix + ".self_attn", window)
         self.mlp: nn.Module = (SparseMoE(c.hidden_size, c.moe, quant, prefix + ".mlp") if sparse else
                                GatedMLP(c.hidden_size, c.intermediate_size, quant, block.activation, prefix + ".mlp"))
         self.fused_residual = block.pre_norms and not block.post_norms
@@ -157,9 +169,10 @@ class DecoderModel(nn.Module):
     def __init__(self, c: ModelConfig, block: Block, quant: QuantConfig, ropes: Sequence[str]):
         super().__init__()
         windows = c.layer_windows()
+        kinds = c.layer_kinds or ["attention"] * c.num_layers
         self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, quant, prefix="model.embed_tokens")
         self.layers = nn.ModuleList(DecoderLayer(c, block, quant, f"model.layers.{i}", windows[i], ropes[i],
-                                                 c.moe is not None and c.moe.is_sparse(i))
+                                                 c.moe is not None and c.moe.is_sparse(i), kinds[i])
                                     for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, quant.dtype, block.norm_offset, prefix="model.norm")
 
@@ -202,6 +215,8 @@ class DecoderForCausalLM(nn.Module, ModelBase):
     def load_weights(self, weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
                      source: str = "checkpoint") -> None:
         extra: dict = {}
+        if self.family.renames:
+            weights = _renamed(weights, self.family.renames)
         if self.family.fused_projections:
             weights = _split_fused(weights, self.config)
         if self.config.moe is not None:
@@ -218,8 +233,24 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         freqs = extra.get("rope_freqs")
         if freqs is not None:
             self.rotary_emb = self._rotary(self.config.rope_theta, self.config.rope_scaling, as_float_tensor(freqs))
-        for layer in self.model.layers:
-            layer.self_attn.finish_loading()
+        for i, layer in enumerate(self.model.layers):
+            try:
+                if layer.kind == "conv":
+                    name = f"model.layers.{i}.conv.conv"
+                    weight = extra.get(name + ".weight")
+                    if weight is None:
+                        raise ValueError(f"{source}: layer {i}'s short convolution weight {name}.weight is missing")
+                    bias = extra.get(name + ".bias")
+                    layer.conv.load_conv(as_float_tensor(weight), None if bias is None else as_float_tensor(bias),
+                                         self.dtype, source)
+                elif layer.kind == "mamba":
+                    prefix = f"model.layers.{i}.mamba."
+                    layer.mamba.load({k.removeprefix(prefix): as_float_tensor(v) for k, v in extra.items()
+                                      if k.startswith(prefix)}, self.dtype, source)
+                else:
+                    layer.self_attn.finish_loading()
+            except ValueError as exc:
+                raise ModelFormatError(str(exc)) from None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                 attn_meta: AttentionMetadata, layers: Optional[Sequence[int]] = None,
@@ -238,8 +269,12 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         residual = None
         for i in (range(len(self.model.layers)) if layers is None else layers):
             layer, cache, meta = self.model.layers[i], kv_caches[i], attn_meta.for_layer(i)
-            rope, rotary = tables[layer.rope], self.rotary_local if layer.rope == LOCAL else self.rotary_emb
-            x, residual = layer.sublayer(x, residual, layer.attn_norms, layer.self_attn, rope, cache, meta, rotary)
+            if layer.kind != "attention":  # `cache`: the layer's state tensors, a row per state slot
+                mixer = layer.conv if layer.kind == "conv" else layer.mamba
+                x, residual = layer.sublayer(x, residual, layer.attn_norms, mixer, cache, meta)
+            else:
+                rope, rotary = tables[layer.rope], self.rotary_local if layer.rope == LOCAL else self.rotary_emb
+                x, residual = layer.sublayer(x, residual, layer.attn_norms, layer.self_attn, rope, cache, meta, rotary)
             x, residual = layer.sublayer(x, residual, layer.mlp_norms, layer.mlp)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
@@ -261,7 +296,7 @@ class DecoderForCausalLM(nn.Module, ModelBase):
 
     def decode_step_limits(self) -> list[str]:
         """What keeps this model's decode steps off the one-call C step (empty: nothing)."""
-        return decode_step_limits(self.family.block, self.config)
+        return decode_step_limits(self.family.block, self.config, recurrent=self.family.recurrent)
 
     def execution_paths(self) -> frozenset[ExecutionPath]:
         if self.decode_step_limits():
@@ -283,6 +318,15 @@ class DecoderForCausalLM(nn.Module, ModelBase):
         return FusedDecode.build(DecoderParts(
             self.config, self.dtype, self.model.embed_tokens, self.embed_scale, self.rotary_emb, self.rotary_local,
             self.family.block.qk_norm, layers, self.model.norm))
+
+
+def _renamed(weights: Iterable[tuple[str, Union[Tensor, AnyWeight]]],
+             renames: tuple[tuple[str, str], ...]) -> Iterator[tuple[str, Union[Tensor, AnyWeight]]]:
+    """Checkpoint names in the shared decoder's module names (the family's `renames`)."""
+    for name, w in weights:
+        for old, new in renames:
+            name = name.replace(old, new)
+        yield name, w
 
 
 def _split_rows(w: Union[Tensor, AnyWeight], sizes: Sequence[int]) -> list[Union[Tensor, AnyWeight]]:

@@ -54,7 +54,7 @@ def config_from_gguf(gf: GGUFFile, name: str = "") -> ModelConfig:
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     num_kv_heads = gf.arch_key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):  # per-layer counts; all our architectures use one value
+    if isinstance(num_kv_heads, list):  # per-layer counts: one value, or 0 for LFM2's conv layers
         num_kv_heads = max(num_kv_heads)
     # Not rope.dimension_count: with partial rotary (Phi-3) it is less than a head.
     head_dim = gf.arch_key("attention.key_length") or hidden // num_heads
@@ -117,14 +117,19 @@ def _check_shapes(gf: GGUFFile, cfg: ModelConfig, fam: Family) -> None:
             raise fail(f"{field_name} is {getattr(cfg, field_name)}")
     if cfg.num_heads % cfg.num_kv_heads:
         raise fail(f"{cfg.num_heads} attention heads do not divide into {cfg.num_kv_heads} KV heads")
-    q, kv, last = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_layers - 1
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attending = cfg.attention_layers()  # every layer but a recurrent model's conv layers
+    if not attending:
+        raise fail("no layer attends")
+    first, last = attending[0], attending[-1]
     expected = {"token_embd.weight": (cfg.vocab_size, cfg.hidden_size)}
     if fam.fused_projections:
-        expected.update({"blk.0.attn_qkv.weight": (q + 2 * kv, cfg.hidden_size),
+        expected.update({f"blk.{first}.attn_qkv.weight": (q + 2 * kv, cfg.hidden_size),
                          "blk.0.ffn_up.weight": (2 * cfg.intermediate_size, cfg.hidden_size),
                          f"blk.{last}.attn_qkv.weight": (q + 2 * kv, cfg.hidden_size)})
     else:
-        expected.update({"blk.0.attn_q.weight": (q, cfg.hidden_size), "blk.0.attn_k.weight": (kv, cfg.hidden_size),
+        expected.update({f"blk.{first}.attn_q.weight": (q, cfg.hidden_size),
+                         f"blk.{first}.attn_k.weight": (kv, cfg.hidden_size),
                          f"blk.{last}.attn_q.weight": (q, cfg.hidden_size)})
         moe = cfg.moe
         if moe is not None and moe.is_sparse(0):
@@ -190,7 +195,7 @@ _LAYER_NAMES = {
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
     "attn_sinks": "self_attn.sinks",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_.]+)\.(weight|bias)")
 
 
 # Tensors the family's config reader takes (LongRoPE's factors), not weights.
@@ -199,14 +204,17 @@ CONFIG_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weig
 
 def hf_name(gguf_name: str, arch: str) -> Optional[str]:
     """Hugging Face parameter name of a GGUF tensor, or None for tensors the model does not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    fam = FAMILIES.get(arch)
+    own = dict(fam.gguf_tensors) if fam is not None else {}
+    if gguf_name in _GLOBAL_NAMES or gguf_name in own:
+        return own.get(gguf_name) or _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if not m:
         return None
     layer, part, kind = m.groups()
-    fam = FAMILIES.get(arch)
-    if part == "ffn_norm":
+    if part in own:
+        target = own[part]
+    elif part == "ffn_norm":
         # The pre-MLP norm: llama's post_attention_layernorm; Gemma's has that name for another.
         target = "pre_feedforward_layernorm" if fam is not None and fam.block.post_norms else "post_attention_layernorm"
     elif part == "attn_qkv":

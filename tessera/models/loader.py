@@ -153,11 +153,15 @@ def forward_single(loaded: LoadedModel, token_ids: list[int], block_size: int = 
     num_blocks = max(1, math.ceil(n / block_size))
     backend = get_backend(backend_name)
     caches = backend.allocate(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, loaded.dtype)
+    for i in c.state_layers():  # a recurrent layer's states, one slot: the sequence's
+        caches[i] = [torch.zeros(1, *shape, dtype=torch.float32 if f32 else loaded.dtype)
+                     for shape, f32 in c.state_shapes(i)]
     step = chunk or n
     logits = []
     for start in range(0, n, step):
         end = min(n, start + step)
         meta = backend.build_metadata([end - start], [end], [list(range(num_blocks))], block_size)
+        meta.state_slots, meta.state_continues = [0], [start > 0]
         hidden = loaded.model(torch.tensor(token_ids[start:end], dtype=torch.long), torch.arange(start, end),
                               caches, meta)
         logits.append(loaded.model.compute_logits(hidden))

@@ -180,6 +180,9 @@ async def engine_live(request: Request, seconds: int = 120) -> Response:
                                "swapped": stats.num_swapped, "kv_usage": round(stats.kv_cache_usage, 4),
                                "num_blocks_total": stats.num_blocks_total,
                                "num_blocks_free": stats.num_blocks_free,
+                               # per-request states of recurrent layers (0 and 0 without them)
+                               "num_state_slots_total": stats.num_state_slots_total,
+                               "num_state_slots_used": stats.num_state_slots_used,
                                # requests per LoRA adapter name (empty without adapters)
                                "lora_running": dict(getattr(stats, "lora_running", None) or {}),
                                "lora_waiting": dict(getattr(stats, "lora_waiting", None) or {}),

@@ -68,6 +68,9 @@ workload = st.fixed_dictionaries({
     "spec": st.integers(0, 4),  # tokens proposed to decoding requests (speculative decoding)
     # Sliding-window layers beside full ones (kv_groups.py): None, or (window, sliding groups).
     "sliding": st.one_of(st.none(), st.tuples(st.integers(1, 24), st.integers(1, 3))),
+    # Recurrent layers (engine/core/state_slots.py): None, or how many fewer state slots than
+    # sequences (0: one each, as the engine makes them; more: the slots limit admission).
+    "state": st.one_of(st.none(), st.integers(0, 2)),
 })
 
 
@@ -103,10 +106,16 @@ def test_scheduler_invariants(w: dict) -> None:
                        min_prefill_chunk=w["min_chunk"], scheduling_policy=w["scheduling"],
                        background_priority=BACKGROUND)
     groups = KVCacheGroups.plain(2)
+    slots = 0 if w["state"] is None else max(1, w["max_seqs"] - w["state"])
+    if slots:  # such a model has no speculation and no sliding groups (build.py refuses them)
+        w = {**w, "spec": 0, "sliding": None}
     if w["sliding"] is not None:
         window, n = w["sliding"]
         groups = KVCacheGroups.for_layers([None] + [window] * n)
-    kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]), groups=groups)
+    snapshots = rng.choice([0, 1, 3]) if slots else 0  # the prefix cache's state snapshots
+    kv = KVCacheManager(w["num_blocks"], bs, w["caching"], num_host_blocks=rng.choice([0, 4, 64]), groups=groups,
+                        num_state_slots=slots, num_state_snapshots=snapshots)
+    state_of: dict[str, int] = {}  # the slot each request's state was started in
     capacity = groups.max_tokens(w["num_blocks"], bs, w["budget"])
     max_model_len = max(2, min(capacity, 60))
     sched = Scheduler(cfg, kv, max_model_len, cost)
@@ -140,6 +149,11 @@ def test_scheduler_invariants(w: dict) -> None:
         assert len(sched.running) <= cfg.max_num_seqs
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
+        owner = {kv.state_slot(r.request_id): r.request_id for r in sched.running}
+        for src, dst in out.state_copies:
+            assert (src < slots <= dst < slots + snapshots) or (dst < slots <= src < slots + snapshots)
+            if dst < slots:  # a snapshot into the slot of the request admitted with its hit
+                state_of[owner[dst]] = dst
         for s in out.scheduled:
             r = sched.requests[s.request_id]
             b = kv.blocks(r.request_id)
@@ -156,6 +170,16 @@ def test_scheduler_invariants(w: dict) -> None:
             first = max(kv.groups.first_needed_block(g, r.num_computed_tokens, bs)
                         for g in range(kv.groups.num_groups))
             assert b.num_null_blocks <= first
+            if slots:  # a state continues only in the slot it started in, never shared
+                assert s.state_slot is not None and s.state_slot == kv.state_slot(r.request_id)
+                if s.start == 0:
+                    state_of[r.request_id] = s.state_slot
+                b_end = kv.snapshot_boundary(r)  # a chunk never crosses the point its state is kept at
+                assert not s.start < b_end < s.start + s.num_new_tokens
+                assert state_of[r.request_id] == s.state_slot
+        if slots:
+            held = [kv.state_slot(r.request_id) for r in sched.running]
+            assert None not in held and len(set(held)) == len(held) <= slots == kv.state.num_slots
         background = any(sched.requests[s.request_id].priority >= BACKGROUND for s in out.scheduled)
         if cost is not None and w["policy"] == "continuous" and not (background and w["scheduling"] == "priority"):
             check_latency_target(out, cost, target_ms / 1000, w["min_chunk"])
@@ -179,6 +203,7 @@ def test_scheduler_invariants(w: dict) -> None:
     assert kv.num_free_blocks == w["num_blocks"] - (1 if groups.hybrid else 0)
     assert len(kv.host_free) == kv.num_host_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks[1 if groups.hybrid else 0:])
+    assert kv.state is None or kv.state.num_used == 0
 
 
 def check_latency_target(out, cost: FakeCostModel, target_s: float, min_chunk: int) -> None:

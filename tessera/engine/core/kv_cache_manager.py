@@ -10,6 +10,12 @@ A request holds one block table per group of layers (attention/kv_groups.py): on
 all for most models; for Gemma 3 a full-attention group and sliding-window groups whose
 tables drop the blocks behind the window (`free_out_of_window`). Every table has an entry
 for each block of the context, NULL_BLOCK where a sliding group no longer holds one.
+
+A model with recurrent layers (LFM2's short convolutions) also gives each request a state slot
+(engine/core/state_slots.py), taken with its first blocks and released with them: a request that
+holds blocks holds a slot, so a preempted one (recompute) loses both and rebuilds both from token 0.
+Its prefix cache also keeps state snapshots at block boundaries (`StateSnapshots`): a hit ends only
+at a block with one, and the request's state starts as a copy of it.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Iterator, Optional, Protocol
 from tessera.attention.kv_groups import NULL_BLOCK, KVCacheGroups
 from tessera.engine.core.block_pool import BlockPool, KVBlock, hash_block
 from tessera.engine.core.request import Request
+from tessera.engine.core.state_slots import StateSlots, StateSnapshots
 
 
 class OffloadTier(Protocol):
@@ -88,9 +95,19 @@ class KVCacheManager:
         hash_extra: object = None,
         offload: Optional[OffloadTier] = None,
         groups: Optional[KVCacheGroups] = None,
+        num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
+        """`num_state_slots`: per-request states of a model with recurrent layers (0: none). Such a
+        model has a prefix cache only with `num_state_snapshots` (a hit that skipped the state of
+        the tokens it covers would be wrong), and no second tier."""
         self.block_size = block_size
         self.groups = groups or KVCacheGroups.plain(1)
+        self.state = StateSlots(num_state_slots) if num_state_slots else None
+        enable_caching = enable_caching and (self.state is None or num_state_snapshots > 0)
+        self.snapshots = StateSnapshots(num_state_snapshots, num_state_slots) \
+            if self.state is not None and enable_caching else None
+        self._state_saves: list[tuple[int, int]] = []  # (request's slot, block hash) reached since the last take
         self.pool = BlockPool(num_blocks, enable_caching)
         if self.groups.hybrid:  # NULL_BLOCK: taken for good, so no request is ever handed it
             assert self.pool.allocate(1)[0].block_id == NULL_BLOCK
@@ -124,6 +141,41 @@ class KVCacheManager:
         """The request's block tables, one per group, as the model runner addresses the cache."""
         st = self._requests.get(request_id)
         return st.tables if st is not None else []
+
+    def state_slot(self, request_id: str) -> Optional[int]:
+        """The request's state slot (None without recurrent layers, or while it holds none)."""
+        return self.state.slot_of(request_id) if self.state is not None else None
+
+    def snapshot_boundary(self, req: Request) -> int:
+        """Tokens at whose end the request leaves a state snapshot: its prompt's last full block short
+        of the prompt's last token (what a repeat of the prompt hits); 0 for none."""
+        if self.snapshots is None:
+            return 0
+        return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def clip_to_snapshot(self, req: Request, start: int, n: int) -> int:
+        """`n` tokens from `start`, cut to end at the request's snapshot boundary when they would
+        cross it (the state is saved between steps, so a chunk must end there)."""
+        b = self.snapshot_boundary(req)
+        return b - start if start < b < start + n else n
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """(source row, destination row) copies of the states that reached their snapshot boundary
+        since the last call, each into a snapshot row (the runner makes them before the step)."""
+        saves, self._state_saves = self._state_saves, []
+        return [(slot, self.snapshots.take(h)) for slot, h in saves] if self.snapshots is not None else []
+
+    def state_restore(self, req: Request, cached: PrefixHit) -> Optional[tuple[int, int]]:
+        """After a hit is allocated: the copy of the snapshot at its end into the request's slot."""
+        if self.snapshots is None or not cached.num_blocks:
+            return None
+        row = self.snapshots.row(self._state(req).hashes[cached.num_blocks - 1])
+        slot = self.state_slot(req.request_id)
+        return None if row is None or slot is None else (row, slot)
+
+    def can_hold_state(self, req: Request) -> bool:
+        """Whether `req` holds a state slot or could take one now (always, without recurrent layers)."""
+        return self.state is None or self.state.can_take(req.request_id)
 
     def import_blocks(self, req: Request, payloads: dict[int, bytes]) -> None:
         """Blocks computed elsewhere (a prefill replica, --pd), by hash: loaded like disk-tier
@@ -234,6 +286,8 @@ class KVCacheManager:
             if missing is None:
                 break
             n = missing  # no hit ending past a missing block of the window can be used
+        while n > 0 and self.snapshots is not None and not self.snapshots.has(hashes[n - 1]):
+            n -= 1  # a hit must end where a state was kept
         if n == 0:
             return NO_HIT
         first = self.groups.first_needed_block(self._sliding[0], n * bs, bs) if self._sliding else 0
@@ -246,7 +300,7 @@ class KVCacheManager:
         steps do not read them again); the same one-token-left rule as in RAM. None with sliding
         groups: a payload holds every layer's K/V of one plain block."""
         st = self.blocks(req.request_id)
-        if self.groups.hybrid or (self.offload is None and not st.payloads):
+        if self.groups.hybrid or self.state is not None or (self.offload is None and not st.payloads):
             return []
         st = self._state(req)
         found: list[tuple[int, bytes]] = []
@@ -306,8 +360,10 @@ class KVCacheManager:
         hit = cached.num_blocks
         have, computed, spare = self._room(req, cached, len(loaded))
         need = self.blocks_for(computed + num_new_tokens) - have
-        if need > spare:
+        if need > spare or not self.can_hold_state(req):
             return False
+        if self.state is not None:
+            self.state.take(req.request_id)
         st = self._state(req)
         tables = self._tables(st)
         if hit:
@@ -344,6 +400,9 @@ class KVCacheManager:
                 if g == 0 and self.offload is not None and block.block_hash == hashes[i]:
                     self._to_offload.append((block.block_id, block.block_hash))
         st.num_registered = max(st.num_registered, full)
+        boundary = self.snapshot_boundary(req)
+        if boundary and req.num_computed_tokens == boundary:
+            self._state_saves.append((self.state_slot(req.request_id), hashes[boundary // self.block_size - 1]))
 
     def free_out_of_window(self, req: Request) -> None:
         """Release the sliding groups' blocks that fell behind the window of the request's next
@@ -389,6 +448,8 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release everything the request holds (device and host blocks) and forget it."""
+        if self.state is not None:
+            self.state.release(req.request_id)
         st = self._requests.pop(req.request_id, None)
         if st is None:
             return
@@ -397,9 +458,12 @@ class KVCacheManager:
 
     # -- swap ---------------------------------------------------------------
     def swap_out(self, req: Request) -> Optional[list[tuple[int, int]]]:
-        """Move the request's computed blocks to host memory; None if host space is short.
+        """Move the request's computed blocks to host memory; None if host space is short, and
+        always with recurrent layers (their states stay on the device: the request is recomputed).
         Host blocks follow the tables group after group, NULL_BLOCK entries left out (the
         request keeps `num_null_blocks`, so swap_in rebuilds the same tables)."""
+        if self.state is not None:
+            return None
         st = self._state(req)
         n = self.blocks_for(req.num_computed_tokens)
         device = [t[i] for g, t in enumerate(st.tables)

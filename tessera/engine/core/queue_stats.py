@@ -23,6 +23,8 @@ def scheduler_stats(running: list[Request], waiting: Collection[Request], kv: KV
         kv_cache_usage=kv.usage(),
         num_blocks_total=kv.num_blocks,
         num_blocks_free=kv.num_free_blocks,
+        num_state_slots_total=kv.state.num_slots if kv.state is not None else 0,
+        num_state_slots_used=kv.state.num_used if kv.state is not None else 0,
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
         num_preemptions=num_preemptions,

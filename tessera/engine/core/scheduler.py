@@ -189,7 +189,8 @@ class Scheduler:
         return max(0, min(remaining, budget, self.max_model_len - req.num_computed_tokens))
 
     def _grant(self, req: Request, n: int, out: SchedulerOutput, step: StepState, num_spec: int = 0) -> None:
-        chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec, with_history=not req.history_sent)
+        chunk = make_chunk(req, n, self.kv.block_tables(req.request_id), num_spec, with_history=not req.history_sent,
+                           state_slot=self.kv.state_slot(req.request_id))
         req.history_sent = req.history_sent or chunk.sampling.history is not None
         out.scheduled.append(chunk)
         step.add(chunk, n, req.priority)
@@ -226,6 +227,7 @@ class Scheduler:
                 n = cap if self.sizing.background_decode_fits(req, step) else 0
             else:
                 n = self.sizing.prompt_chunk(req, req.num_computed_tokens, cap, step)
+                n = self.kv.clip_to_snapshot(req, req.num_computed_tokens, n)
                 # A chunk takes blocks in every group, sliding ones included, until the window
                 # moves past it: shrink it to the free blocks rather than preempt a running
                 # request for it; only a prompt that cannot move at all preempts.
@@ -279,7 +281,7 @@ class Scheduler:
         return self._finish_need(req, cached) <= self.kv.num_free_blocks - reserved
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished=self._finished_ids)
+        out = SchedulerOutput(finished=self._finished_ids, state_copies=self.kv.take_state_copies())
         self._finished_ids = []
         step = StepState(budget=self.config.max_num_batched_tokens)
         if self.by_priority:  # stable: admission order within a class; the last is the first victim
@@ -339,6 +341,8 @@ class Scheduler:
             req = self.waiting[0]
             if self.is_background(req) != background:
                 break  # background work waits behind everything else
+            if not self.kv.can_hold_state(req):
+                break  # a model with recurrent layers: no state slot free for it (engine/core/state_slots.py)
             if not self._lora_admissible(req, adapters):
                 passed.append(self.waiting.popleft())
                 continue
@@ -364,6 +368,7 @@ class Scheduler:
                 hit_tokens = (cached.num_blocks + len(loaded)) * self.kv.block_size
                 start = req.num_computed_tokens + hit_tokens
                 n = self.sizing.prompt_chunk(req, start, min(req.num_tokens - start, step.budget), step)
+                n = self.kv.clip_to_snapshot(req, start, n)
                 if n == 0 and not static:
                     break  # the step is full under the latency target; admit next step
                 if not static:
@@ -375,6 +380,9 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, n, cached, [h for h, _ in loaded]):
                     break
                 req.num_computed_tokens = start
+                restore = self.kv.state_restore(req, cached)
+                if restore is not None:  # the hit's state, into the request's slot before the step
+                    out.state_copies.append(restore)
                 if loaded:  # the runner fills these blocks from the disk tier before the step
                     ids = self.kv.block_tables(req.request_id)[0][cached.num_blocks:cached.num_blocks + len(loaded)]
                     out.kv_loads.extend(zip(ids, (payload for _, payload in loaded)))

@@ -80,6 +80,9 @@ class ScheduledChunk:
     # The request's images whose placeholder runs overlap these tokens (by reference: the runner
     # reads their pixels only when it has no encoder output for them yet).
     images: list[ImageInput] = field(default_factory=list)
+    # Models with recurrent layers: the request's index in each such layer's state tensor (the
+    # runner's); its state carries over from the request's earlier chunks unless `start` is 0.
+    state_slot: Optional[int] = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -117,6 +120,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, disk tier payload)
+    # Recurrent layers' states to copy before the step, in order, as (source row, destination row)
+    # of every state tensor: states saved into snapshot rows, then snapshots restored into slots.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     kv_loaded_shape: StepShape = field(default_factory=StepShape)  # the prefill those loads replace
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # since the last step: the runner forgets them
@@ -140,7 +146,7 @@ class SchedulerOutput:
 
 
 def make_chunk(req: "Request", n: int, block_tables: list[list[int]], num_spec: int = 0,
-               with_history: bool = False) -> ScheduledChunk:
+               with_history: bool = False, state_slot: Optional[int] = None) -> ScheduledChunk:
     """The runner's view of `n` tokens of `req` from its computed ones (`num_spec` of them its
     proposals): plain data copied off the request, so the runner never reads the request.
     `with_history`: send the request's tokens for its penalties (if it has any), which the
@@ -160,5 +166,5 @@ def make_chunk(req: "Request", n: int, block_tables: list[list[int]], num_spec: 
         sampling=sampling, samples=start + n - num_spec == req.num_tokens and req.pooling is None,
         is_decode=n - num_spec == 1 and bool(req.output_token_ids) and start == req.num_tokens - 1,
         num_spec_tokens=num_spec, draft_probs=q[:num_spec] if num_spec and q is not None else None,
-        pooling=req.pooling, lora_name=req.lora_name,
+        pooling=req.pooling, lora_name=req.lora_name, state_slot=state_slot,
         images=[im for im in req.images if im.overlaps(start, start + len(token_ids))] if req.images else [])

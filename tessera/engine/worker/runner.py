@@ -75,7 +75,9 @@ class ModelRunner(ModelRunnerBase):
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, config: EngineConfig,
                  backend: AttentionBackend, num_blocks: int, num_host_blocks: int, dtype: torch.dtype,
-                 groups: KVCacheGroups) -> None:
+                 groups: KVCacheGroups, num_state_rows: int = 0) -> None:
+        """`num_state_rows`: rows of each recurrent layer's state tensors (the request slots, then
+        the prefix cache's snapshots); 0: one per sequence."""
         self.model = model
         self.config = config
         self.backend = backend
@@ -89,12 +91,21 @@ class ModelRunner(ModelRunnerBase):
             # AttentionBackend.forward_bidirectional): the blocks are the scheduler's bookkeeping only.
             self.kv_slots, self.host_slots = [], []
             self.kv_caches: list = [None] * mc.num_layers
+            self.state_caches: list[list[torch.Tensor]] = []
         else:
             # One tensor per slot of a pool block (every layer's own without sliding-window groups);
             # each layer reads its slot's (attention/kv_groups.py).
             self.kv_slots = backend.allocate(groups.num_slots, num_blocks, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, dtype)
             self.kv_caches = groups.layer_caches(self.kv_slots)
+            # Recurrent layers keep a state per request instead: a layer's tensors (a convolution's
+            # inputs; Mamba-2's SSM state too), a row per state slot (the scheduler's; one per
+            # sequence the engine runs at once).
+            rows = num_state_rows or config.max_num_seqs
+            self.state_caches = [[torch.zeros(rows, *shape, dtype=torch.float32 if f32 else dtype,
+                                              device=self.device) for shape, f32 in mc.state_shapes(i)]
+                                 for i in mc.state_layers()]
+            self.kv_caches = interleave_layers(self.kv_caches, self.state_caches, mc.state_layers())
             # Host copies for swapped-out requests (untouched until used; pinned beside a GPU cache).
             self.host_slots = backend.allocate(groups.num_slots, num_host_blocks, config.block_size,
                                                mc.num_kv_heads, mc.head_dim, dtype,
@@ -149,6 +160,10 @@ class ModelRunner(ModelRunnerBase):
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._copy_blocks(out.swap_out, to_host=True)
         self._copy_blocks(out.swap_in, to_host=False)
+        for src, dst in out.state_copies:  # saved into snapshot rows, restored into slots, in order
+            for layer in self.state_caches:
+                for t in layer:
+                    t[dst] = t[src]
         self.histories.drop(out.finished)
         self.histories.drop(out.preempted)
         if self.images is not None:
@@ -205,6 +220,8 @@ class ModelRunner(ModelRunnerBase):
                 sample_chunks.append(s)
         meta = self.groups.build_metadata(self.backend, qlens, seqlens, tables, self.block_size)
         embeds = self.images.rows(image_chunks) if image_chunks and self.images is not None else None
+        if self.state_caches:
+            state_of(meta, order)
         if slot_of:
             self.lora.model.slots.begin_step(row_slots)
         try:
@@ -295,6 +312,24 @@ class LoRASlotMap:
             self.held[slot] = (name, weights)
             slot_of[name] = slot
         return slot_of
+
+
+def interleave_layers(attention: list[torch.Tensor], state: list[list[torch.Tensor]],
+                      state_layers: list[int]) -> list:
+    """Every layer's cache in layer order: the attention layers' K/V (in their order) with each
+    recurrent layer's state tensors at its own index."""
+    at, st = iter(attention), iter(state)
+    marks = set(state_layers)
+    return [next(st) if i in marks else next(at) for i in range(len(attention) + len(state))]
+
+
+def state_of(meta, chunks: list[ScheduledChunk]) -> None:
+    """The step's state slots, per request in the packed order (a model with recurrent layers
+    verifies no proposals, so each chunk is one request of the metadata)."""
+    if any(s.state_slot is None or s.num_spec_tokens for s in chunks):
+        raise RuntimeError("a chunk of a model with recurrent layers came without a state slot, or with proposals")
+    meta.state_slots = [s.state_slot for s in chunks]
+    meta.state_continues = [s.start > 0 for s in chunks]
 
 
 def pool(hidden: torch.Tensor, chunks: list[tuple[int, ScheduledChunk]]) -> dict[str, list[float]]:

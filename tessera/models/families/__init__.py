@@ -5,13 +5,13 @@ from types import MappingProxyType
 from typing import Mapping
 
 from tessera.errors import ModelFormatError
-from tessera.models.families import (gemma2, gemma3, gpt_oss, granite, llama, mixtral, olmo2, phi3, qwen2, qwen3,
-                                     qwen3moe, smollm3)
+from tessera.models.families import (gemma2, gemma3, gpt_oss, granite, granitehybrid, lfm2, llama, mixtral, olmo2,
+                                     phi3, qwen2, qwen3, qwen3moe, smollm3)
 from tessera.models.families.base import Block, Family
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({
     f.name: f for f in (m.FAMILY for m in (llama, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, granite, smollm3,
-                                              qwen3moe, mixtral, gpt_oss))
+                                              qwen3moe, mixtral, gpt_oss, lfm2, granitehybrid))
 })
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 ENCODERS = ("bert",)  # run by tessera/models/bert.py, not the decoder

@@ -81,18 +81,27 @@ class Family:
     # Mixture-of-experts feed-forward blocks (tessera/layers/moe.py); its GGUF architecture may
     # also hold dense models (Mixtral's is llama).
     moe: bool = False
+    # (checkpoint name part, the shared decoder's) replacements applied to every tensor name
+    # before loading, for families whose modules are named otherwise (LFM2's operator_norm, w1...).
+    renames: tuple[tuple[str, str], ...] = ()
+    # llama.cpp's names for tensors the shared table (models/gguf_loader.py) does not know: a whole
+    # name ("token_embd_norm.weight") or a layer's part ("shortconv.conv"), and the HF name (part).
+    gguf_tensors: tuple[tuple[str, str], ...] = ()
+    # Layers that keep a per-request state instead of K/V (LFM2's short convolutions, Mamba-2): no
+    # swap, disk tier, speculation or one-call C decode step for them (docs/models.md).
+    recurrent: bool = False
 
     def decode_step(self) -> str:
         """Whether decode steps take the one-call C step, for `tessera models`."""
-        limits = decode_step_limits(self.block)
+        limits = decode_step_limits(self.block, recurrent=self.recurrent)
         return f"no: {', '.join(limits)}" if limits else "yes"
 
 
-def decode_step_limits(block: Block, config: Optional[ModelConfig] = None) -> list[str]:
+def decode_step_limits(block: Block, config: Optional[ModelConfig] = None, recurrent: bool = False) -> list[str]:
     """Why the one-call C decode step (models/fused_decode.py, kernels/decode_step.c) cannot run a
     model of this block and, where known, this config; empty when it can. The one place that decides:
     `tessera models` asks it of a family's block, the decoder of its loaded config (and logs the
-    answer at start-up). The step expresses every block here: norms before and/or after the
+    answer at start-up). The step expresses every block of attention layers here: norms before and/or after the
     sublayers ((1 + w) scales are folded at load), q/k norms per head or per projection, SiLU and
     GELU (tanh), scaled embeddings, multipliers, NoPE layers, partial rotary, sliding windows (with
     their own RoPE base, in hybrid cache groups), soft-capped scores, attention sinks, biases on any
@@ -103,6 +112,7 @@ def decode_step_limits(block: Block, config: Optional[ModelConfig] = None) -> li
     checks = [
         (ACTIVATIONS[block.activation].c_code is None or block.activation == "swiglu_clamped",
          f"a dense MLP of the {block.activation} activation"),
+        (recurrent or (config is not None and bool(config.state_layers())), "recurrent layers"),
     ]
     if config is not None and config.moe is not None:
         checks.append((ACTIVATIONS[config.moe.activation].c_code is None, f"experts of {config.moe.activation}"))
