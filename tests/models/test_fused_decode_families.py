@@ -87,9 +87,12 @@ def test_every_dense_family_takes_the_c_step_with_the_modules_tokens(family_fold
 def test_hidden_states_and_cache_writes_match_the_modules(family_folder, kind, quantization):
     """One decode step of one row and of three (the per-projection q/k norm takes the norm kernel for
     one row and PyTorch's rms_norm for several) after prefills through the modules: the same final
-    hidden states and the same keys and values written, in float32 (bfloat16 where the host has it)."""
+    hidden states and the same keys and values written, in float32 (bfloat16 where the host has it).
+    Float32 projections read unrounded activations: rounded to int8, a last-bit difference between
+    the two paths' float32 sums can move one code and one output by more than the tolerance."""
     dtype = "bfloat16" if capabilities.bf16_matmuls() else _dtype("float32")
-    llm = LLM(str(family_folder(kind)), dtype=dtype, quantization=quantization, max_model_len=256)
+    exact = dict(int8_activations=False) if dtype == "float32" else {}
+    llm = LLM(str(family_folder(kind)), dtype=dtype, quantization=quantization, max_model_len=256, **exact)
     model = llm.engine.runner.model
     backend = PagedBackend()
     for lens in ([5], [17, 1, 40]):
