@@ -33,10 +33,10 @@ from tessera.server.output import parse_whole, typed_sse
 from tessera.server.openai.schema_base import OpenAIModel
 from tessera.server.openai.tool_schemas import FREEFORM_ARGUMENT, freeform_input
 from tessera.server.openai.response_models import UsageInfo
-from tessera.server.responses.protocol import (
-    CallNames, CustomToolCallOutput, FunctionCallOutput, IncompleteDetails, InputTokensDetails, OutputItem,
-    OutputMessage, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponsesRequest,
-    ResponseUsage, items_to_messages,
+from tessera.server.responses.protocol import CallNames, ResponsesRequest, items_to_messages
+from tessera.server.responses.response_models import (
+    CustomToolCallOutput, FunctionCallOutput, IncompleteDetails, InputTokensDetails, OutputItem, OutputMessage,
+    OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponseUsage,
 )
 from tessera.server.serving import Run, StreamRenderer, record_usage, usage_of
 from tessera.server.tools import OutputParser, ParserEvent

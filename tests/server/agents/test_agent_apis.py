@@ -20,7 +20,7 @@ import pytest
 from agent_server import (ANTHROPIC_TOOLS, LIGHT, NAME, RESPONSES_TOOLS, anthropic_client, merged_cache, openai_client,
                           prompt_tokens, serve_tiny, wait_idle, without_ids)
 
-from tessera.server.responses.protocol import ResponseObject
+from tessera.server.responses.response_models import ResponseObject
 from tessera.server.responses.serving import ResponseStore, StoredResponse
 
 # The server over the tiny model and its clients, one of each per module.

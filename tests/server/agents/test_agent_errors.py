@@ -15,7 +15,7 @@ from agent_server import (ANTHROPIC_TOOLS, NAME, RESPONSES_TOOLS, USER, anthropi
 from tessera.server.anthropic.protocol import MessageResponse
 from tessera.server.anthropic.serving import MessageBuilder, MessagesStream
 from tessera.server.errors import APIError
-from tessera.server.responses.protocol import ResponseObject
+from tessera.server.responses.response_models import ResponseObject
 from tessera.server.responses.serving import ResponseBuilder, ResponsesStream, ResponseStore
 from tessera.server.tools import OutputParsing, output_parser
 

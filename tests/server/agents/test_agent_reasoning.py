@@ -19,7 +19,7 @@ from tessera.server.anthropic.serving import MessageBuilder
 from tessera.server.app import create_app
 from tessera.server.model_router import ModelRouter
 from tessera.server.openai.response_models import UsageInfo
-from tessera.server.responses.protocol import ResponseObject
+from tessera.server.responses.response_models import ResponseObject
 from tessera.server.responses.serving import ResponseBuilder
 from tessera.server.served_model import ModelSpec, ServedModel
 from tessera.server.tools import OutputParsing, ParsedCall, ParserEvent

@@ -25,7 +25,7 @@ from tessera.engine.frontend.async_engine import AsyncLLMEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.outputs import CompletionOutput, RequestOutput
 from tessera.server.app import create_app
-from tessera.server.ollama.serving import OllamaReply, Timing
+from tessera.server.ollama.reply import OllamaReply, Timing
 from tessera.server.model_router import ModelRouter
 from tessera.server.served_model import ModelSpec, ServedModel
 from tessera.server.tools import OutputParsing, output_parser
