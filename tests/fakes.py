@@ -98,6 +98,7 @@ class FakeCore:
     fail_after_steps: Optional[int] = None  # the loop dies on this step (EngineDeadError)
     forecast_wait_s: Optional[float] = None  # what predict_wait answers (None: no cost model)
     own_prompt_s: float = 0.0  # what predict_prompt answers (of it, the prompt's own computation)
+    hold: Optional[threading.Event] = None  # a step waits for it (a test decides when work moves on)
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     reply: str = REPLY  # what greedy sampling writes before EOS
     waiting: list[_Req] = field(default_factory=list)
@@ -226,6 +227,8 @@ class FakeCore:
         if self.fail_after_steps is not None and self.num_steps >= self.fail_after_steps:
             raise RuntimeError("simulated engine crash")
         time.sleep(self.step_s)
+        if self.hold is not None:
+            self.hold.wait(timeout=60)
         while self.waiting and len(self.running) < self.max_num_seqs:
             p = self.waiting[0].prepared
             need = p.params.n * self.blocks_for(len(p.prompt_token_ids) + p.max_tokens)
@@ -363,7 +366,7 @@ def live_server(core: Optional[FakeCore] = None, *, max_num_queued_requests: Opt
 
 
 def fake_engine(step_s: float = 0.005, max_num_seqs: int = 4, queue: Optional[int] = None,
-                forecast: Optional[float] = None) -> AsyncLLMEngine:
+                forecast: Optional[float] = None, hold: Optional[threading.Event] = None) -> AsyncLLMEngine:
     """An AsyncLLMEngine over a FakeCore, as a router's model."""
-    core = FakeCore(step_s=step_s, max_num_seqs=max_num_seqs, forecast_wait_s=forecast)
+    core = FakeCore(step_s=step_s, max_num_seqs=max_num_seqs, forecast_wait_s=forecast, hold=hold)
     return AsyncLLMEngine(core.config, engine=core, max_num_queued_requests=queue)

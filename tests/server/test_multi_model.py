@@ -89,21 +89,29 @@ def test_routes_by_name_and_alias_and_reports_who_answered():
 
 
 def test_saturated_model_falls_back_instead_of_429():
-    # one at a time, two waiting at most; steps slow enough that all 16 requests arrive within one
-    # request's time even on a loaded 2-core host (at 0.03 s some drained before the last came)
-    big = fake_engine(step_s=0.2, max_num_seqs=1, queue=2)
+    # one at a time, two waiting at most; big's steps wait for `hold`, so however slowly a loaded
+    # host sends the 16 requests, none of big's drains before the others have been routed
+    hold = threading.Event()
+    big = fake_engine(step_s=0.01, max_num_seqs=1, queue=2, hold=hold)
     small = fake_engine(step_s=0.001, max_num_seqs=8)
     router, degraded = two_model_server(big, small, (FallbackCondition("queue_full"),))
     app = create_app(router=router)
     try:
         with serve_in_thread(app) as url:
             async def flood(headers: dict) -> list[httpx.Response]:
-                async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                    return await asyncio.gather(*[
-                        client.post("/v1/chat/completions", headers=headers,
-                                    json={"model": "big", "messages": [{"role": "user", "content": "x"}],
-                                          "max_tokens": 4, "stream": i % 2 == 1})
-                        for i in range(16)])
+                hold.clear()
+                async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                    tasks = [asyncio.create_task(client.post(
+                        "/v1/chat/completions", headers=headers,
+                        json={"model": "big", "messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 4, "stream": i % 2 == 1})) for i in range(16)]
+                    # big holds at most its queue of 2 and its one running request: release it once
+                    # the other 13 are answered (by small, or 429), or after 30 s for the assertions to say
+                    until = time.monotonic() + 30
+                    while sum(t.done() for t in tasks) < 13 and time.monotonic() < until:
+                        await asyncio.sleep(0.02)
+                    hold.set()
+                    return list(await asyncio.gather(*tasks))
 
             responses = asyncio.run(flood({}))
             statuses = [r.status_code for r in responses]
