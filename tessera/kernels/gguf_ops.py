@@ -94,6 +94,27 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,
     return out
 
 
+def int8_weight_matmul_f32(x: torch.Tensor, wq: torch.Tensor, row_scales: torch.Tensor,
+                           slice_bytes: int = 2 << 20) -> torch.Tensor:
+    """x [M, K] @ (wq [N, K] int8 * row_scales [N]).T -> [M, N] float32 by float32 sgemm, for hosts
+    where int8 x int8 products have no fast kernel (capabilities.int8_products_fast): the weight's
+    rows are widened to float32 a cache-sized slice (`slice_bytes`) at a time, never as a whole
+    float32 copy, and the activations are not rounded."""
+    xf = x.float().contiguous()
+    m, k = xf.shape
+    n = wq.shape[0]
+    out_t = torch.empty(n, m, dtype=torch.float32)
+    step = max(16, slice_bytes // (4 * k))
+    buf = torch.empty(min(step, n), k, dtype=torch.float32)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        w = buf[:j - i]
+        w.copy_(wq[i:j])
+        torch.mm(w, xf.t(), out=out_t[i:j])
+    out_t.mul_(row_scales.view(n, 1))
+    return out_t.t().contiguous()
+
+
 def mxfp4_gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bfloat16 or float32, M <= MXFP4_MAX_ROWS, K a multiple of 32) @ W.T -> [M, N] in x's
     dtype, W an MXFP4 matrix as the GGUF file stores it (`blocks` [N, K/32 * 17] uint8); x is

@@ -107,7 +107,7 @@ def test_kquant_layers_slice_small_batches_and_dequantize_large_ones(qtype):
 
 
 @pytest.mark.parametrize("qtype", KQUANTS)
-def test_kquant_prefill_steps_multiply_in_int8(qtype):
+def test_kquant_prefill_steps_multiply_in_int8(qtype, monkeypatch):
     """Past the few-row kernels (no dense copy) the weight's columns are multiplied by the
     step's smoothing factors and requantized per row to int8, the activations divided by them and
     quantized per token: the result is that integer product, scaled, rounded to bfloat16 once,
@@ -116,6 +116,7 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype):
 
     if not capabilities.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
+    monkeypatch.setattr(capabilities, "int8_products_fast", lambda: True)  # the host's own choice aside
     src = random_blocks(qtype, 45, 2, seed=14)
     w = src.dequantize()
     method, layer = _kquant_layer(src)
@@ -135,6 +136,27 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype):
     assert_bf16_rounding_of(got, (xq.double() @ wq.double().T) * (amax / 127).double() * rs.double())
     exact = x.double() @ w.double().T
     assert ((got.double() - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_prefill_steps_multiply_in_float32_without_fast_int8_products(qtype, monkeypatch):
+    """Where PyTorch's int8 product is a plain loop (AVX2 alone) the same step multiplies the
+    weight's int8 rows (requantized per row, no smoothing) in float32, the activations unrounded:
+    that product rounded to bfloat16 once."""
+    if not capabilities.kquant_matmuls():
+        pytest.skip("no vector path for the K-quant kernels here")
+    monkeypatch.setattr(capabilities, "int8_products_fast", lambda: False)
+    src = random_blocks(qtype, 45, 2, seed=15)
+    w = src.dequantize()
+    method, layer = _kquant_layer(src)
+    torch.manual_seed(15)
+    x = (torch.randn(method.config.small_batch_max + 6, 512)).bfloat16()
+    wq, rs = gguf_ops.kquant_dequant_int8(method.name, layer.qweight, layer.scales, layer.d, 512)
+    got = method.apply(layer, x)
+    assert got.dtype == x.dtype
+    assert_bf16_rounding_of(got, x.double() @ (wq.double() * rs.double()[:, None]).T)
+    exact = x.double() @ w.double().T
+    assert ((got.double() - exact).norm() / exact.norm()) < 0.01
 
 
 def test_kquants_are_chosen_for_whole_kquant_weights_with_int8_activations():

@@ -1,11 +1,12 @@
 """LoRA adapters against transformers + PEFT as the oracle.
 
 Random-weight PEFT adapters (rank 8 and 64, plain and rsLoRA scaling, every projection or a few)
-are made by PEFT itself on the oracle model (the packaged GGUF dequantized, float32) and saved as
-PEFT saves them; Tessera serves the same file beside the same weights. The greedy tokens of each
-adapter must be the oracle's with that adapter applied, and a batch mixing the base and three
-adapters must give every request the tokens it gets alone. The oracle's tokens are kept by a digest
-of the model file, the adapter's saved files and the prompts (tests/oracle_store.py).
+are made by PEFT itself on the oracle model (the packaged SmolLM2 GGUF dequantized, or a tiny
+random qwen2, float32) and saved as PEFT saves them; Tessera serves the same file beside the same
+weights. The greedy tokens of each adapter must be the oracle's with that adapter applied, and a
+batch mixing the base and three adapters must give every request the tokens it gets alone. The
+oracle's tokens are kept by a digest of the model file, the adapter's saved files and the prompts
+(tests/oracle_store.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from oracle_store import OracleStore, adapter_digest, load_oracle
 from test_models_oracle import _greedy_oracle
+from tiny_model import make_tiny_model
 from tessera.llm import LLM
 from tessera.sampling_params import SamplingParams
 
@@ -59,15 +61,25 @@ def _make_adapters(oracle, folder: Path, prompts_ids, store: OracleStore):
     return oracle, expected
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.fixture(scope="module", params=["smollm2-135m", "tiny-qwen2"])
 def served(request, model_path, tmp_path_factory):
-    path = model_path(request.param)
+    """The packaged SmolLM2 (llama) and, for qwen2's biased attention projections, a tiny random
+    qwen2 written by transformers (the real qwen2.5-coder-0.5b took 4.5 minutes of the suite)."""
     folder = tmp_path_factory.mktemp(f"lora-{request.param}")
+    if request.param.startswith("tiny-"):
+        from transformers import AutoModelForCausalLM
+
+        path = make_tiny_model(folder / "model", arch="qwen2", max_positions=1024, std=0.1)
+        oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        store = OracleStore(path / "model.safetensors")
+    else:
+        path = model_path(request.param)
+        oracle = load_oracle(path)
+        store = OracleStore(path)
     llm = LLM(str(path), dtype="float32", quantization="none", enable_lora=True, max_loras=4, max_lora_rank=64,
               lora_dtype="float32", enable_prefix_caching=True)
     prompts_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    oracle = load_oracle(path)
-    _, expected = _make_adapters(oracle, folder, prompts_ids, OracleStore(path))
+    _, expected = _make_adapters(oracle, folder, prompts_ids, store)
     del oracle
     for name in ADAPTERS:  # served from now on, as /v1/load_lora_adapter does
         llm.add_lora(name, str(folder / name))

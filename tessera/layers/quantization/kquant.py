@@ -81,9 +81,15 @@ class KQuantMethod(WeightOnlyMethod):
         Every step past the few-row kernels (without a dense copy) takes it: against the bfloat16
         product of the weight dequantized for the call, qwen2.5-coder-1.5b's K-quant layers ran
         1.16x at 33 rows and 1.19-1.38x at 64-512 (benchmarks/kquant.py --prefill);
-        benchmarks/perplexity.py measures what the roundings cost."""
+        benchmarks/perplexity.py measures what the roundings cost. Where PyTorch has no fast int8
+        product (AVX2 alone: capabilities.int8_products_fast), the same int8 rows are multiplied
+        in float32 instead, the activations unrounded."""
         n, k = layer.d.shape[0], layer.scales.shape[1] * 16
         ws = self.config.workspace
+        if not capabilities.int8_products_fast():  # AVX2 alone: float32 sgemm over the int8 rows
+            wq, row_scales = gguf_ops.kquant_dequant_int8(self.name, layer.qweight, layer.scales, layer.d, k,
+                                                         ws.get("weight", (n, k), torch.int8))
+            return gguf_ops.int8_weight_matmul_f32(x, wq, row_scales).to(x.dtype)
         columns = x.abs().amax(dim=0).float().clamp_min_(1e-5).pow_(SMOOTHING_ALPHA)
         wq, row_scales = gguf_ops.kquant_dequant_int8(self.name, layer.qweight, layer.scales, layer.d, k,
                                                      ws.get("weight", (n, k), torch.int8), columns)
