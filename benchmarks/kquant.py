@@ -11,10 +11,13 @@ the stored bytes a pass reads, by method.
 `--prefill` instead times prefill-sized steps (64-512 rows) with the K-quant layers both ways
 large steps can go: the weight dequantized to bfloat16 for the call and multiplied by oneDNN, or
 requantized to int8 per row and multiplied as int8 x int8 (torch._int_mm); the better of two
-alternated medians of 3 passes each.
+alternated medians of 3 passes each. `--sliced` times, in float32, the two routes of a host whose
+PyTorch int8 product is a plain loop (capabilities.int8_products_fast): the kernels in slices of
+8 rows against the int8 rows widened to float32 for sgemm (kquant.SLICED_MAX_ROWS picks between them).
 
     python benchmarks/kquant.py --model qwen2.5-coder-1.5b --out benchmarks/results/kquant/qwen1.5b.json
     python benchmarks/kquant.py --model qwen2.5-coder-1.5b --prefill --rows 64 128 256 512 --out benchmarks/results/kquant/prefill.json
+    python benchmarks/kquant.py --model qwen2.5-coder-1.5b --sliced --rows 16 33 64 128 256 512 --out benchmarks/results/kquant/sliced_avx2.json
 """
 from __future__ import annotations
 
@@ -48,15 +51,15 @@ def stored_bytes(layers) -> dict[str, int]:
     return dict(by)
 
 
-def time_pass(layers, rows: int, repeats: int = 7, product=None) -> float:
-    """Median ms of one pass over `layers` at `rows` rows; `product(m, x)` multiplies (default:
-    the layer's own method, as a step does)."""
+def time_pass(layers, rows: int, repeats: int = 7, product=None, dtype=torch.bfloat16) -> float:
+    """Median ms of one pass over `layers` at `rows` rows of `dtype`; `product(m, x)` multiplies
+    (default: the layer's own method, as a step does)."""
     product = product or (lambda m, x: m.quant_method.apply(m, x))
     xs = {}
     for m in layers:
         k = m.input_size
         if k not in xs:
-            xs[k] = torch.randn(rows, k).bfloat16()
+            xs[k] = torch.randn(rows, k).to(dtype)
 
     def one_pass() -> None:
         for m in layers:
@@ -96,6 +99,34 @@ def compare_prefill(layers, rows_list: list[int]) -> list[dict]:
     return results
 
 
+def _f32_product(m, x):
+    """The float32 route of a host without a fast int8 product: the weight requantized to int8
+    rows for the call, widened to float32 a slice at a time for sgemm."""
+    from tessera.kernels import gguf_ops
+
+    q = m.quant_method
+    n, k = m.d.shape[0], m.scales.shape[1] * 16
+    wq, rs = gguf_ops.kquant_dequant_int8(q.name, m.qweight, m.scales, m.d, k,
+                                          q.config.workspace.get("weight", (n, k), torch.int8))
+    return gguf_ops.int8_weight_matmul_f32(x, wq, rs)
+
+
+def compare_sliced(layers, rows_list: list[int]) -> list[dict]:
+    """The K-quant layers in float32, the kernels in slices of 8 rows against float32 sgemm."""
+    kq = [m for m in layers if m.quant_method.name in ("q4_k", "q6_k")]
+    routes = {"sliced": lambda m, x: m.quant_method._small(m, x), "float32": _f32_product}
+    results = []
+    for rows in rows_list:
+        r: dict = {"rows": rows}
+        for route in ("sliced", "float32", "sliced", "float32"):  # alternated; each pass a median of 3
+            r.setdefault(f"{route}_ms", []).append(round(time_pass(kq, rows, 3, routes[route], torch.float32), 1))
+        r = {**r, **{k: min(v) for k, v in r.items() if k != "rows"}}
+        r["float32_over_sliced"] = round(r["float32_ms"] / r["sliced_ms"], 3)
+        results.append(r)
+        print(r, flush=True)
+    return results
+
+
 def main() -> None:
     from tessera.models.loader import load_model
     from tessera.models.registry import resolve_model
@@ -104,17 +135,22 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8])
     ap.add_argument("--prefill", action="store_true", help="large steps: bfloat16 against int8 x int8")
+    ap.add_argument("--sliced", action="store_true", help="float32 steps: kernel slices against float32 sgemm")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     path = resolve_model(args.model)
-    if args.prefill:
-        loaded = load_model(path, "bfloat16", weight_cache=True)
-        results = compare_prefill(linears(loaded.model), args.rows)
+    if args.sliced or args.prefill:
+        from tessera.kernels import capabilities
+
+        dtype = "float32" if args.sliced else "bfloat16"
+        layers = linears(load_model(path, dtype, weight_cache=True).model)
+        found = ({"int8_products_fast": capabilities.int8_products_fast(), "sliced": compare_sliced(layers, args.rows)}
+                 if args.sliced else {"prefill": compare_prefill(layers, args.rows)})
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"host": cpu_model_name(), "machine": platform.machine(),
-                                            "threads": torch.get_num_threads(), "model": args.model,
-                                            "prefill": results}, indent=1))
+                                            "threads": torch.get_num_threads(), "model": args.model, **found},
+                                           indent=1))
         return
     settings = {}
     for int8 in (False, True):

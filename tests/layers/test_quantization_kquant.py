@@ -140,17 +140,22 @@ def test_kquant_prefill_steps_multiply_in_int8(qtype, monkeypatch):
 
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_kquant_prefill_steps_multiply_in_float32_without_fast_int8_products(qtype, monkeypatch):
-    """Where PyTorch's int8 product is a plain loop (AVX2 alone) the same step multiplies the
-    weight's int8 rows (requantized per row, no smoothing) in float32, the activations unrounded:
-    that product rounded to bfloat16 once."""
+    """Where PyTorch's int8 product is a plain loop (AVX2 alone) a step past SLICED_MAX_ROWS
+    multiplies the weight's int8 rows (requantized per row, no smoothing) in float32, the
+    activations unrounded: that product rounded to bfloat16 once."""
     if not capabilities.kquant_matmuls():
         pytest.skip("no vector path for the K-quant kernels here")
+    from tessera.layers.quantization.kquant import SLICED_MAX_ROWS
+
     monkeypatch.setattr(capabilities, "int8_products_fast", lambda: False)
     src = random_blocks(qtype, 45, 2, seed=15)
     w = src.dequantize()
     method, layer = _kquant_layer(src)
     torch.manual_seed(15)
-    x = (torch.randn(method.config.small_batch_max + 6, 512)).bfloat16()
+    x = (torch.randn(SLICED_MAX_ROWS + 6, 512)).bfloat16()
+    # up to SLICED_MAX_ROWS rows the kernels still take the step, in slices
+    mid = x[:method.config.small_batch_max + 6]
+    assert torch.equal(method.apply(layer, mid), method._small(layer, mid))
     wq, rs = gguf_ops.kquant_dequant_int8(method.name, layer.qweight, layer.scales, layer.d, 512)
     got = method.apply(layer, x)
     assert got.dtype == x.dtype

@@ -15,6 +15,14 @@ from tessera.layers.quantization.base import (
 from tessera.layers.weights import GGUFWeight
 
 
+# Where PyTorch's int8 product is slow, steps up to this many rows still go through the kernels in
+# slices of 8 (compute-bound there: the same time a row at any count) rather than float32 sgemm,
+# which widens every weight for the call: over qwen2.5-coder-1.5b's K-quant layers on an AMD EPYC
+# with AVX2 alone, float32 took 2.10x the sliced kernels' time at 33 rows, 1.38x at 64, 1.07x at
+# 128 and 0.94x at 256 (benchmarks/results/kquant/sliced_avx2.json).
+SLICED_MAX_ROWS = 128
+
+
 class KQuantMethod(WeightOnlyMethod):
     """GGUF K-quant matrices at the file's width, multiplied by activations quantized to int8 per
     256 values (tessera/kernels/kquant_gemm.c): integer dot products per super-block (pmaddubsw,
@@ -23,9 +31,10 @@ class KQuantMethod(WeightOnlyMethod):
     the price; `QuantConfig.int8_activations=False` keeps the int8 and int4 layouts with
     bfloat16 activations, and benchmarks/perplexity.py --activations measures the difference.
 
-    Up to 8 rows a call, a larger small batch in slices of 8; larger steps multiply a dense copy
-    (kept, or dequantized for the call) as the other methods do. Subclasses say how a kind is
-    stored (`storage_bytes`, `_blocks`), decoded (`_weights`, float32) and multiplied (`kernel`).
+    Up to 8 rows a call, a larger small batch in slices of 8 (up to SLICED_MAX_ROWS where PyTorch's
+    int8 product is slow); larger steps multiply a dense copy (kept) or go through `_int8_matmul`.
+    Subclasses say how a kind is stored (`storage_bytes`, `_blocks`), decoded (`_weights`,
+    float32) and multiplied (`kernel`).
     """
 
     kernel: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # x, codes, scales, floats -> x @ W.T
@@ -66,7 +75,8 @@ class KQuantMethod(WeightOnlyMethod):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def apply(self, layer, x):
-        if x.shape[0] <= self.config.small_batch_max:
+        rows = x.shape[0]
+        if rows <= self.config.small_batch_max or (rows <= SLICED_MAX_ROWS and not capabilities.int8_products_fast()):
             return self._small(layer, x)
         dense = getattr(layer, "dense_weight", None)
         if dense is not None:
