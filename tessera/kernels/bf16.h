@@ -113,6 +113,18 @@ static inline int32_t int4g_group_idot(const int8_t *xq, const uint8_t *packed, 
     return q;
 }
 
+/* The same against 32 int16 activations (int4_gemm_i16_f32's plain path). */
+static inline int32_t int4g_group_idot16(const int16_t *xq, const uint8_t *packed, int64_t K, int64_t n, int64_t g) {
+    const uint8_t *col = int4g_group(packed, K, n / 32, g);
+    const int r = (int)(n % 32);
+    int32_t q = 0;
+    for (int i = 0; i < 32; i++) {
+        const uint8_t byte = col[i * 16 + r % 16];
+        q += (r < 16 ? byte & 0x0F : byte >> 4) * (int32_t)xq[i];
+    }
+    return q;
+}
+
 /* One group of 32 codes k0 .. k0 + 31 of weight row n (int4pack_code's layout) against 32 int8
  * activations: the exact sum q * xq of the int8-activation kernels' plain paths. */
 static inline int32_t int4pack_group_idot(const int8_t *xq, const uint8_t *packed, int64_t K, int64_t tile_rows,

@@ -15,7 +15,8 @@ from typing import Callable, NamedTuple, Optional
 # ---- Shared constants: tessera_kernels.h's #defines and enums, same names (every upper-case integer
 # of this module is one, and the test holds it to its value there) ----
 
-LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8, LINEAR_Q4K, LINEAR_Q6K, LINEAR_MXFP4 = 1, 2, 3, 4, 5, 6  # linear_t.kind
+(LINEAR_INT4, LINEAR_INT8, LINEAR_INT4_I8, LINEAR_Q4K, LINEAR_Q6K, LINEAR_MXFP4, LINEAR_INT4_I16,
+ LINEAR_INT8_I16) = 1, 2, 3, 4, 5, 6, 7, 8  # linear_t.kind
 ROT_NONE, ROT_MATRIX, ROT_HADAMARD = 0, 1, 2  # the int8 cache's rot_kind
 ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL = 0, 1, 2  # layer_t.rope
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2  # dims_t.qk_norm
@@ -29,6 +30,7 @@ MAX_NORM_HIDDEN = 8192
 INT8_GEMV_MAX_ROWS = 8
 INT8_GEMM_MAX_ROWS = 8
 INT4_F32_MAX_ROWS = 64
+INT4_I16_MAX_ROWS = 6
 INT4_GEMM_MAX_ROWS = 64
 KQUANT_MAX_ROWS = 8
 MXFP4_MAX_ROWS = 64
@@ -145,6 +147,9 @@ SIGNATURES: dict[str, Signature] = {
     "int8_gemv": _sig(INT, *_names(P, "x", "w", "scale", "zero", "out"), *_names(I64, "M", "N", "K", "G"),
                       ("is_bf16", INT), ("xf", P)),
     "int8_gemm_bf16": _sig(INT, *_names(P, "x", "w", "scale", "zero", "out"), *_names(I64, "M", "N", "K", "G")),
+    "int8_gemv_i16_scratch_bytes": _sig(I64, ("K", I64)),
+    "int8_gemv_i16": _sig(INT, *_names(P, "x", "w", "scale", "zero", "out"), *_names(I64, "N", "K", "G"),
+                          ("scratch", P)),
     # int4_gemv.c
     "tessera_avx512_bf16": _FEATURE,
     "int4_gemm_bf16": _sig(INT, *_names(P, "x", "packed", "sz", "out"), *_names(I64, "M", "N_pad", "N_out", "K"),
@@ -160,6 +165,9 @@ SIGNATURES: dict[str, Signature] = {
     "int4_i8_f32_scratch_bytes": _sig(I64, ("M", I64), ("K", I64)),
     "int4_gemm_i8_f32": _sig(INT, *_names(P, "x", "packed", "out"), *_names(I64, "M", "N_pad", "N_out", "K"),
                              ("scratch", P)),
+    "int4_i16_f32_scratch_bytes": _sig(I64, ("M", I64), ("K", I64)),
+    "int4_gemm_i16_f32": _sig(INT, *_names(P, "x", "packed", "out"), *_names(I64, "M", "N_pad", "N_out", "K"),
+                              ("scratch", P)),
     # kquant_gemm.c
     "kquant_scratch_bytes": _sig(I64, ("M", I64), ("K", I64)),
     "q6k_gemm": _sig(INT, *_names(P, "x", "codes", "sc", "d", "out"), *_names(I64, "M", "N", "K"), ("is_bf16", INT),

@@ -28,6 +28,15 @@ def avx2_matmuls() -> bool:
     return available() is None and bool(load().tessera_avx2_fma())
 
 
+def int16_row_products() -> bool:
+    """Whether one float32 row meets int8 weights as int16 (int8_gemv_i16, ~1.4x int8_gemv's speed
+    on an AVX2 host): builds for AVX2, the plain C loop aside. AVX-512 builds keep int8_gemv, whose
+    16-lane float path was not measured against it."""
+    from tessera.kernels import isa
+
+    return available() is None and isa.selected().name == "avx2"
+
+
 def kquant_matmuls() -> bool:
     """Whether the K-quant kernels' vector paths (AVX512-BW, AVX2, or NEON's dot products) run here
     (kquant_gemm.c): without them the native Q6_K / Q4_K storage would multiply in a plain C loop,

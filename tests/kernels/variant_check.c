@@ -178,6 +178,17 @@ static int run_int8_gemv(const lib_t *L, const case_t *c, out_t *o) {
     return rc;
 }
 
+static int run_int8_gemv_i16(const lib_t *L, const case_t *c, out_t *o) {
+    const int64_t N = c->p[1], Kd = c->p[2], G = c->p[3];
+    float *x = f32s(Kd, 1.f), *out = new0(N * 4);
+    int8_t *w = (int8_t *)bytes(N * Kd, 0, 255);
+    float *scale = pos_f32s(N * Kd / G, 0.002f, 0.02f), *zero = c->p[4] ? f32s(N * Kd / G, 0.05f) : NULL;
+    void *scratch = new0(K(int8_gemv_i16_scratch_bytes)(Kd));
+    const int rc = K(int8_gemv_i16)(x, w, scale, zero, out, N, Kd, G, scratch);
+    put(o, "out", F32, out, N, 1e-5); /* the same integer sums; float32 formula in another order */
+    return rc;
+}
+
 static int run_int8_gemm_bf16(const lib_t *L, const case_t *c, out_t *o) {
     const int64_t M = c->p[0], N = c->p[1], Kd = c->p[2], G = c->p[3];
     uint16_t *x = bf16s(M * Kd, 1.f), *out = new0(M * N * 2);
@@ -253,6 +264,15 @@ static int run_int4_i8_f32(const lib_t *L, const case_t *c, out_t *o) {
     float *x = f32s(M * Kd, 1.f), *out = new0(M * N_out * 4);
     void *scratch = new0(K(int4_i8_f32_scratch_bytes)(M, Kd));
     const int rc = K(int4_gemm_i8_f32)(x, int4g_packed(N_pad, Kd), out, M, N_pad, N_out, Kd, scratch);
+    put(o, "out", F32, out, M * N_out, 1e-5); /* the same integer sums; float32 formula in another order */
+    return rc;
+}
+
+static int run_int4_i16_f32(const lib_t *L, const case_t *c, out_t *o) {
+    const int64_t M = c->p[0], N_pad = c->p[1], N_out = c->p[2], Kd = c->p[3];
+    float *x = f32s(M * Kd, 1.f), *out = new0(M * N_out * 4);
+    void *scratch = new0(K(int4_i16_f32_scratch_bytes)(M, Kd));
+    const int rc = K(int4_gemm_i16_f32)(x, int4g_packed(N_pad, Kd), out, M, N_pad, N_out, Kd, scratch);
     put(o, "out", F32, out, M * N_out, 1e-5); /* the same integer sums; float32 formula in another order */
     return rc;
 }
@@ -473,9 +493,9 @@ static linear_t linear_of(int kind, int64_t n, int64_t k) {
     linear_t l = {.kind = kind, .n = n, .n_pad = n, .k = k, .group = 32};
     if (kind == LINEAR_MXFP4) {
         l.weight = mxfp4_blocks(n, k);
-    } else if (kind == LINEAR_INT4 || kind == LINEAR_INT4_I8) { /* the float32 layout: n a multiple of 32 */
+    } else if (kind == LINEAR_INT4 || kind == LINEAR_INT4_I8 || kind == LINEAR_INT4_I16) { /* the float32 layout */
         l.weight = int4g_packed(n, k);
-    } else if (kind == LINEAR_INT8) {
+    } else if (kind == LINEAR_INT8 || kind == LINEAR_INT8_I16) {
         l.weight = bytes(n * k, 0, 255);
         l.scales = pos_f32s(n * k / 32, 0.001f, 0.006f);
     } else {
@@ -534,9 +554,9 @@ static int run_decode_step(const lib_t *L, const case_t *c, out_t *o) {
         if (block == 2) ly->q_norm = acts(NQ * D, bf, 1.f), ly->k_norm = acts(NKV * D, bf, 1.f);
         ly->qkv = linear_of(LINEAR_Q4K, (NQ + 2 * NKV) * D, H);
         ly->qkv.bias = acts((NQ + 2 * NKV) * D, bf, 0.5f);
-        ly->o = linear_of(bf ? LINEAR_INT8 : LINEAR_INT4_I8, H, NQ * D);
+        ly->o = linear_of(bf ? LINEAR_INT8 : M == 1 ? LINEAR_INT8_I16 : LINEAR_INT4_I8, H, NQ * D);
         ly->gate_up = linear_of(LINEAR_Q6K, 2 * I, H);
-        ly->down = linear_of(bf ? LINEAR_INT8 : LINEAR_INT4, H, I);
+        ly->down = linear_of(bf ? LINEAR_INT8 : LINEAR_INT4_I16, H, I);
         ly->kv_cache = acts(cache_n, bf, 1.f);
         ly->rope = block == 1 && i == 0 ? ROPE_LOCAL : block == 2 && i == 1 ? ROPE_NONE : ROPE_GLOBAL;
         ly->window = block == 1 && i == 0 ? 20 : 0;
@@ -581,6 +601,8 @@ static const case_t CASES[] = {
     {"int8_gemv/f32/M1/G16+zero", run_int8_gemv, {1, 37, 256, 16, 1, 0}},
     {"int8_gemv/f32/M3/G32+zero", run_int8_gemv, {3, 37, 256, 32, 1, 0}},
     {"int8_gemv/f32/M8/G16", run_int8_gemv, {8, 37, 256, 16, 0, 0}},
+    {"int8_gemv_i16/G32", run_int8_gemv_i16, {1, 37, 256, 32, 0}},
+    {"int8_gemv_i16/G16+zero", run_int8_gemv_i16, {1, 37, 96, 16, 1}},
     {"int8_gemv/bf16/M1/G32+zero", run_int8_gemv, {1, 37, 256, 32, 1, 1}},
     {"int8_gemv/bf16/M1/G16", run_int8_gemv, {1, 37, 256, 16, 0, 1}},
     {"int8_gemv/bf16/M5/G16+zero", run_int8_gemv, {5, 37, 256, 16, 1, 1}},
@@ -600,6 +622,9 @@ static const case_t CASES[] = {
     {"int4_gemm_i8_f32/M1", run_int4_i8_f32, {1, 96, 90, 256}, "tessera_avx2_fma"},
     {"int4_gemm_i8_f32/M2", run_int4_i8_f32, {2, 96, 96, 512}, "tessera_avx2_fma"},
     {"int4_gemm_i8_f32/M5", run_int4_i8_f32, {5, 96, 70, 256}, "tessera_avx2_fma"},
+    {"int4_gemm_i16_f32/M1", run_int4_i16_f32, {1, 96, 90, 256}, "tessera_avx2_fma"},
+    {"int4_gemm_i16_f32/M5", run_int4_i16_f32, {5, 96, 70, 1536}, "tessera_avx2_fma"},
+    {"int4_gemm_i16_f32/M9", run_int4_i16_f32, {9, 64, 64, 64}, "tessera_avx2_fma"},
     /* K-quants: M, N, K, bf16, q6k */
     {"q6k_gemm/f32/M1", run_kq_gemm, {1, 19, 512, 0, 1}},
     {"q6k_gemm/bf16/M8", run_kq_gemm, {8, 19, 512, 1, 1}},
@@ -658,6 +683,7 @@ static const case_t CASES[] = {
     {"decode_step_f32", run_decode_step, {1}},
     {"decode_step_f32/gemma", run_decode_step, {1, 1}},
     {"decode_step_f32/olmo2", run_decode_step, {1, 2}},
+    {"decode_step_f32/M1", run_decode_step, {1, 0, 1}}, /* one row: the int16-row products */
     {"decode_step_bf16/moe", run_decode_step, {0, 3}},
     {"decode_step_f32/moe", run_decode_step, {1, 3}},
     {"decode_step_f32/moe1", run_decode_step, {1, 3, 1}},

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from tessera.kernels import capabilities, library, matmul_ops
+from tessera.kernels import bindings, capabilities, library, matmul_ops
 from tessera.layers import FloatWeight, GGUFWeight, Linear, QuantConfig
 from tessera.layers.quantization import (ROW_BUCKET_MIN, Int4Method, Int8Method, dense_linear, method_for,
                                         quantize_int4, row_bucket)
@@ -246,10 +246,33 @@ def test_int8_layers_hold_the_files_weights(qtype):
     """No second rounding: in float32 the int8 layer's weight is the dequantized GGUF tensor."""
     src = random_blocks(qtype, 40, 1, seed=1)
     method, layer = layer_of(Int8Method, None, source=src)
-    assert layer.int8_exact and method.describe(layer) == "int8"
+    assert layer.int8_exact and method.describe(layer).startswith("int8") and "requantized" not in method.describe(layer)
     assert torch.equal(method.dequantize(layer), src.dequantize())
     x = torch.randn(5, src.shape[1])  # outputs of ~100 (random blocks have large weights): float32 rounding
     torch.testing.assert_close(method.apply(layer, x), x @ src.dequantize().T, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.skipif(not capabilities.int16_row_products(), reason="an AVX2 build of the kernels")
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_1])
+def test_one_float32_row_meets_int8_weights_as_int16(qtype):
+    """A decode row (the LM head's) through int8_gemv_i16: the row rounded to int16 per 32 values
+    (max|x| / 32767) meets the codes in exact integer sums, a group's zero takes the unrounded sum;
+    two rows take int8_gemv's float32 products; --no-int8-activations keeps one row in float32."""
+    src = random_blocks(qtype, 40, 2, seed=4)
+    method, layer = layer_of(Int8Method, None, source=src)
+    assert layer.use_i16_kernel and method.kernel_operand(layer).kind == bindings.LINEAR_INT8_I16
+    w = src.dequantize()
+    x = torch.randn(2, src.shape[1])
+    groups = x[:1].view(1, -1, 32)
+    dx = groups.abs().amax(dim=-1, keepdim=True) / 32767
+    rounded = (torch.round(groups / dx) * dx).view(1, -1)
+    got = method.apply(layer, x[:1])
+    if layer.zeros is None:
+        torch.testing.assert_close(got, rounded @ w.T, atol=1e-3, rtol=1e-5)
+    assert ((got - x[:1] @ w.T).norm() / (x[:1] @ w.T).norm()) < 1e-4
+    torch.testing.assert_close(method.apply(layer, x), x @ w.T, atol=1e-3, rtol=1e-5)
+    _, exact = layer_of(Int8Method, None, source=src, int8_activations=False)
+    assert not exact.use_i16_kernel
 
 
 def test_merged_int8_pieces_take_the_finest_groups():

@@ -49,6 +49,45 @@ def test_float32_int4_with_int8_activations_is_the_rounded_rows_product(rows):
     assert not exact.use_i8_f32_kernel
 
 
+@pytest.mark.skipif(not capabilities.avx2_matmuls(), reason="kernels built without AVX2 + FMA")
+@pytest.mark.parametrize("rows", [1, 4, 6, 7])
+def test_float32_int4_inputs_kept_from_int8_take_int16_up_to_a_few_rows(rows):
+    """A layer whose inputs int8 would flatten (Linear.int8_inputs False: the down projection) takes
+    int4_gemm_i16_f32 up to INT4_I16_MAX_ROWS rows: each row rounded to int16 per group of 32 (scale
+    max|x| / 32767) meets the codes in exact integer sums; with an outlier channel the product stays
+    closer to the float32 kernel's than rounding the rows to bfloat16 would (int8 would be ~100x
+    further); past that row count, the float32 kernel."""
+    from torch import nn
+    from tessera.layers.quantization import QuantConfig
+    from tessera.layers.weights import FloatWeight
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 256) * 0.05
+    layer, method = nn.Module(), Int4Method(QuantConfig("int4", torch.float32, False, True))
+    layer.int8_inputs = False
+    method.load(layer, [FloatWeight(w)])
+    assert layer.use_i16_f32_kernel and not layer.use_i8_f32_kernel
+    assert method.kernel_operand(layer).kind == bindings.LINEAR_INT4_I16
+    deq = method.dequantize(layer)
+    x = torch.randn(rows, 256)
+    x[:, 7] *= 300  # an outlier channel: int8 would leave its group's other values ~2 codes
+    groups = x.view(rows, -1, 32)
+    dx = groups.abs().amax(dim=-1, keepdim=True) / 32767
+    rounded = (torch.round(groups / dx) * dx).view(rows, 256)
+    got = method.apply(layer, x)
+    if rows <= bindings.INT4_I16_MAX_ROWS:
+        _, s, z = int4_f32_layout.unpack(layer.qweight)
+        s, z = s[:96].T, z[:96].T
+        lost = (x - rounded).view(rows, -1, 32).sum(dim=-1)
+        torch.testing.assert_close(got, rounded @ deq.T + lost @ (z - 8 * s), atol=1e-4, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got, matmul_ops.int4_gemm_f32(x, layer.qweight, 96))
+    f32 = matmul_ops.int4_gemm_f32(x, layer.qweight, 96)
+    assert ((got - f32).norm() / f32.norm()) < 1e-3  # rounding these rows to bfloat16 costs ~1e-3
+    _, exact = layer_of(Int4Method, w, int8_activations=False)
+    assert not exact.use_i16_f32_kernel
+
+
 def test_float32_layout_is_the_one_it_names():
     """Tile t, group g: 512 code bytes (column k, byte c: row c low nibble, row 16 + c high), then 32
     scales and 32 zeros as halves; unpack and rows_of give back codes, and scales rounded to halves."""

@@ -88,6 +88,9 @@ class Int8Method(WeightOnlyMethod):
         layer.use_kernels = library.available() is None and group % 16 == 0
         layer.use_gemm_kernel = (layer.use_kernels and self.config.dtype == torch.bfloat16 and cols % 32 == 0
                                  and capabilities.bf16_matmuls())
+        # a decode row (the LM head's) rounded to int16 per 32 values where activations may be rounded
+        layer.use_i16_kernel = (layer.use_kernels and self.config.dtype == torch.float32 and cols % 32 == 0
+                                and self.config.int8_activations and capabilities.int16_row_products())
         self._finish(layer)
 
     def _groups(self, src: AnyWeight):
@@ -120,6 +123,8 @@ class Int8Method(WeightOnlyMethod):
     def _small(self, layer, x):
         if not layer.use_kernels:
             return (x.float() @ self._weights(layer, slice(None)).T).to(x.dtype)
+        if x.shape[0] == 1 and layer.use_i16_kernel and x.dtype == torch.float32:
+            return matmul_ops.int8_gemv_i16(x, layer.qweight, layer.scales, layer.zeros)
         gemm = layer.use_gemm_kernel and x.dtype == torch.bfloat16 and x.shape[0] >= 3
         step = bindings.INT8_GEMM_MAX_ROWS if gemm else bindings.INT8_GEMV_MAX_ROWS
         parts = []
@@ -135,11 +140,13 @@ class Int8Method(WeightOnlyMethod):
         if not layer.use_kernels:
             return None
         n, k = layer.qweight.shape
-        return bindings.LinearOperand(kind=bindings.LINEAR_INT8, weight=layer.qweight.data_ptr(),
+        kind = bindings.LINEAR_INT8_I16 if layer.use_i16_kernel else bindings.LINEAR_INT8
+        return bindings.LinearOperand(kind=kind, weight=layer.qweight.data_ptr(),
                                      scales=layer.scales.data_ptr(),
                                      zeros=None if layer.zeros is None else layer.zeros.data_ptr(),
                                      n_pad=n, n=n, k=k, group=k // layer.scales.shape[1],
                                      int8_gemm=int(layer.use_gemm_kernel))
 
     def describe(self, layer):
-        return "int8" + ("" if layer.int8_exact else " (requantized)")
+        return ("int8" + ("" if layer.int8_exact else " (requantized)")
+                + (" (int16 activations at one row)" if layer.use_i16_kernel else ""))
