@@ -5,7 +5,8 @@ engine runs decode-only steps; the median step time is compared with two
 floors measured on this machine in the same run:
 - bandwidth floor: bytes of weights read per step / measured memory-copy bandwidth (read + write
   counted, so a floor no kernel can beat);
-- compute floor: FLOPs of the step (2 x params x tokens) / measured bf16 matmul rate.
+- compute floor: FLOPs of the step (2 x params x tokens) / the measured dense matmul rate in the
+  engine's dtype.
 A torch.profiler table of one decode step says which operators take the time.
 With `--mixed K ...`, the largest batch's decodes are also timed next to one prompt chunk of K
 tokens (the engine then runs with no latency target and a budget that holds the chunk, so the
@@ -84,11 +85,11 @@ def run(args: argparse.Namespace) -> dict:
               enforce_eager=args.enforce_eager, int8_activations=args.int8_activations, **options)
     engine = llm.engine
     model = engine.runner.model
-    bw, rate = copy_bandwidth(), matmul_rate()
+    bw, rate = copy_bandwidth(), matmul_rate(engine.dtype)  # bfloat16 without native support: minutes
     prompt = ("The history of the city goes back many centuries, and its people have kept records " * 12)
     result = {"model": args.model, "options": options, "int8_activations": args.int8_activations, "prefix_caching": False, "dtype": str(engine.dtype),
               "copy_bandwidth_Bps": bw,
-              "bf16_matmul_flops": rate, "machine": machine_info(), "python": platform.python_version(),
+              "matmul_flops": rate, "machine": machine_info(), "python": platform.python_version(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "batches": {}}
     if args.prefill:
         ids = engine.tokenizer.encode(prompt * 4)[:args.prefill]

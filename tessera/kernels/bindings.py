@@ -30,7 +30,7 @@ MAX_NORM_HIDDEN = 8192
 INT8_GEMV_MAX_ROWS = 8
 INT8_GEMM_MAX_ROWS = 8
 INT4_F32_MAX_ROWS = 64
-INT4_I16_MAX_ROWS = 6
+INT4_I16_MAX_ROWS = 8
 INT4_GEMM_MAX_ROWS = 64
 KQUANT_MAX_ROWS = 8
 MXFP4_MAX_ROWS = 64
@@ -147,8 +147,8 @@ SIGNATURES: dict[str, Signature] = {
     "int8_gemv": _sig(INT, *_names(P, "x", "w", "scale", "zero", "out"), *_names(I64, "M", "N", "K", "G"),
                       ("is_bf16", INT), ("xf", P)),
     "int8_gemm_bf16": _sig(INT, *_names(P, "x", "w", "scale", "zero", "out"), *_names(I64, "M", "N", "K", "G")),
-    "int8_gemv_i16_scratch_bytes": _sig(I64, ("K", I64)),
-    "int8_gemv_i16": _sig(INT, *_names(P, "x", "w", "scale", "zero", "out"), *_names(I64, "N", "K", "G"),
+    "int8_gemv_i16_scratch_bytes": _sig(I64, ("M", I64), ("K", I64)),
+    "int8_gemv_i16": _sig(INT, *_names(P, "x", "w", "scale", "zero", "out"), *_names(I64, "M", "N", "K", "G"),
                           ("scratch", P)),
     # int4_gemv.c
     "tessera_avx512_bf16": _FEATURE,

@@ -32,7 +32,8 @@ int64_t linear_scratch_floats(const linear_t *l, int64_t M) {
     if (l->kind == LINEAR_Q4K || l->kind == LINEAR_Q6K)
         return (kquant_scratch_bytes(min64(M, KQ_ROWS_PER_CALL), l->k) + 3) / 4;
     if (l->kind == LINEAR_MXFP4) return (mxfp4_scratch_bytes(min64(M, MXFP4_MAX_ROWS), l->k) + 3) / 4;
-    const int64_t i16 = l->kind == LINEAR_INT8_I16 ? (int8_gemv_i16_scratch_bytes(l->k) + 3) / 4 : 0;
+    const int64_t i16 =
+        l->kind == LINEAR_INT8_I16 ? (int8_gemv_i16_scratch_bytes(min64(M, INT8_GEMV_MAX_ROWS), l->k) + 3) / 4 : 0;
     return i16 > min64(M, INT8_ROWS_PER_CALL) * l->k ? i16 : min64(M, INT8_ROWS_PER_CALL) * l->k;
 }
 
@@ -81,8 +82,13 @@ int linear_forward(const linear_t *l, const void *x, int64_t M, void *out, float
                                 l->n_pad, l->n, l->k);
             if (rc != 0) return -1;
         }
-    } else if (l->kind == LINEAR_INT8_I16 && !bf && M == 1) {
-        if (int8_gemv_i16(x, l->weight, l->scales, l->zeros, out, l->n, l->k, l->group, scratch) != 0) return -1;
+    } else if (l->kind == LINEAR_INT8_I16 && !bf) {
+        for (int64_t i = 0; i < M; i += INT8_GEMV_MAX_ROWS) {
+            const int64_t m = min64(M - i, INT8_GEMV_MAX_ROWS);
+            if (int8_gemv_i16((const float *)(xc + i * l->k * es), l->weight, l->scales, l->zeros,
+                              (float *)(oc + i * l->n * es), m, l->n, l->k, l->group, scratch) != 0)
+                return -1;
+        }
     } else if (l->kind == LINEAR_INT8 || l->kind == LINEAR_INT8_I16) {
         for (int64_t i = 0; i < M; i += INT8_ROWS_PER_CALL) {
             const int64_t m = M - i < INT8_ROWS_PER_CALL ? M - i : INT8_ROWS_PER_CALL;

@@ -35,7 +35,7 @@ enum { ACT_SILU = 1, ACT_GELU_TANH = 2, ACT_SWIGLU_CLAMPED = 3 };
 #define INT8_GEMV_MAX_ROWS 8
 #define INT8_GEMM_MAX_ROWS 8
 #define INT4_F32_MAX_ROWS 64
-#define INT4_I16_MAX_ROWS 6     /* rows up to which int4_gemm_i16_f32 beats int4_gemm_f32 */
+#define INT4_I16_MAX_ROWS 8     /* int4_gemm_i16_f32: decode and verification steps (the K-quant kernels' 8) */
 #define INT4_GEMM_MAX_ROWS 64    /* rows past which the module path takes the dense copy (decode_step follows) */
 #define KQUANT_MAX_ROWS 8
 #define MXFP4_MAX_ROWS 64
@@ -46,7 +46,7 @@ enum { ACT_SILU = 1, ACT_GELU_TANH = 2, ACT_SWIGLU_CLAMPED = 3 };
 typedef struct {
     int64_t kind;          /* LINEAR_INT4, LINEAR_INT4_I8 (int8 activations), LINEAR_INT4_I16 (float32 rows as
                               int16 up to INT4_I16_MAX_ROWS, then LINEAR_INT4's), LINEAR_INT8, LINEAR_INT8_I16
-                              (one float32 row as int16, else LINEAR_INT8's), LINEAR_Q4K, LINEAR_Q6K,
+                              (float32 rows as int16, bfloat16 ones as LINEAR_INT8), LINEAR_Q4K, LINEAR_Q6K,
                               LINEAR_MXFP4 */
     const void *weight;    /* int4: packed [N_pad/64][K][32] uint8 (decode_step_f32: the float32 layout, bf16.h
                               INT4G_*, scales within); int8: [N][K] int8; K-quants: code blocks; MXFP4: the
@@ -156,9 +156,9 @@ void rms_norm_f32(const float *x, float *residual, const float *weight, float *o
 /* ---- int8_gemv.c ---- */
 int int8_gemv(const void *x, const int8_t *w, const float *scale, const float *zero, void *out, int64_t M, int64_t N,
               int64_t K, int64_t G, int is_bf16, float *xf);
-int64_t int8_gemv_i16_scratch_bytes(int64_t K);
-int int8_gemv_i16(const float *x, const int8_t *w, const float *scale, const float *zero, float *out, int64_t N,
-                  int64_t K, int64_t G, void *scratch);
+int64_t int8_gemv_i16_scratch_bytes(int64_t M, int64_t K);
+int int8_gemv_i16(const float *x, const int8_t *w, const float *scale, const float *zero, float *out, int64_t M,
+                  int64_t N, int64_t K, int64_t G, void *scratch);
 int int8_gemm_bf16(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, uint16_t *out,
                    int64_t M, int64_t N, int64_t K, int64_t G);
 

@@ -179,13 +179,13 @@ static int run_int8_gemv(const lib_t *L, const case_t *c, out_t *o) {
 }
 
 static int run_int8_gemv_i16(const lib_t *L, const case_t *c, out_t *o) {
-    const int64_t N = c->p[1], Kd = c->p[2], G = c->p[3];
-    float *x = f32s(Kd, 1.f), *out = new0(N * 4);
+    const int64_t M = c->p[0], N = c->p[1], Kd = c->p[2], G = c->p[3];
+    float *x = f32s(M * Kd, 1.f), *out = new0(M * N * 4);
     int8_t *w = (int8_t *)bytes(N * Kd, 0, 255);
     float *scale = pos_f32s(N * Kd / G, 0.002f, 0.02f), *zero = c->p[4] ? f32s(N * Kd / G, 0.05f) : NULL;
-    void *scratch = new0(K(int8_gemv_i16_scratch_bytes)(Kd));
-    const int rc = K(int8_gemv_i16)(x, w, scale, zero, out, N, Kd, G, scratch);
-    put(o, "out", F32, out, N, 1e-5); /* the same integer sums; float32 formula in another order */
+    void *scratch = new0(K(int8_gemv_i16_scratch_bytes)(M, Kd));
+    const int rc = K(int8_gemv_i16)(x, w, scale, zero, out, M, N, Kd, G, scratch);
+    put(o, "out", F32, out, M * N, 1e-5); /* the same integer sums; float32 formula in another order */
     return rc;
 }
 
@@ -601,8 +601,8 @@ static const case_t CASES[] = {
     {"int8_gemv/f32/M1/G16+zero", run_int8_gemv, {1, 37, 256, 16, 1, 0}},
     {"int8_gemv/f32/M3/G32+zero", run_int8_gemv, {3, 37, 256, 32, 1, 0}},
     {"int8_gemv/f32/M8/G16", run_int8_gemv, {8, 37, 256, 16, 0, 0}},
-    {"int8_gemv_i16/G32", run_int8_gemv_i16, {1, 37, 256, 32, 0}},
-    {"int8_gemv_i16/G16+zero", run_int8_gemv_i16, {1, 37, 96, 16, 1}},
+    {"int8_gemv_i16/M1/G32", run_int8_gemv_i16, {1, 37, 256, 32, 0}},
+    {"int8_gemv_i16/M6/G16+zero", run_int8_gemv_i16, {6, 37, 96, 16, 1}},
     {"int8_gemv/bf16/M1/G32+zero", run_int8_gemv, {1, 37, 256, 32, 1, 1}},
     {"int8_gemv/bf16/M1/G16", run_int8_gemv, {1, 37, 256, 16, 0, 1}},
     {"int8_gemv/bf16/M5/G16+zero", run_int8_gemv, {5, 37, 256, 16, 1, 1}},

@@ -88,7 +88,8 @@ class Int8Method(WeightOnlyMethod):
         layer.use_kernels = library.available() is None and group % 16 == 0
         layer.use_gemm_kernel = (layer.use_kernels and self.config.dtype == torch.bfloat16 and cols % 32 == 0
                                  and capabilities.bf16_matmuls())
-        # a decode row (the LM head's) rounded to int16 per 32 values where activations may be rounded
+        # float32 rows of up to 8 (the LM head's decode and verification rows) rounded to int16 per 32
+        # values where activations may be rounded
         layer.use_i16_kernel = (layer.use_kernels and self.config.dtype == torch.float32 and cols % 32 == 0
                                 and self.config.int8_activations and capabilities.int16_row_products())
         self._finish(layer)
@@ -123,8 +124,7 @@ class Int8Method(WeightOnlyMethod):
     def _small(self, layer, x):
         if not layer.use_kernels:
             return (x.float() @ self._weights(layer, slice(None)).T).to(x.dtype)
-        if x.shape[0] == 1 and layer.use_i16_kernel and x.dtype == torch.float32:
-            return matmul_ops.int8_gemv_i16(x, layer.qweight, layer.scales, layer.zeros)
+        i16 = layer.use_i16_kernel and x.dtype == torch.float32
         gemm = layer.use_gemm_kernel and x.dtype == torch.bfloat16 and x.shape[0] >= 3
         step = bindings.INT8_GEMM_MAX_ROWS if gemm else bindings.INT8_GEMV_MAX_ROWS
         parts = []
@@ -132,6 +132,8 @@ class Int8Method(WeightOnlyMethod):
             rows = x[i:i + step]
             if gemm and rows.shape[0] >= 3:
                 parts.append(matmul_ops.int8_gemm_bf16(rows, layer.qweight, layer.scales, layer.zeros))
+            elif i16:
+                parts.append(matmul_ops.int8_gemv_i16(rows, layer.qweight, layer.scales, layer.zeros))
             else:
                 parts.append(matmul_ops.int8_gemv(rows, layer.qweight, layer.scales, layer.zeros))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -149,4 +151,4 @@ class Int8Method(WeightOnlyMethod):
 
     def describe(self, layer):
         return ("int8" + ("" if layer.int8_exact else " (requantized)")
-                + (" (int16 activations at one row)" if layer.use_i16_kernel else ""))
+                + (" (int16 activations)" if layer.use_i16_kernel else ""))
