@@ -170,7 +170,7 @@ def test_experts_at_file_width_take_the_c_step(tmp_path, name, experts, method):
         ref, _, _ = _prefill_then_decode(model, backend, lens, use_c=False)
         got, _, ran = _prefill_then_decode(model, backend, lens, use_c=True)
         assert ran, f"the C decode step did not take the step of {len(lens)} rows"
-        assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.9999
+        assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.9998
         torch.testing.assert_close(got, ref, rtol=0.05, atol=0.05)
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(2, 30))] for _ in range(4)]
