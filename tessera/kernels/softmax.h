@@ -31,10 +31,13 @@ static inline __m512 exp_ps(__m512 x) {
 #endif
 #if TESSERA_AVX2
 /* exp_ps's polynomial on 8 lanes, 2^n put in the exponent bits (AVX2 has no VSCALEFPS), so x is
- * clamped to [-87.3, 88]: below, the result is ~1e-38 rather than 0 or a subnormal (nothing next to
- * a softmax's sum of at least 1 or SiLU's 1 + e^-x), above, e^88. */
+ * clamped to [-87.3, 88] and lanes below -87.3 are set to 0 (expf's subnormals there are nothing
+ * beside a softmax's sum of at least 1 or SiLU's 1 + e^-x, and a score a sink or the mask outweighs
+ * must weigh exactly nothing); above, e^88. */
 static inline __m256 exp_ps256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 kept = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -47,7 +50,7 @@ static inline __m256 exp_ps256(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), kept);
 }
 #endif
 
