@@ -27,6 +27,7 @@ them still.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -344,6 +345,10 @@ class ModelRouter:
             self.closer(served)
         served.stats_consumer = None
         served.live = None
+        # An engine in this process holds its model in reference cycles: free its weights now
+        # rather than at the cyclic collector's next full pass, which may be much later.
+        del engine
+        gc.collect()
         with self._lock:
             if served.status == "unloading":
                 served.status = "unloaded"

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import re
 import threading
 import time
+import weakref
 
 import httpx
 import pytest
@@ -193,6 +195,31 @@ def test_lazy_load_keep_alive_and_lru_unload():
             time.sleep(0.05)
         assert models[0].status == "unloaded" and closed == ["a", "a"] and models[1].status == "ready"
     finally:
+        router.shutdown()
+
+
+def test_unloading_frees_an_engine_held_in_reference_cycles():
+    """"unloaded" promises the memory is free: an in-process engine holds its model in reference
+    cycles, so the unload collects them rather than leave the weights to the collector's next
+    full pass (automatic collection is off here, so nothing else frees it)."""
+    engines: list[weakref.ref] = []
+
+    def build(served: ServedModel) -> AsyncLLMEngine:
+        engine = fake_engine()
+        engine.itself = engine  # the cycle a real engine's parts make through its bound methods
+        engines.append(weakref.ref(engine))
+        return engine
+
+    model = ServedModel(ModelSpec("a", "m"))
+    router = ModelRouter([model], builder=build, closer=lambda s: None)
+    gc.disable()
+    try:
+        asyncio.run(router.route("a"))
+        assert engines[0]() is not None
+        router.unload(model, "test")
+        assert model.status == "unloaded" and engines[0]() is None
+    finally:
+        gc.enable()
         router.shutdown()
 
 
