@@ -32,6 +32,11 @@ from tessera.sampling_params import SamplingParams
 logger = logging.getLogger("tessera")
 
 
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
+
+
 class AsyncLLMEngine:
     def __init__(
         self,
@@ -263,11 +268,20 @@ class AsyncLLMEngine:
 
     # -- engine loop side ---------------------------------------------------------
     def _deliver(self, request_id: str, item: object) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand each item to its caller's queue: one wake-up of each caller's event loop for all
+        of a step's outputs (each wake-up is a write to the loop's self-pipe and a context
+        switch, and a step of 32 streams made 32)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:  # the caller's loop is closed
                 pass
 
@@ -366,8 +380,7 @@ class AsyncLLMEngine:
                 self._step_started = None
                 with self._lock:  # before the outputs: a caller seeing a first token sees its request left the queue
                     self._num_waiting = self.engine.num_waiting_requests()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in outputs])
                 self._stats = self.engine.get_scheduler_stats()
                 self._snapshot = self.engine.load_snapshot()
                 if self.stats_sink is not None:
