@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 from openai import OpenAI
 
+from tessera.bench.client import launch_server, scrape_metric, stop_server
 from tessera.bench.machine import machine_info
 
 
@@ -38,16 +36,8 @@ def cpu_s(proc: psutil.Process) -> float:
 
 def step_totals(base: str) -> tuple[float, float]:
     """(sum, count) of the step-time histogram, summed over models."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    total = count = 0.0
-    for line in text.splitlines():
-        m = re.match(r"tessera:step_time_seconds_(sum|count)\{[^}]*\} ([0-9.e+-]+)", line)
-        if m:
-            if m.group(1) == "sum":
-                total += float(m.group(2))
-            else:
-                count += float(m.group(2))
-    return total, count
+    return (scrape_metric(base, "tessera:step_time_seconds_sum"),
+            scrape_metric(base, "tessera:step_time_seconds_count"))
 
 
 def stream(client: OpenAI, model: str, prompt: str, tokens: int) -> list[float]:
@@ -72,21 +62,9 @@ def main() -> None:
     ap.add_argument("serve_args", nargs="*", help="extra `tessera serve` flags (after --)")
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "tessera", "serve", args.model, "--port", str(args.port), *args.serve_args]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = Path(tempfile.gettempdir()) / f"token_overhead_{args.port}.log"
+    server = launch_server(args.model, args.port, log, *args.serve_args)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"the server exited: {server.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                sys.exit("the server did not start in 600 s")
-            time.sleep(0.5)
         api = psutil.Process(server.pid)
         cores = [c for c in api.children(recursive=True) if "python" in c.name()]
         client = OpenAI(base_url=f"{base}/v1", api_key="none")
@@ -105,8 +83,7 @@ def main() -> None:
         api1, core1 = cpu_s(api), sum(cpu_s(c) for c in cores)
         s1, c1 = step_totals(base)
     finally:
-        server.terminate()
-        server.wait(30)
+        stop_server(server)
     steps = c1 - c0
     result = {
         "label": args.label, "model": args.model, "serve_args": args.serve_args,
