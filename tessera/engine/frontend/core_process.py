@@ -38,7 +38,7 @@ logger = logging.getLogger("tessera")
 IDLE_POLL_MS = 200  # how long an idle core blocks on its socket before checking its parent
 INFO_INTERVAL_S = 1.0  # how often the KV-cache and cost-model figures ride along with a step
 # How long a wait forecast is reused while the queue's counts stay as they were: the forecasts
-# cost ~0.2 ms a step (binary searches over the cost model), about 2 % of a small model's decode
+# cost ~0.15 ms a step (binary searches over the cost model), a few % of a small model's decode
 # step, and within one queue shape they move only with the decodes' context and the model's fit.
 FORECAST_REUSE_S = 0.25
 
