@@ -85,6 +85,12 @@ static inline void int4g_scale_zero(const uint8_t *packed, int64_t K, int64_t n,
     *z = f16_to_f32(h[32 + n % 32]);
 }
 
+/* Code i (0-15) of row r (0-31) in a group's 32-row column of codes `col`. */
+static inline int int4g_code(const uint8_t *col, int r, int i) {
+    const uint8_t byte = col[i * 16 + r % 16];
+    return r < 16 ? byte & 0x0F : byte >> 4;
+}
+
 /* Row n's codes of group g against 32 activations: sum x (q - 8) (returned) and sum x (*xsum), in
  * float32; w = (q - 8) * s + z makes the group's share s * (the return) + z * (*xsum). */
 static inline float int4g_group_dot(const float *x, const uint8_t *packed, int64_t K, int64_t n, int64_t g,
@@ -93,35 +99,21 @@ static inline float int4g_group_dot(const float *x, const uint8_t *packed, int64
     const int r = (int)(n % 32);
     float dot = 0.f, sum = 0.f;
     for (int i = 0; i < 32; i++) {
-        const uint8_t byte = col[i * 16 + r % 16];
-        dot += x[i] * (float)((r < 16 ? byte & 0x0F : byte >> 4) - 8);
+        dot += x[i] * (float)(int4g_code(col, r, i) - 8);
         sum += x[i];
     }
     *xsum = sum;
     return dot;
 }
 
-/* Row n's codes of group g against 32 int8 activations: the exact sum q * xq. */
-static inline int32_t int4g_group_idot(const int8_t *xq, const uint8_t *packed, int64_t K, int64_t n, int64_t g) {
+/* Row n's codes of group g against 32 int8 activations (xq8) or int16 ones (xq16, the other
+ * NULL): the exact sum q * xq. */
+static inline int32_t int4g_group_idot(const int8_t *xq8, const int16_t *xq16, const uint8_t *packed, int64_t K,
+                                       int64_t n, int64_t g) {
     const uint8_t *col = int4g_group(packed, K, n / 32, g);
     const int r = (int)(n % 32);
     int32_t q = 0;
-    for (int i = 0; i < 32; i++) {
-        const uint8_t byte = col[i * 16 + r % 16];
-        q += (r < 16 ? byte & 0x0F : byte >> 4) * (int32_t)xq[i];
-    }
-    return q;
-}
-
-/* The same against 32 int16 activations (int4_gemm_i16_f32's plain path). */
-static inline int32_t int4g_group_idot16(const int16_t *xq, const uint8_t *packed, int64_t K, int64_t n, int64_t g) {
-    const uint8_t *col = int4g_group(packed, K, n / 32, g);
-    const int r = (int)(n % 32);
-    int32_t q = 0;
-    for (int i = 0; i < 32; i++) {
-        const uint8_t byte = col[i * 16 + r % 16];
-        q += (r < 16 ? byte & 0x0F : byte >> 4) * (int32_t)xq[i];
-    }
+    for (int i = 0; i < 32; i++) q += int4g_code(col, r, i) * (xq8 ? (int32_t)xq8[i] : (int32_t)xq16[i]);
     return q;
 }
 

@@ -75,8 +75,7 @@ static inline void plain_products(const int8_t *xq8, const int16_t *xq16, const 
             float acc = 0.f;
             for (int64_t g = 0; g < G; g++) {
                 const int64_t at = m * K + g * GROUP;
-                const int32_t q = xq8 ? int4g_group_idot(xq8 + at, packed, K, n, g)
-                                      : int4g_group_idot16(xq16 + at, packed, K, n, g);
+                const int32_t q = int4g_group_idot(xq8 ? xq8 + at : NULL, xq16 ? xq16 + at : NULL, packed, K, n, g);
                 float s, z;
                 int4g_scale_zero(packed, K, n, g, &s, &z);
                 const float sxg = sx[m * G + g];
